@@ -1,0 +1,45 @@
+"""The one place that talks to transformers / PEFT registries. Runs once, on `import hfq`."""
+from __future__ import annotations
+
+import importlib
+
+_DONE = False
+
+# quant_method -> (module holding the config, config class, module holding the quantizer, quantizer class)
+QUANTIZERS = {
+    "hfq_nvfp4": ("hfq.nvfp4.config", "NVFP4Config", "hfq.nvfp4.quantizer", "NVFP4HfQuantizer"),
+    "hfq_quest": ("hfq.quest.config", "QuESTConfig", "hfq.quest.quantizer", "QuESTHfQuantizer"),
+    "hfq_qft": ("hfq.qft.config", "QFTConfig", "hfq.qft.quantizer", "QFTHfQuantizer"),
+}
+
+
+def _room_present(modname: str) -> bool:
+    try:
+        importlib.import_module(modname)
+        return True
+    except ModuleNotFoundError as e:  # only a missing room is tolerated, never a broken one
+        if e.name and modname.startswith(e.name):
+            return False
+        raise
+
+
+def register_all() -> None:
+    global _DONE
+    if _DONE:
+        return
+    from transformers.quantizers import auto
+
+    for method, (cfg_mod, cfg_name, q_mod, q_name) in QUANTIZERS.items():
+        if not (_room_present(cfg_mod) and _room_present(q_mod)):
+            continue
+        cfg_cls = getattr(importlib.import_module(cfg_mod), cfg_name)
+        q_cls = getattr(importlib.import_module(q_mod), q_name)
+        # Re-registration of our own class (e.g. importlib.reload in a notebook) is allowed.
+        if auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(method) not in (None, cfg_cls):
+            raise RuntimeError(f"quant_method {method!r} is already registered by another package")
+        auto.AUTO_QUANTIZATION_CONFIG_MAPPING[method] = cfg_cls
+        auto.AUTO_QUANTIZER_MAPPING[method] = q_cls
+
+    if _room_present("hfq.nvfp4.peft_lora"):
+        importlib.import_module("hfq.nvfp4.peft_lora").register_peft_dispatch()
+    _DONE = True

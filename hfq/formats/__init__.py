@@ -1,0 +1,1 @@
+"""Number formats in pure torch (CPU-runnable): the reference for every kernel."""
