@@ -1,0 +1,89 @@
+"""`NVFP4Linear`: a frozen FP4 linear layer holding compressed-tensors' buffers; the input gets a gradient."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hfq_kernels.nvfp4  # noqa: F401  (registers torch.ops.hfq.*)
+from hfq.formats import fp4
+
+_BLOCK = {"nvfp4": fp4.NVFP4_BLOCK, "mxfp4": fp4.MXFP4_BLOCK}
+
+
+class NVFP4Linear(nn.Module):
+    """y = x @ dequant(W)^T + b with W stored as E2M1 codes + block scales (+ global scale for NVFP4).
+
+    Buffers (the on-disk names of compressed-tensors' nvfp4-pack-quantized): weight_packed u8 [out, in/2],
+    weight_scale e4m3 [out, in/16] (MXFP4: biased E8M0 u8 [out, in/32]), weight_global_scale f32 [1]
+    (the reciprocal 448*6/amax; NVFP4 only). The base weight is frozen: training goes through LoRA.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "nvfp4",
+                 compute_dtype: torch.dtype | None = None, device=None, dtype=None):
+        super().__init__()
+        if format not in _BLOCK:
+            raise ValueError(f"format: {format!r} is not supported; allowed {tuple(_BLOCK)}")
+        blk = _BLOCK[format]
+        if in_features % blk:
+            raise ValueError(f"in_features={in_features} is not a multiple of the {format} block size {blk}")
+        self.in_features, self.out_features = in_features, out_features
+        self.format, self.compute_dtype = format, compute_dtype
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        sdt = torch.float8_e4m3fn if format == "nvfp4" else torch.uint8
+        self.register_buffer("weight_scale", torch.zeros(out_features, in_features // blk, dtype=sdt, device=device))
+        if format == "nvfp4":
+            self.register_buffer("weight_global_scale", torch.ones(1, dtype=torch.float32, device=device))
+        else:
+            self.weight_global_scale = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype or torch.float32, device=device),
+                                     requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, format: str = "nvfp4", compute_dtype=None, name: str = "weight"):
+        """Quantize an nn.Linear (its weight is not kept)."""
+        w = linear.weight.detach()
+        mod = cls(linear.in_features, linear.out_features, linear.bias is not None, format, compute_dtype,
+                  device=w.device, dtype=w.dtype)
+        mod.set_weight(w, name=name)
+        if linear.bias is not None:
+            mod.bias.data.copy_(linear.bias.detach())
+        return mod
+
+    @torch.no_grad()
+    def set_weight(self, w: torch.Tensor, name: str = "weight") -> None:
+        """Quantize `w` [out, in] into this layer's buffers (NaN/Inf refused, naming `name`)."""
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"{name}: expected shape {(self.out_features, self.in_features)}, got {tuple(w.shape)}")
+        fp4.check_finite(w, name)
+        if self.format == "nvfp4":
+            packed, scale, gs = torch.ops.hfq.nvfp4_quantize(w)
+            self.weight_global_scale = gs.to(self.weight_packed.device) if self.weight_packed.device.type != "meta" else gs
+        else:
+            packed, scale = fp4.mxfp4_quantize(w, name=name)
+        self.weight_packed = packed
+        self.weight_scale = scale
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The weight as a dense [out, in] tensor."""
+        if self.format == "nvfp4":
+            return torch.ops.hfq.nvfp4_dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
+        return fp4.mxfp4_dequantize(self.weight_packed, self.weight_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.format == "nvfp4":
+            y = torch.ops.hfq.nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
+        else:
+            y = F.linear(x, self.dequantize(x.dtype), bias)
+        return y.to(in_dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"format={self.format}")
