@@ -84,6 +84,24 @@ class NVFP4Linear(nn.Module):
             y = F.linear(x, self.dequantize(x.dtype), bias)
         return y.to(in_dtype)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight (read-only, computed on access). While loading, the loader's placeholder."""
+        if "weight" in self._parameters:
+            return self._parameters["weight"]
+        dtype = self.compute_dtype or (self.bias.dtype if self.bias is not None else torch.bfloat16)
+        return self.dequantize(dtype)
+
+    def _apply(self, fn, recurse=True):
+        # Moves follow `fn`; dtype casts (model.half(), .to(bfloat16)) must not touch codes and scales.
+        keep = {k: b for k, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for k, old in keep.items():
+            new = self._buffers[k]
+            if new.dtype != old.dtype:
+                self._buffers[k] = old.to(new.device)
+        return self
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"format={self.format}")

@@ -40,8 +40,9 @@ def replace_linears(model: nn.Module, config: NVFP4Config, skip: list[str], plac
         new = NVFP4Linear(mod.in_features, mod.out_features, mod.bias is not None, config.format, cd,
                           device=dev, dtype=mod.weight.dtype)
         if placeholder:
-            new.weight = nn.Parameter(torch.empty(mod.out_features, mod.in_features, dtype=mod.weight.dtype,
-                                                  device="meta"), requires_grad=False)
+            new._parameters["weight"] = nn.Parameter(
+                torch.empty(mod.out_features, mod.in_features, dtype=mod.weight.dtype, device="meta"),
+                requires_grad=False)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         converted.append(name)
