@@ -1,0 +1,133 @@
+"""Uniform integer formats in pure torch (the oracle for kernels).
+
+- Symmetric INT-b (ECO's INT4 fine-tuning): codes in [-(2^(b-1)-1), 2^(b-1)-1], scale = amax/qmax, one scale
+  per tensor or per group of `group_size` contiguous input elements. INT4 codes are packed two per byte as
+  (code + 8): element 2i in the low nibble, 2i+1 in the high nibble.
+- Asymmetric INT-b per output channel (QFT eq. 1-2): s = (max-min)/(2^b-1), z = round(-min/s),
+  code = clamp(round(w/s) + z, 0, 2^b-1), value = (code - z) * s. The range always contains 0, so 0 is exact.
+- Dense + sparse (QFT eq. 3): values outside [T_min, T_max] (the `outlier_fraction` tails, split evenly) are
+  kept in bf16 as (flat int32 index, value) pairs; the dense rest (outliers zeroed) is INT8 per channel.
+Rounding: nearest (RTN) or stochastic (SR, floor(x + u), unbiased).
+"""
+from __future__ import annotations
+
+import torch
+
+from .fp8 import check_finite, check_rounding
+
+
+def round_int(x: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round float32 values to integers (still float32): nearest-even or stochastic."""
+    check_rounding(rounding)
+    if rounding == "rtn":
+        return torch.round(x)
+    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+    return torch.floor(x + u)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Signed int codes in [-8, 7], [..., n] -> uint8 [..., n/2] (offset +8, low nibble first)."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_int4: last dim must be even, got {codes.shape[-1]}")
+    c = (codes.to(torch.int16) + 8).to(torch.uint8)
+    return (c[..., 0::2] & 15) | ((c[..., 1::2] & 15) << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n/2] -> int8 codes [..., n] in [-8, 7]."""
+    lo = (packed & 15).to(torch.int8) - 8
+    hi = ((packed >> 4) & 15).to(torch.int8) - 8
+    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _sym_scales(w: torch.Tensor, qmax: int, group_size: int | None) -> torch.Tensor:
+    rows, cols = w.shape
+    if group_size is None:
+        amax = w.abs().amax().reshape(1)
+    else:
+        amax = w.abs().reshape(rows, cols // group_size, group_size).amax(-1)
+    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+
+
+def _expand_scales(scales: torch.Tensor, shape, group_size: int | None) -> torch.Tensor:
+    if group_size is None:
+        return scales.reshape(1, 1)
+    return scales.repeat_interleave(group_size, dim=-1)
+
+
+def check_int4_shape(shape, group_size: int | None) -> None:
+    if len(shape) != 2:
+        raise ValueError(f"int4: weight must be 2-D [out, in], got shape {tuple(shape)}")
+    if shape[-1] % 2:
+        raise ValueError(f"int4: in_features must be even (two codes per byte), got {shape[-1]}")
+    if group_size is not None and (group_size <= 0 or shape[-1] % group_size):
+        raise ValueError(f"int4_group: in_features {shape[-1]} must be a multiple of group_size {group_size}")
+
+
+def quantize_int4(w: torch.Tensor, group_size: int | None = None, rounding: str = "rtn",
+                  generator: torch.Generator | None = None):
+    """[rows, cols] -> (packed uint8 [rows, cols/2], scales float32 [1] or [rows, cols/group_size])."""
+    check_int4_shape(w.shape, group_size)
+    check_finite(w)
+    w = w.float()
+    scales = _sym_scales(w, 7, group_size)
+    q = round_int(w / _expand_scales(scales, w.shape, group_size), rounding, generator).clamp(-7, 7)
+    return pack_int4(q), scales
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int | None = None,
+                    dtype=torch.float32) -> torch.Tensor:
+    q = unpack_int4(packed).float()
+    return (q * _expand_scales(scales, q.shape, group_size)).to(dtype)
+
+
+def quantize_int_asym(w: torch.Tensor, bits: int = 8, rounding: str = "rtn", generator: torch.Generator | None = None):
+    """Per-output-channel asymmetric: -> (codes uint8 [rows, cols], scales float32 [rows,1], zeros uint8 [rows,1])."""
+    if w.dim() != 2:
+        raise ValueError(f"int8: weight must be 2-D [out, in], got shape {tuple(w.shape)}")
+    check_finite(w)
+    w = w.float()
+    qmax = 2 ** bits - 1
+    lo = w.amin(-1, keepdim=True).clamp_max(0)
+    hi = w.amax(-1, keepdim=True).clamp_min(0)
+    scales = torch.where(hi > lo, (hi - lo) / qmax, torch.ones_like(hi))
+    zeros = torch.round(-lo / scales).clamp(0, qmax)
+    q = (round_int(w / scales, rounding, generator) + zeros).clamp(0, qmax)
+    return q.to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def dequantize_int_asym(codes, scales, zeros, dtype=torch.float32) -> torch.Tensor:
+    return ((codes.float() - zeros.float()) * scales).to(dtype)
+
+
+def outlier_thresholds(w: torch.Tensor, fraction: float = 0.01) -> torch.Tensor:
+    """float32 [2] = (T_min, T_max): the fraction/2 lower and upper quantiles of w (QFT's 1% tails)."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"outlier_fraction must be in [0, 1), got {fraction}")
+    flat = w.detach().float().reshape(-1)
+    n = flat.numel()
+    k = int(n * fraction / 2)
+    if k == 0:
+        return torch.stack((flat.min(), flat.max())).to(torch.float32)
+    t_min = torch.kthvalue(flat, k + 1).values
+    t_max = torch.kthvalue(flat, n - k).values
+    return torch.stack((t_min, t_max)).to(torch.float32)
+
+
+def quantize_dense_sparse(w: torch.Tensor, thresholds: torch.Tensor, rounding: str = "rtn",
+                          generator: torch.Generator | None = None):
+    """-> dict(codes, scales, zeros, sparse_idx int32 [nnz], sparse_val bf16 [nnz]) given (T_min, T_max)."""
+    check_finite(w)
+    w = w.float()
+    out = (w < thresholds[0]) | (w > thresholds[1])
+    idx = out.reshape(-1).nonzero().squeeze(-1)
+    vals = w.reshape(-1)[idx].to(torch.bfloat16)
+    codes, scales, zeros = quantize_int_asym(torch.where(out, torch.zeros_like(w), w), 8, rounding, generator)
+    return {"codes": codes, "scales": scales, "zeros": zeros, "sparse_idx": idx.to(torch.int32), "sparse_val": vals}
+
+
+def dequantize_dense_sparse(codes, scales, zeros, sparse_idx, sparse_val, dtype=torch.float32) -> torch.Tensor:
+    d = dequantize_int_asym(codes, scales, zeros, torch.float32)
+    flat = d.reshape(-1)
+    flat[sparse_idx.long()] = sparse_val.float()  # the dense code there is exactly 0
+    return d.to(dtype)

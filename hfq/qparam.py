@@ -1,0 +1,400 @@
+"""QParam: a trainable low-precision weight (codes + scales) that behaves like a bf16 parameter.
+
+A wrapper tensor subclass (torchao's NF4Tensor is the precedent): it reports a logical shape [out, in] and
+dtype bf16, so autograd gives it an ordinary bf16 `.grad`, `nn.Parameter(QParam)` works, `.to(device)` moves
+its codes, and optimizers that know it (hfq.eco, hfq.qft) call `dequantize()` / `requantize_(value)`.
+Plain optimizers that try to update it in place get a clear TypeError instead of silently corrupting codes.
+
+`QLinear` is the Linear-like module that owns one: its forward never materialises a persistent
+full-precision weight (the dequantized weight is a temporary, recomputed in backward), and its state_dict
+stores the codes and scales as such (`<prefix>weight_codes`, `<prefix>weight_scales`, ...), so safetensors,
+`save_pretrained`, `load_state_dict` and Trainer checkpoints work unchanged.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._pytree import tree_map
+
+from .formats import fp8 as _fp8
+from .formats import intq as _intq
+
+FORMATS = ("fp8_e4m3_row", "int4_tensor", "int4_group", "int8_dense_sparse")
+_NAMES = {
+    "fp8_e4m3_row": ("codes", "scales"),
+    "int4_tensor": ("codes", "scales"),
+    "int4_group": ("codes", "scales"),
+    "int8_dense_sparse": ("codes", "scales", "zeros", "thresholds", "sparse_idx", "sparse_val"),
+}
+_DEFAULT_META = {
+    "fp8_e4m3_row": {},
+    "int4_tensor": {},
+    "int4_group": {"group_size": 128},
+    "int8_dense_sparse": {"outlier_fraction": 0.01},
+}
+
+
+def check_format(fmt: str, shape=None, meta: dict | None = None) -> dict:
+    """Validate a format name (+ shape and options); returns the full option dict."""
+    if fmt not in FORMATS:
+        raise ValueError(f"weight_format: unknown {fmt!r}; allowed {FORMATS}")
+    full = dict(_DEFAULT_META[fmt])
+    for k, v in (meta or {}).items():
+        if k not in full:
+            if v is None:
+                continue
+            raise ValueError(f"{fmt}: unknown option {k!r}; allowed {tuple(full)}")
+        full[k] = v
+    if fmt == "int4_group" and (not isinstance(full["group_size"], int) or full["group_size"] <= 0):
+        raise ValueError(f"int4_group: group_size must be a positive int, got {full['group_size']!r}")
+    if fmt == "int8_dense_sparse" and not 0 <= full["outlier_fraction"] < 1:
+        raise ValueError(f"int8_dense_sparse: outlier_fraction must be in [0, 1), got {full['outlier_fraction']}")
+    if shape is not None:
+        if len(shape) != 2:
+            raise ValueError(f"{fmt}: weight must be 2-D [out, in], got shape {tuple(shape)}")
+        if fmt.startswith("int4"):
+            _intq.check_int4_shape(shape, full.get("group_size"))
+    return full
+
+
+def _encode(fmt, w, meta, rounding, generator, thresholds=None) -> dict:
+    if fmt == "fp8_e4m3_row":
+        codes, scales = _fp8.quantize_fp8_row(w, rounding, generator)
+        return {"codes": codes, "scales": scales}
+    if fmt in ("int4_tensor", "int4_group"):
+        codes, scales = _intq.quantize_int4(w, meta.get("group_size"), rounding, generator)
+        return {"codes": codes, "scales": scales}
+    _fp8.check_finite(w)
+    if thresholds is None:
+        thresholds = _intq.outlier_thresholds(w, meta["outlier_fraction"])
+    d = _intq.quantize_dense_sparse(w, thresholds, rounding, generator)
+    d["thresholds"] = thresholds.to(torch.float32)
+    return d
+
+
+def _decode(fmt, data, meta, dtype) -> torch.Tensor:
+    if fmt == "fp8_e4m3_row":
+        return _fp8.dequantize_fp8_row(data["codes"], data["scales"], dtype)
+    if fmt in ("int4_tensor", "int4_group"):
+        return _intq.dequantize_int4(data["codes"], data["scales"], meta.get("group_size"), dtype)
+    return _intq.dequantize_dense_sparse(data["codes"], data["scales"], data["zeros"], data["sparse_idx"],
+                                         data["sparse_val"], dtype)
+
+
+def empty_qtensors(fmt, shape, meta, device=None) -> dict:
+    """Placeholder inner tensors (zeros) of the right shapes/dtypes, e.g. on 'meta' before loading."""
+    rows, cols = shape
+    z = lambda s, dt: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
+    if fmt == "fp8_e4m3_row":
+        return {"codes": z((rows, cols), torch.float8_e4m3fn), "scales": z((rows, 1), torch.float32)}
+    if fmt == "int4_tensor":
+        return {"codes": z((rows, cols // 2), torch.uint8), "scales": z((1,), torch.float32)}
+    if fmt == "int4_group":
+        return {"codes": z((rows, cols // 2), torch.uint8),
+                "scales": z((rows, cols // meta["group_size"]), torch.float32)}
+    return {"codes": z((rows, cols), torch.uint8), "scales": z((rows, 1), torch.float32),
+            "zeros": z((rows, 1), torch.uint8), "thresholds": z((2,), torch.float32),
+            "sparse_idx": z((0,), torch.int32), "sparse_val": z((0,), torch.bfloat16)}
+
+
+class QParam(torch.Tensor):
+    """Low-precision weight stored as codes + scales, seen by autograd as a bf16 tensor of logical shape."""
+
+    @staticmethod
+    def __new__(cls, data: dict, fmt: str, shape, meta: dict | None = None, requires_grad: bool = False,
+                dtype: torch.dtype = torch.bfloat16):
+        meta = check_format(fmt, shape, meta)
+        if set(data) != set(_NAMES[fmt]):
+            raise ValueError(f"{fmt}: inner tensors must be {_NAMES[fmt]}, got {tuple(data)}")
+        device = data["codes"].device
+        return torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device,
+                                                   requires_grad=requires_grad)
+
+    def __init__(self, data, fmt, shape, meta=None, requires_grad=False, dtype=torch.bfloat16):
+        self.fmt = fmt
+        self.meta = check_format(fmt, shape, meta)
+        for k in _NAMES[fmt]:
+            setattr(self, k, data[k])
+
+    # ---- construction / conversion -------------------------------------------------------------
+    @classmethod
+    def from_float(cls, w: torch.Tensor, fmt: str = "fp8_e4m3_row", rounding: str = "rtn",
+                   generator: torch.Generator | None = None, requires_grad: bool = True, **meta) -> "QParam":
+        """Quantize a float weight [out, in]; the result is an nn.Parameter-ready QParam."""
+        meta = check_format(fmt, tuple(w.shape), meta)
+        with torch.no_grad():
+            data = _encode(fmt, w.detach(), meta, rounding, generator)
+        return cls(data, fmt, tuple(w.shape), meta, requires_grad=requires_grad)
+
+    def qtensors(self) -> dict:
+        """The stored tensors (name -> tensor), e.g. {'codes': float8 [out,in], 'scales': fp32 [out,1]}."""
+        return {k: getattr(self, k) for k in _NAMES[self.fmt]}
+
+    @property
+    def storage_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.qtensors().values())
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A plain tensor of the logical shape (a fresh temporary: never kept by QParam)."""
+        with torch.no_grad():
+            return _decode(self.fmt, self.qtensors(), self.meta, dtype or self.dtype)
+
+    @torch.no_grad()
+    def requantize_(self, value: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None,
+                    refresh_thresholds: bool = False) -> torch.Tensor:
+        """Store Q(value) in place; returns the quantization error value - Q(value) (float32).
+
+        int8_dense_sparse keeps its outlier thresholds (QFT's lazy update) unless refresh_thresholds."""
+        _fp8.check_rounding(rounding)
+        if tuple(value.shape) != tuple(self.shape):
+            raise ValueError(f"requantize_: value shape {tuple(value.shape)} != weight shape {tuple(self.shape)}")
+        if generator is not None and generator.device.type != value.device.type:
+            raise ValueError(f"requantize_: generator on {generator.device}, value on {value.device}")
+        value = value.detach().float()
+        thr = None if (refresh_thresholds or self.fmt != "int8_dense_sparse") else self.thresholds
+        new = _encode(self.fmt, value, self.meta, rounding, generator, thr)
+        self.load_qtensors_(new)
+        return value - self.dequantize(torch.float32)
+
+    @torch.no_grad()
+    def load_qtensors_(self, data: dict) -> None:
+        """Overwrite the stored tensors: in place where shape and dtype match (aliases stay valid)."""
+        for k in _NAMES[self.fmt]:
+            if k not in data:
+                raise ValueError(f"{self.fmt}: missing stored tensor {k!r}")
+            cur, new = getattr(self, k), data[k]
+            if cur.shape == new.shape and cur.dtype == new.dtype and cur.device.type != "meta":
+                cur.copy_(new)
+            else:
+                if k == "codes" and cur.dtype != new.dtype:
+                    raise ValueError(f"{self.fmt}: codes dtype {new.dtype} != {cur.dtype}")
+                setattr(self, k, new.to(self.device) if cur.device.type != "meta" else new)
+
+    def _replace(self, fn) -> "QParam":
+        out = QParam({k: fn(t) for k, t in self.qtensors().items()}, self.fmt, tuple(self.shape), self.meta,
+                     dtype=self.dtype)
+        return out
+
+    def __repr__(self):
+        return (f"QParam(fmt={self.fmt}, shape={tuple(self.shape)}, logical_dtype={self.dtype}, "
+                f"device={self.device}, requires_grad={self.requires_grad})")
+
+    def __deepcopy__(self, memo):
+        out = self._replace(lambda t: t.clone())
+        out.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            out._is_param = True
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, proto):
+        raise TypeError("QParam is not picklable: save through state_dict (safetensors stores codes and scales)")
+
+    # ---- torch.compile / FSDP-style flattening -------------------------------------------------
+    def __tensor_flatten__(self):
+        return list(_NAMES[self.fmt]), (self.fmt, tuple(self.shape), tuple(sorted(self.meta.items())), self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        fmt, shape, meta, dtype = ctx
+        return QParam(dict(inner), fmt, shape, dict(meta), dtype=dtype)
+
+    # ---- operator handling ---------------------------------------------------------------------
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if isinstance(w, QParam) and not isinstance(x, QParam):
+                return qlinear(x, w, b)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten.detach.default:
+            return args[0]._replace(lambda t: t)
+        if func is aten._to_copy.default:
+            src = args[0]
+            dev = kwargs.get("device") or src.device
+            nb = kwargs.get("non_blocking", False)
+            return src._replace(lambda t: t.to(dev, non_blocking=nb))
+        if func is aten.clone.default:
+            return args[0]._replace(lambda t: t.clone())
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            if isinstance(src, QParam):
+                if src.fmt != dst.fmt or src.shape != dst.shape:
+                    raise ValueError(f"copy_: cannot copy a {src.fmt} {tuple(src.shape)} QParam into "
+                                     f"a {dst.fmt} {tuple(dst.shape)} one")
+                dst.load_qtensors_(src.qtensors())
+            else:
+                dst.requantize_(src, "rtn")
+            return dst
+        if func._schema.is_mutable and any(isinstance(a, QParam) for a in args[:1]):
+            q = args[0]
+            raise TypeError(
+                f"{func} would modify a quantized weight (QParam {q.fmt} {tuple(q.shape)}) in place. Quantized "
+                "weights are updated only through requantize_: use hfq.eco.ECOAdamW / ECOSGD (or hfq.qft.QLion), "
+                "not a plain torch optimizer.")
+        unwrap = lambda a: a.dequantize() if isinstance(a, QParam) else a  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+class _QLinearFn(torch.autograd.Function):
+    """y = x W^T + b with W dequantized on the fly; backward re-dequantizes (nothing full-precision saved)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.w = w
+        ctx.has_b = b is not None
+        ctx.save_for_backward(x)
+        return F.linear(x, w.dequantize(x.dtype), b)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (x,) = ctx.saved_tensors
+        w = ctx.w
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = gy @ w.dequantize(gy.dtype)
+        if ctx.needs_input_grad[1]:
+            gw = (gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(gy.dtype)).to(w.dtype)
+        if ctx.has_b and ctx.needs_input_grad[2]:
+            gb = gy.reshape(-1, gy.shape[-1]).sum(0)
+        return gx, gw, gb
+
+
+def qlinear(x: torch.Tensor, w: QParam, b: torch.Tensor | None = None) -> torch.Tensor:
+    return _QLinearFn.apply(x, w, b)
+
+
+class QLinear(nn.Module):
+    """Linear layer whose weight is a QParam. state_dict keys: weight_<name> for each stored tensor, bias.
+
+    Not an nn.Linear subclass on purpose: model code that re-initialises every nn.Linear in place
+    (transformers' _init_weights) must not touch the codes."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, weight_format: str = "fp8_e4m3_row",
+                 device=None, dtype=None, placeholder: bool = False, **meta):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_format = weight_format
+        self.weight_meta = check_format(weight_format, (out_features, in_features), meta)
+        data = empty_qtensors(weight_format, (out_features, in_features), self.weight_meta, device)
+        if placeholder:  # loading a pre-quantized checkpoint: plain buffers the loader fills, then finalize()
+            self.weight = None
+            for k, t in data.items():
+                self.register_buffer("weight_" + k, t)
+        else:
+            self.weight = nn.Parameter(QParam(data, weight_format, (out_features, in_features), self.weight_meta),
+                                       requires_grad=True)
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype or torch.bfloat16)) \
+            if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, weight_format: str = "fp8_e4m3_row", rounding: str = "rtn",
+                    generator: torch.Generator | None = None, **meta) -> "QLinear":
+        """Quantize an nn.Linear; the float weight is not kept."""
+        w = linear.weight
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.in_features, out.out_features = w.shape[1], w.shape[0]
+        out.weight_format = weight_format
+        out.weight_meta = check_format(weight_format, tuple(w.shape), meta)
+        out.weight = nn.Parameter(QParam.from_float(w.detach(), weight_format, rounding, generator,
+                                                    **out.weight_meta), requires_grad=w.requires_grad)
+        out.bias = linear.bias
+        return out
+
+    def finalize(self) -> None:
+        """Turn loaded placeholder buffers into the QParam weight."""
+        if self.weight is not None:
+            return
+        data = {k: self._buffers.pop("weight_" + k) for k in _NAMES[self.weight_format]}
+        del self.weight
+        self.weight = nn.Parameter(QParam(data, self.weight_format, (self.out_features, self.in_features),
+                                          self.weight_meta), requires_grad=True)
+
+    def forward(self, x):
+        return qlinear(x, self.weight, self.bias)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.weight is not None:
+            for k, t in self.weight.qtensors().items():
+                destination[prefix + "weight_" + k] = t if keep_vars else t.detach()
+        for name, buf in self._buffers.items():
+            if buf is not None and name not in self._non_persistent_buffers_set:
+                destination[prefix + name] = buf if keep_vars else buf.detach()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        names = _NAMES[self.weight_format]
+        keys = {k: prefix + "weight_" + k for k in names}
+        present = [k for k in names if keys[k] in state_dict]
+        if self.weight is None:
+            for k in present:
+                self._buffers["weight_" + k] = state_dict[keys[k]]
+        elif len(present) == len(names):
+            data = {k: state_dict[keys[k]] for k in names}
+            exp = empty_qtensors(self.weight_format, tuple(self.weight.shape), self.weight_meta, "meta")
+            for k in ("codes", "scales"):
+                if tuple(data[k].shape) != tuple(exp[k].shape) or data[k].dtype != exp[k].dtype:
+                    error_msgs.append(f"{keys[k]}: expected {tuple(exp[k].shape)} {exp[k].dtype}, got "
+                                      f"{tuple(data[k].shape)} {data[k].dtype}")
+                    return
+            self.weight.load_qtensors_(data)
+        for k in names:
+            if k not in present:
+                missing_keys.append(keys[k])
+        if self.bias is not None:
+            if prefix + "bias" in state_dict:
+                with torch.no_grad():
+                    self.bias.copy_(state_dict[prefix + "bias"])
+            else:
+                missing_keys.append(prefix + "bias")
+        if strict:
+            expected = set(keys.values()) | {prefix + "bias"}
+            for k in state_dict:
+                if k.startswith(prefix) and "." not in k[len(prefix):] and k not in expected:
+                    unexpected_keys.append(k)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight_format={self.weight_format}")
+
+
+def quantize_linears_(model: nn.Module, weight_format: str = "fp8_e4m3_row", skip=("lm_head",),
+                      rounding: str = "rtn", generator: torch.Generator | None = None, **meta) -> list:
+    """Replace every nn.Linear (except names containing an entry of `skip`) by a QLinear, in place.
+    Returns the replaced module names."""
+    check_format(weight_format, None, meta)
+    done = []
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear or any(s and (name == s or name.endswith("." + s) or s in name.split("."))
+                                             for s in skip):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QLinear.from_linear(mod, weight_format, rounding, generator, **meta))
+        done.append(name)
+    return done
+
+
+def quantized_params(model: nn.Module) -> list:
+    return [p for p in model.parameters() if isinstance(p, QParam)]
+
+
+def bytes_per_param(fmt: str, shape, **meta) -> float:
+    """Stored bytes per logical weight element of a format (codes + scales), ignoring sparse outliers."""
+    meta = check_format(fmt, shape, meta)
+    data = empty_qtensors(fmt, shape, meta, "meta")
+    return sum(t.numel() * t.element_size() for t in data.values()) / math.prod(shape)
