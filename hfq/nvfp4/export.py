@@ -1,0 +1,80 @@
+"""Write an hfq NVFP4 model as a compressed-tensors `nvfp4-pack-quantized` checkpoint (what vLLM loads)."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from .linear import NVFP4Linear
+
+
+def compressed_tensors_config(ignore: list[str]) -> dict:
+    """The `quantization_config` block of an NVFP4 weight-only (W4A16) compressed-tensors checkpoint."""
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+               "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": "nvfp4-pack-quantized"}},
+        "ignore": sorted(ignore),
+        "kv_cache_scheme": None,
+    }
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """A PEFT model exports its base (adapters must be merged first; see merge_and_requantize)."""
+    if hasattr(model, "peft_config"):
+        raise ValueError("export_compressed_tensors: got a PEFT model; call hfq.nvfp4.merge_and_requantize(model) "
+                         "first (vLLM takes LoRA separately), or export model.get_base_model()")
+    return model
+
+
+def export_compressed_tensors(model: nn.Module, out_dir: str, max_shard_bytes: int = 4 << 30) -> str:
+    """Save `model` (with NVFP4Linear layers) to `out_dir` in compressed-tensors' nvfp4-pack-quantized layout."""
+    from safetensors.torch import save_file
+
+    model = _unwrap(model)
+    nv = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    if not nv:
+        raise ValueError("export_compressed_tensors: the model has no NVFP4Linear layers")
+    bad = [n for n, m in nv.items() if m.format != "nvfp4"]
+    if bad:
+        raise ValueError(f"export_compressed_tensors: only format='nvfp4' is exportable; {bad[:5]} use mxfp4")
+    ignore = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # shard by size; safetensors refuses shared storage, so clone tied tensors
+    shards, cur, size = [], {}, 0
+    seen = set()
+    for k, v in sd.items():
+        if v.data_ptr() in seen:
+            v = v.clone()
+        seen.add(v.data_ptr())
+        nbytes = v.numel() * v.element_size()
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k] = v
+        size += nbytes
+    shards.append(cur)
+    index = {}
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        index.update({k: fname for k in shard})
+    if len(shards) > 1:
+        total = sum(v.numel() * v.element_size() for v in sd.values())
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": index}, f, indent=2)
+    cfg = model.config.to_dict()
+    cfg["quantization_config"] = compressed_tensors_config(ignore)
+    cfg.pop("_is_quantized", None)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, default=str)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out_dir)
+    return out_dir
