@@ -1,0 +1,225 @@
+"""ECOSGD / ECOAdamW: torch optimizers that update QParam weights directly (no master weights), injecting the
+quantization error into momentum (hfq/eco/functional.py has the rules); ordinary parameters get plain
+SGDM / AdamW. Usable by transformers' Trainer: `Trainer(optimizers=(ECOAdamW(model.parameters()), sched))`.
+
+Before any parameter is touched, every gradient is checked for NaN/Inf: a bad step is refused with a
+ValueError naming the parameter, so stored codes are never corrupted. Stochastic rounding draws from the
+optimizer's own generators (seeded by `seed`), whose states are part of `state_dict()`: resuming from a
+checkpoint continues bit-exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats.fp8 import check_rounding
+from ..qparam import QParam
+from . import functional as Fn
+from .states import StateStore
+
+
+def _check_lr(lr):
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
+        raise ValueError(f"lr must be a float > 0, got {lr!r}")
+
+
+def _check_beta(name, b):
+    if not isinstance(b, (int, float)) or not 0 < b < 1:
+        raise ValueError(f"{name} must be in (0, 1), got {b!r}")
+
+
+class _ECOBase(torch.optim.Optimizer):
+    def __init__(self, params, defaults, *, rule, rounding, state_dtype, state_bits, seed, check_finite):
+        if rule not in Fn.RULES:
+            raise ValueError(f"rule: unknown {rule!r}; allowed {Fn.RULES}")
+        check_rounding(rounding)
+        if defaults["weight_decay"] < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {defaults['weight_decay']}")
+        self.rule, self.rounding, self.check_finite = rule, rounding, check_finite
+        self._store = StateStore(state_dtype, state_bits)
+        self._seed = int(seed)
+        self._generators: dict[str, torch.Generator] = {}
+        super().__init__(params, defaults)
+
+    # ---- randomness (SR) --------------------------------------------------------------------------
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(torch.device(device))
+        if key not in self._generators:
+            g = torch.Generator(device=device)
+            g.manual_seed(self._seed)
+            self._generators[key] = g
+        return self._generators[key]
+
+    # ---- safety -------------------------------------------------------------------------------------
+    def _param_name(self, gi, pi, p):
+        names = self.param_groups[gi].get("param_names")
+        if names:
+            return names[pi]
+        kind = f"QParam {p.fmt}" if isinstance(p, QParam) else "param"
+        return f"param_groups[{gi}]['params'][{pi}] ({kind} {tuple(p.shape)})"
+
+    def _check_grads(self):
+        items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
+                 if p.grad is not None]
+        if not items:
+            return
+        flags = torch.stack([torch.isfinite(p.grad).all().to("cpu", non_blocking=True) for _, _, p in items])
+        if bool(flags.all()):
+            return
+        gi, pi, p = items[int((~flags).nonzero()[0])]
+        raise ValueError(f"non-finite gradient (NaN/Inf) in {self._param_name(gi, pi, p)}: step refused, "
+                         "no parameter was updated")
+
+    # ---- checkpointing -----------------------------------------------------------------------------
+    def state_dict(self):
+        sd = super().state_dict()
+        sd["hfq_generators"] = {k: g.get_state() for k, g in self._generators.items()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        state_dict = dict(state_dict)
+        gens = state_dict.pop("hfq_generators", {})
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        # torch casts floating state to the param dtype (bf16 for a QParam); restore the saved precision
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, st in saved.items():
+            p = params[idx]
+            self.state[p] = {k: (v.to(p.device, copy=True) if torch.is_tensor(v) and k != "step" else v)
+                             for k, v in st.items()}
+        for k, s in gens.items():
+            self._generator(k).set_state(s.cpu() if torch.is_tensor(s) else s)
+
+    def _grad32(self, p):
+        g = p.grad
+        return g if g.dtype == torch.float32 else g.float()
+
+    def _requant(self, p):
+        gen = self._generator(p.device) if self.rounding == "sr" else None
+        return lambda tmp: p.requantize_(tmp, self.rounding, gen)
+
+
+class ECOSGD(_ECOBase):
+    """SGD with momentum; QParams get the ECO update (no master weights), others plain SGDM.
+
+    Args: lr, momentum (beta in (0,1): ECO divides by it), weight_decay (decoupled), rule
+    ("memory_free" default, or "exact" with a stored residual), rounding ("sr" default, or "rtn"),
+    state_dtype (torch.float32 / torch.bfloat16), state_bits (None or 8), seed (SR generator seed).
+    """
+
+    def __init__(self, params, lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0,
+                 rule: str = "memory_free", rounding: str = "sr", state_dtype=torch.float32,
+                 state_bits: int | None = None, seed: int = 0, check_finite: bool = True):
+        _check_lr(lr)
+        _check_beta("momentum", momentum)
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), rule=rule,
+                         rounding=rounding, state_dtype=state_dtype, state_bits=state_bits, seed=seed,
+                         check_finite=check_finite)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.check_finite:
+            self._check_grads()
+        st = self._store
+        for group in self.param_groups:
+            lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    st.init(state, "momentum_buffer", p, True)
+                    if isinstance(p, QParam) and self.rule == "exact":
+                        state["residual"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                m = st.load(state, "momentum_buffer", p.shape, True)
+                g = self._grad32(p)
+                if isinstance(p, QParam):
+                    Fn.eco_sgdm_(p.dequantize(torch.float32), m, g, lr=lr, beta=beta, weight_decay=wd,
+                                 requant=self._requant(p), rule=self.rule, residual=state.get("residual"))
+                else:
+                    Fn.sgdm_(p, m, g, lr=lr, beta=beta, weight_decay=wd)
+                st.store(state, "momentum_buffer", m, True)
+        return loss
+
+
+class ECOAdamW(_ECOBase):
+    """AdamW; QParams get the ECO update (no master weights), others plain AdamW.
+
+    Args as torch.optim.AdamW (lr, betas, eps, weight_decay: decoupled) plus rule ("memory_free" default /
+    "exact"), rounding ("sr" default / "rtn"), state_dtype (fp32 / bf16 moments), state_bits (None / 8:
+    blockwise 8-bit moments), seed, fused (None: the Triton step for fp8_e4m3_row QParams on CUDA;
+    True forces it, also on CPU under TRITON_INTERPRET; False: torch reference).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 rule: str = "memory_free", rounding: str = "sr", state_dtype=torch.float32,
+                 state_bits: int | None = None, seed: int = 0, fused: bool | None = None,
+                 check_finite: bool = True):
+        _check_lr(lr)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        _check_beta("betas[0]", betas[0])
+        _check_beta("betas[1]", betas[1])
+        if eps <= 0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        self.fused = fused
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), rule=rule,
+                         rounding=rounding, state_dtype=state_dtype, state_bits=state_bits, seed=seed,
+                         check_finite=check_finite)
+        if fused and (self.rule != "memory_free" or self._store.bits is not None):
+            raise ValueError("fused=True supports rule='memory_free' with fp32/bf16 states only")
+
+    def _use_fused(self, p) -> bool:
+        if not (isinstance(p, QParam) and p.fmt == "fp8_e4m3_row"):
+            return False
+        if self.fused is None:
+            return p.device.type == "cuda" and self.rule == "memory_free" and self._store.bits is None
+        return bool(self.fused)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.check_finite:
+            self._check_grads()
+        st = self._store
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    st.init(state, "exp_avg", p, True)
+                    st.init(state, "exp_avg_sq", p, False)
+                    if isinstance(p, QParam) and self.rule == "exact":
+                        state["residual"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                state["step"] += 1
+                step = int(state["step"].item())
+                if self._use_fused(p):
+                    from hfq_kernels.eco import eco_adamw_fp8_step
+                    seed = 0
+                    if self.rounding == "sr":
+                        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=self._generator("cpu")))
+                    eco_adamw_fp8_step(p.codes, p.scales, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=lr,
+                                       beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step,
+                                       rounding=self.rounding, seed=seed)
+                    continue
+                m = st.load(state, "exp_avg", p.shape, True)
+                v = st.load(state, "exp_avg_sq", p.shape, False)
+                g = self._grad32(p)
+                if isinstance(p, QParam):
+                    Fn.eco_adamw_(p.dequantize(torch.float32), m, v, g, step=step, lr=lr, beta1=b1, beta2=b2,
+                                  eps=eps, weight_decay=wd, requant=self._requant(p), rule=self.rule,
+                                  residual=state.get("residual"))
+                else:
+                    Fn.adamw_(p, m, v, g, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+                st.store(state, "exp_avg", m, True)
+                st.store(state, "exp_avg_sq", v, False)
+        return loss
