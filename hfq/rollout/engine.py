@@ -199,6 +199,9 @@ class RolloutEngine:
         if not self.use_graphs:
             return None
         try:
+            # warm-ups execute the step: point it at column 0 / step 0 (generate resets state afterwards)
+            self.col.zero_()
+            self.step.zero_()
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(s):
@@ -264,6 +267,31 @@ class RolloutEngine:
             rows = [r[mm.bool()].tolist() for r, mm in zip(input_ids.cpu(), m)]
             return RolloutEngine._left_pad(rows, None, pad)
         return input_ids.long(), m
+
+    @torch.no_grad()
+    def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, temperature: float | None = 1.0,
+               top_p: float | None = 1.0, top_k: int | None = 0, min_p: float | None = None,
+               return_logprobs: bool = False) -> int:
+        """Capture the decode graphs a `generate` call of this shape and sampling setup will replay, so the
+        call itself captures nothing. Returns the number of graphs held."""
+        b = next((x for x in self.buckets if x >= batch), None)
+        if b is None:
+            raise ValueError(f"batch: {batch} exceeds max_batch={self.max_batch}")
+        if prompt_len + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt_len + max_new_tokens = {prompt_len + max_new_tokens} exceeds "
+                             f"max_seq_len={self.max_seq_len}")
+        greedy = temperature is None or temperature == 0
+        flags = SamplerFlags(greedy=greedy, top_k=bool(top_k) and not greedy,
+                             top_p=top_p is not None and top_p < 1 and not greedy,
+                             min_p=bool(min_p) and not greedy, logprobs=return_logprobs)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            if max_new_tokens > 1:
+                self._ensure_graphs(b, prompt_len, prompt_len + max_new_tokens - 2, flags)
+        finally:
+            self.model.train(was_training)
+        return len(self._graphs)
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 256, temperature: float | None = 1.0,
