@@ -1,0 +1,58 @@
+"""RolloutMixin inside TRL's GRPOTrainer (real TRL, tiny model, CPU)."""
+import pytest
+import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from hfq.rollout import RolloutMixin
+from hfq.tiny import char_tokenizer, tiny_model
+
+
+class Trainer(RolloutMixin, GRPOTrainer):
+    pass
+
+
+def reward_len(completions, **kw):
+    return [float(len(c)) for c in completions]
+
+
+def make(tmp_path, **cfg_kw):
+    tok = char_tokenizer()
+    model = tiny_model("qwen2", seed=0, vocab=len(tok))
+    ds = Dataset.from_dict({"prompt": ["12+3=", "hello ", "abc", "7*8="] * 2})
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=10, max_steps=1, report_to=[], logging_steps=1, save_strategy="no",
+                      use_cpu=True, bf16=False, seed=3, **cfg_kw)
+    return Trainer(model=model, reward_funcs=reward_len, args=args, train_dataset=ds, processing_class=tok)
+
+
+def test_mixin_generates_with_engine_and_trains(tmp_path):
+    trainer = make(tmp_path)
+    tok = trainer.processing_class
+    prompt_ids = [tok("12+3=")["input_ids"], tok("hi")["input_ids"]] * 2
+    torch.manual_seed(0)
+    ids, lps = trainer._generate_single_turn(prompt_ids, None, {}, num_generations=2)
+    assert trainer._hfq_engine is not None
+    assert len(ids) == 4 and len(lps) == 4
+    eos = set(trainer.eos_token_ids)
+    for c, lp in zip(ids, lps):
+        assert 1 <= len(c) <= 10 and len(lp) == len(c)
+        assert all(t not in eos for t in c[:-1])  # cut after the first EOS, as TRL's own path does
+        assert all(x <= 0 for x in lp)
+    torch.manual_seed(0)
+    again, _ = trainer._generate_single_turn(prompt_ids, None, {}, num_generations=2)
+    assert again == ids  # seeds follow TRL's torch seed
+    # weights changed in place (like an optimizer step) are seen by the next call
+    before = trainer.model.model.layers[0].mlp.down_proj.weight.detach().clone()
+    trainer.train()
+    assert not torch.equal(before, trainer.model.model.layers[0].mlp.down_proj.weight)
+    assert trainer.state.global_step == 1
+    assert any("reward" in k for h in trainer.state.log_history for k in h)
+
+
+def test_mixin_falls_back_with_warning(tmp_path):
+    trainer = make(tmp_path, repetition_penalty=1.2)
+    tok = trainer.processing_class
+    with pytest.warns(UserWarning, match="repetition_penalty"):
+        ids, lps = trainer._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
+    assert trainer._hfq_engine is None and lps is None and len(ids) == 2
