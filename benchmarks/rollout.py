@@ -350,6 +350,10 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                 continue
             tok_s, dt = run_hfq(eng, b, plen, new, V)
             add(engine="hfq", weights="bf16", batch=b, new_tokens=new, tok_s=round(tok_s, 1), peak_gb=peak_gb())
+            if b == 8 and "split_bf16_b8" not in results:
+                results["split_bf16_b8"] = {**step_split(eng, V), **linear_floor(model),
+                                            "step_ms_measured": round(dt / new * 1000, 3)}
+                log("split", results["split_bf16_b8"])
         gen_new = min(new, 128 if b <= 8 else 64)
         if "generate" in weights_list and left() > 60:
             tok_s, dt = run_generate(model, b, plen, gen_new, V)
