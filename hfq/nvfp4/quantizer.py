@@ -61,17 +61,19 @@ class NVFP4Quantize(ConversionOps):
         value = value[0] if isinstance(value, list) else value
         name = key.rsplit(".", 1)[0]
         module = model.get_submodule(name)
+        if missing_keys is not None:
+            missing_keys.discard(key)
         try:
             module.set_weight(value, name=name)
-        except ValueError as e:  # the loader only logs op errors: keep it to raise after loading
+        except ValueError as e:
+            # transformers turns op exceptions into a generic RuntimeError; keep ours (it names the layer)
+            # and raise it from _process_model_after_weight_loading instead.
             self.hf_quantizer.errors[name] = str(e)
-            raise
+            return {}
         w32 = value.float()
         deq = module.dequantize(torch.float32)
         self.hf_quantizer.rel_error[name] = float((deq - w32).norm() / w32.norm().clamp_min(1e-30))
         del module._parameters["weight"]
-        if missing_keys is not None:
-            missing_keys.discard(key)
         out = {f"{name}.weight_packed": module.weight_packed, f"{name}.weight_scale": module.weight_scale}
         if module.weight_global_scale is not None:
             out[f"{name}.weight_global_scale"] = module.weight_global_scale
