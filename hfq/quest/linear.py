@@ -1,0 +1,236 @@
+"""QuESTLinear: a linear layer trained with QuEST (Alg. 1 forward, Alg. 2 backward), and its packed form.
+
+QAT state: a master `weight` in the module's dtype. Forward (W{b}A{b}):
+    x_h^ , M_x = proj(HT(x));  w_h^ , M_w = proj(HT(w));  y = x_h^ w_h^T (+ bias)
+Backward: dL/dx = IHT(M_x * (dy w_h^)),  dL/dw = IHT(M_w * (dy^T x_h^))  (STE: masks all ones).
+Weight-only: y = x IHT(w_h^)^T, dL/dw = IHT(M_w * HT(dL/dw_eff)).
+Packed state (inference): `weight_codes` (uint8, b-bit codes packed along the input dim) and
+`weight_scale` (fp32 per output row, the grid's `unit`), both in the Hadamard domain; the weight is
+level * unit, computed with the same fp32 arithmetic as the QAT forward, so logits are identical.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hfq_kernels.hadamard  # noqa: F401  registers hfq::hadamard
+import hfq_kernels.quest  # noqa: F401  registers hfq::quest_quantize / hfq::quest_masked_ht
+from hfq.formats import gaussian
+from hfq.formats.fp4 import check_finite
+from hfq.formats.hadamard import effective_block
+
+from .config import QuESTConfig
+
+
+# ----------------------------------------------------------------------------- code packing
+def storage_bits(bits: int) -> int:
+    """Bits per stored code: the next of 1, 2, 4, 8 (3 -> 4, 5..7 -> 8)."""
+    return next(c for c in (1, 2, 4, 8) if c >= bits)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., K] -> uint8 [..., ceil(K*c/8)], c = storage_bits(bits); element i of a byte's
+    group sits in bits [i*c, (i+1)*c) (low bits first), zero padded."""
+    c = storage_bits(bits)
+    per = 8 // c
+    K = codes.shape[-1]
+    pad = (-K) % per
+    v = F.pad(codes.to(torch.int32), (0, pad)).reshape(*codes.shape[:-1], -1, per)
+    sh = torch.arange(per, device=codes.device, dtype=torch.int32) * c
+    return (v << sh).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, K: int) -> torch.Tensor:
+    c = storage_bits(bits)
+    per = 8 // c
+    sh = torch.arange(per, device=packed.device, dtype=torch.int32) * c
+    v = (packed.to(torch.int32)[..., None] >> sh) & ((1 << c) - 1)
+    return v.reshape(*packed.shape[:-1], -1)[..., :K].to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- autograd
+class _Spec:
+    """Static per-layer settings passed to the autograd functions."""
+
+    __slots__ = ("wbits", "abits", "fp4", "block", "s_w", "s_a", "trust")
+
+    def __init__(self, cfg: QuESTConfig, block: int):
+        self.wbits, self.abits = cfg.weight_bits, cfg.activation_bits
+        self.fp4 = cfg.grid == "fp4"
+        self.block = block
+        self.s_w = cfg.outer_trust(cfg.weight_bits)
+        self.s_a = cfg.outer_trust(cfg.activation_bits) if cfg.activation_bits else 1.0
+        self.trust = cfg.estimator == "trust"
+
+
+def quantize_weight_h(w: torch.Tensor, spec: _Spec):
+    """QuEST projection of the weight in the Hadamard domain, fp32: (w_h^, mask, unit)."""
+    return torch.ops.hfq.quest_quantize(w.detach().float(), spec.wbits, spec.fp4, spec.s_w, spec.block)
+
+
+class QuESTMatmul(torch.autograd.Function):
+    """y = proj(HT(x)) proj(HT(w))^T + b with trust-masked gradients (Alg. 1 / Alg. 2)."""
+
+    @staticmethod
+    def forward(ctx, x2, w, bias, spec):
+        xq, mx, _ = torch.ops.hfq.quest_quantize(x2, spec.abits, spec.fp4, spec.s_a, spec.block)
+        wq32, mw, _ = quantize_weight_h(w, spec)
+        wq = wq32.to(x2.dtype)
+        y = xq @ wq.t()
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(xq, wq, mx if spec.trust else None, mw if spec.trust else None)
+        ctx.spec, ctx.has_bias, ctx.w_dtype = spec, bias is not None, w.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, wq, mx, mw = ctx.saved_tensors
+        spec = ctx.spec
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.ops.hfq.quest_masked_ht((dy @ wq).contiguous(), mx, spec.block)
+        if ctx.needs_input_grad[1]:
+            dw = torch.ops.hfq.quest_masked_ht((dy.t() @ xq).contiguous(), mw, spec.block).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db, None
+
+
+class QuESTWeight(torch.autograd.Function):
+    """Effective weight IHT(proj(HT(w))) for weight-only QAT, gradient IHT(M_w * HT(g))."""
+
+    @staticmethod
+    def forward(ctx, w, spec):
+        wq32, mw, _ = quantize_weight_h(w, spec)
+        ctx.save_for_backward(mw if spec.trust else None)
+        ctx.spec = spec
+        return weight_from_hadamard(wq32, spec.block).to(w.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (mw,) = ctx.saved_tensors
+        spec = ctx.spec
+        gh = torch.ops.hfq.hadamard(g.contiguous(), spec.block) if spec.block else g
+        return torch.ops.hfq.quest_masked_ht(gh.contiguous(), mw, spec.block).to(g.dtype), None
+
+
+def weight_from_hadamard(wq32: torch.Tensor, block: int) -> torch.Tensor:
+    return torch.ops.hfq.hadamard(wq32, block) if block else wq32
+
+
+# ----------------------------------------------------------------------------- module
+class QuESTLinear(nn.Module):
+    """Drop-in nn.Linear trained with QuEST; `packed=True` builds the inference form (codes + scales)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 config: QuESTConfig | None = None, packed: bool = False, name: str = "linear",
+                 device=None, dtype=None):
+        super().__init__()
+        self.config = config or QuESTConfig()
+        self.in_features, self.out_features = in_features, out_features
+        block = effective_block(in_features, self.config.hadamard_block_size, name) if self.config.hadamard else 0
+        self.spec = _Spec(self.config, block)
+        self.packed = packed
+        if packed:
+            nb = (in_features * storage_bits(self.config.weight_bits) + 7) // 8
+            self.register_buffer("weight_codes", torch.zeros(out_features, nb, dtype=torch.uint8, device=device))
+            self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+            self.weight = None
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, config: QuESTConfig, name: str = "linear") -> "QuESTLinear":
+        """Wrap an existing nn.Linear, reusing its parameters (master weights stay as they are)."""
+        m = cls(lin.in_features, lin.out_features, lin.bias is not None, config, name=name, device="meta")
+        m.weight = lin.weight
+        m.bias = lin.bias
+        return m
+
+    def extra_repr(self) -> str:
+        c = self.config
+        a = f"A{c.activation_bits}" if c.activation_bits else "A16"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, W{c.weight_bits}{a}, "
+                f"grid={c.grid}, ht_block={self.spec.block}, estimator={c.estimator}, packed={self.packed}")
+
+    # -- weights in the Hadamard domain
+    def quantized_weight_h(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_h^ fp32 [out, in], unit fp32 [out]): dequantized from codes when packed, else projected."""
+        if self.packed:
+            codes = unpack_codes(self.weight_codes, self.config.weight_bits, self.in_features)
+            level = gaussian.codes_to_levels(codes, self.config.weight_bits, self.config.grid)
+            return level * self.weight_scale[:, None], self.weight_scale
+        check_finite(self.weight, "weight")
+        wq32, _, unit = quantize_weight_h(self.weight, self.spec)
+        return wq32, unit
+
+    def export_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight_codes uint8 packed, weight_scale fp32) of the current master weight."""
+        if self.packed:
+            return self.weight_codes, self.weight_scale
+        with torch.no_grad():
+            wq32, unit = self.quantized_weight_h()
+            level = wq32 / unit[:, None]  # exact up to an ulp; levels_to_codes rounds to the grid
+            codes = gaussian.levels_to_codes(level, self.config.weight_bits, self.config.grid)
+        return pack_codes(codes, self.config.weight_bits), unit.contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if shape[-1] != self.in_features:
+            raise ValueError(f"QuESTLinear: input last dim {shape[-1]} != in_features {self.in_features}")
+        spec = self.spec
+        if self.packed:
+            return self._forward_packed(x)
+        if spec.abits is None:
+            w_eff = QuESTWeight.apply(self.weight, spec)
+            return F.linear(x, w_eff.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        x2 = x.reshape(-1, shape[-1]).to(self.weight.dtype)
+        y = QuESTMatmul.apply(x2.contiguous(), self.weight, self.bias, spec)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    @torch.no_grad()
+    def _forward_packed(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        wq32, _ = self.quantized_weight_h()
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if spec.abits is None:
+            return F.linear(x, weight_from_hadamard(wq32, spec.block).to(x.dtype), bias)
+        shape = x.shape
+        xq, _, _ = torch.ops.hfq.quest_quantize(x.reshape(-1, shape[-1]).contiguous(), spec.abits, spec.fp4,
+                                                spec.s_a, spec.block)
+        y = xq @ wq32.to(x.dtype).t()
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+# ----------------------------------------------------------------------------- model surgery
+def _skipped(name: str, skip: list[str]) -> bool:
+    return any(name == s or name.endswith("." + s) or name.startswith(s + ".") or ("." + s + ".") in name
+               for s in skip)
+
+
+def replace_linears(model: nn.Module, config: QuESTConfig, skip: list[str], packed: bool = False,
+                    reuse: bool = False) -> list[str]:
+    """Replace every nn.Linear not in `skip` by a QuESTLinear. reuse=True keeps the existing parameters
+    (QAT of an instantiated model); otherwise new modules are built on the linear's device (meta while
+    from_pretrained loads). Layers whose input dim the HT cannot cover raise ValueError naming them."""
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not _skipped(n, skip)]
+    for name, lin in targets:  # validate all before changing anything
+        if config.hadamard:
+            effective_block(lin.in_features, config.hadamard_block_size, name)
+        if reuse and lin.weight.device.type != "meta":
+            check_finite(lin.weight.detach(), f"{name}.weight")
+    for name, lin in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if reuse:
+            new = QuESTLinear.from_linear(lin, config, name)
+        else:
+            new = QuESTLinear(lin.in_features, lin.out_features, lin.bias is not None, config, packed=packed,
+                              name=name, device=lin.weight.device, dtype=lin.weight.dtype)
+        setattr(parent, child, new)
+    return [n for n, _ in targets]
