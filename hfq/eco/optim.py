@@ -84,8 +84,8 @@ class _ECOBase(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for idx, st in saved.items():
             p = params[idx]
-            self.state[p] = {k: (v.to(p.device, copy=True) if torch.is_tensor(v) and k != "step" else v)
-                             for k, v in st.items()}
+            self.state[p] = {k: ((v.clone() if k == "step" else v.to(p.device, copy=True)) if torch.is_tensor(v)
+                                 else v) for k, v in st.items()}
         for k, s in gens.items():
             self._generator(k).set_state(s.cpu() if torch.is_tensor(s) else s)
 

@@ -1,0 +1,239 @@
+"""ECO rules: exactness of the exact rule, the paper's Sec. 3.4 ordering, optimizer behaviour and safety."""
+import math
+
+import pytest
+import torch
+
+from hfq.eco import ECOAdamW, ECOSGD
+from hfq.eco.functional import adamw_, eco_adamw_, eco_sgdm_
+from hfq.eco.states import decode8, encode8
+from hfq.qparam import QLinear, QParam
+
+DELTA = 0.01
+
+
+def _grid_sr(gen):
+    """Stochastic rounding onto a uniform float64 grid (a quantizer the master-weight run can share)."""
+    return lambda x: torch.floor(x / DELTA + torch.rand(x.shape, generator=gen, dtype=x.dtype)) * DELTA
+
+
+def _quadratic(d=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(d, d, generator=g, dtype=torch.float64) / math.sqrt(d)
+    h = a @ a.T + 0.1 * torch.eye(d, dtype=torch.float64)
+    target = torch.randn(d, generator=g, dtype=torch.float64)
+    noise = torch.randn(200, d, generator=g, dtype=torch.float64) * 0.05
+    return lambda x, t: h @ (x - target) + noise[t]
+
+
+@pytest.mark.parametrize("opt", ["sgdm", "adamw"])
+def test_exact_rule_reproduces_master_weights_float64(opt):
+    grad = _quadratic()
+    steps = 120
+    lrs = [0.05 * (0.5 + 0.5 * math.cos(math.pi * t / steps)) + 1e-3 for t in range(steps)]  # changing lr
+    q_master, q_eco = _grid_sr(torch.Generator().manual_seed(7)), _grid_sr(torch.Generator().manual_seed(7))
+    w = torch.randn(64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    theta_m = q_master(w)
+    theta = q_eco(w)
+    residual = w - theta
+    v_m, m = torch.zeros_like(w), torch.zeros_like(w)
+    s_m, s = torch.zeros_like(w), torch.zeros_like(w)
+    kw = dict(beta1=0.9, beta2=0.99, eps=1e-8) if opt == "adamw" else dict(beta=0.9)
+    mem_free = theta.clone()
+    mf_m, mf_s = torch.zeros_like(w), torch.zeros_like(w)
+    for t, lr in enumerate(lrs):
+        # SGDM / AdamW with master weights, gradient at the quantized weights
+        g = grad(theta_m, t)
+        if opt == "adamw":
+            adamw_(w, v_m, s_m, g, step=t + 1, lr=lr, weight_decay=0.1, **kw)
+        else:
+            v_m.mul_(0.9).add_(g)
+            w.mul_(1 - lr * 0.1).add_(v_m, alpha=-lr)
+        theta_m = q_master(w)
+        # ECO exact rule: no master weights, residual stored
+        box = {}
+
+        def requant(tmp, box=box):
+            box["theta"] = q_eco(tmp)
+            return tmp - box["theta"]
+
+        g = grad(theta, t)
+        if opt == "adamw":
+            eco_adamw_(theta, m, s, g, step=t + 1, lr=lr, weight_decay=0.1, requant=requant, rule="exact",
+                       residual=residual, **kw)
+        else:
+            eco_sgdm_(theta, m, g, lr=lr, weight_decay=0.1, requant=requant, rule="exact", residual=residual, **kw)
+        theta = box["theta"]
+        assert torch.equal(theta, theta_m), f"step {t}"
+        # memory-free rule on the same problem (must differ: the test above is not vacuous)
+        gen_mf = torch.Generator().manual_seed(100 + t)
+        qmf = _grid_sr(gen_mf)
+        box2 = {}
+        g = grad(mem_free, t)
+        rq = lambda tmp: (box2.__setitem__("t", qmf(tmp)), tmp - box2["t"])[1]  # noqa: E731
+        if opt == "adamw":
+            eco_adamw_(mem_free, mf_m, mf_s, g, step=t + 1, lr=lr, weight_decay=0.1, requant=rq, **kw)
+        else:
+            eco_sgdm_(mem_free, mf_m, g, lr=lr, weight_decay=0.1, requant=rq, **kw)
+        mem_free = box2["t"]
+    torch.testing.assert_close(theta + residual, w, rtol=0, atol=1e-12)
+    assert not torch.equal(mem_free, theta)
+
+
+def _stationary_sq_grad(mode, lr, beta=0.9, sq=0.01, n=1000, seed=0):
+    """Sec. 3.4: f(x) = x^2/2, Q(x) = x + xi with xi ~ N(0, sq^2) independent of x; returns E[f'(Q)^2]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = lambda x: x + sq * torch.randn(x.shape, generator=gen, dtype=x.dtype)  # noqa: E731
+    steps = int(20 / (lr / (1 - beta))) + 200
+    theta = torch.full((n,), 0.5, dtype=torch.float64)
+    m = torch.zeros_like(theta)
+    acc, cnt = 0.0, 0
+    for t in range(steps):
+        g = theta.clone()
+        if mode == "naive":
+            m.mul_(beta).add_(g)
+            theta = q(theta - lr * m)
+        else:
+            box = {}
+
+            def requant(tmp, box=box):
+                box["t"] = q(tmp)
+                return tmp - box["t"]
+
+            eco_sgdm_(theta, m, g, lr=lr, beta=beta, weight_decay=0.0, requant=requant)
+            theta = box["t"]
+        if t > steps // 2:
+            acc += float((theta ** 2).mean())
+            cnt += 1
+    return acc / cnt
+
+
+def test_noisy_quadratic_ordering():
+    naive = {lr: _stationary_sq_grad("naive", lr) for lr in (0.1, 0.001)}
+    eco = {lr: _stationary_sq_grad("eco", lr) for lr in (0.1, 0.001)}
+    assert naive[0.001] > 4 * naive[0.1]  # naive removal: error ~ 1/lr
+    assert eco[0.001] < 1.5 * eco[0.1]  # ECO: bounded as lr -> 0
+    assert eco[0.001] < naive[0.001] / 4
+
+
+def test_rtn_small_lr_naive_stalls_eco_converges():
+    """Updates smaller than half a grid step vanish under naive RTN; ECO accumulates them in momentum."""
+    q = lambda x: torch.round(x / 0.05) * 0.05  # noqa: E731
+    out = {}
+    for mode in ("naive", "eco"):
+        theta, m = torch.ones(4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+        for _ in range(3000):
+            g = theta.clone()
+            if mode == "naive":
+                m.mul_(0.9).add_(g)
+                theta = q(theta - 1e-3 * m)
+            else:
+                box = {}
+                eco_sgdm_(theta, m, g, lr=1e-3, beta=0.9, weight_decay=0.0,
+                          requant=lambda t, box=box: (box.__setitem__("t", q(t)), t - box["t"])[1])
+                theta = box["t"]
+        out[mode] = float(theta.abs().max())
+    assert out["naive"] == 1.0 and out["eco"] <= 0.05
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    net[0] = QLinear.from_linear(net[0], "fp8_e4m3_row")
+    return net
+
+
+def _train(opt_fn, steps=60, seed=0):
+    net = _net(seed)
+    opt = opt_fn(net)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(128, 32, generator=g), torch.randn(128, 8, generator=g)
+    losses = []
+    for _ in range(steps):
+        loss = ((net(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return net, opt, losses
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(rounding="rtn"), dict(state_dtype=torch.bfloat16),
+                                dict(state_bits=8), dict(rule="exact")])
+def test_ecoadamw_trains(kw):
+    _, opt, losses = _train(lambda n: ECOAdamW(n.parameters(), lr=1e-2, **kw))
+    assert losses[-1] < 0.5 * losses[0]
+    st = opt.state[next(iter(opt.param_groups[0]["params"]))]
+    if "state_dtype" in kw:
+        assert st["exp_avg"].dtype == torch.bfloat16
+    if "state_bits" in kw:
+        assert st["exp_avg_q8"].dtype == torch.int8 and "exp_avg" not in st
+
+
+def test_ecosgd_trains():
+    _, _, losses = _train(lambda n: ECOSGD(n.parameters(), lr=0.05, momentum=0.9))
+    assert losses[-1] < 0.7 * losses[0]
+
+
+def test_state_dict_roundtrip_resumes_exactly():
+    mk = lambda n: ECOAdamW(n.parameters(), lr=1e-2, state_dtype=torch.bfloat16)  # noqa: E731
+    net, opt, _ = _train(mk, steps=5)
+    sd_net = {k: v.clone() for k, v in net.state_dict().items()}
+    sd_opt = opt.state_dict()
+    net2 = _net(5)
+    net2.load_state_dict(sd_net)
+    opt2 = mk(net2)
+    opt2.load_state_dict(sd_opt)
+    st = opt2.state[net2[0].weight]
+    assert st["exp_avg"].dtype == torch.bfloat16  # not cast to the param dtype by torch
+    x = torch.randn(16, 32)
+    for n, o in ((net, opt), (net2, opt2)):
+        for _ in range(3):
+            o.zero_grad()
+            n(x).pow(2).mean().backward()
+            o.step()
+    assert torch.equal(net[0].weight.codes.view(torch.uint8), net2[0].weight.codes.view(torch.uint8))
+
+
+def test_bad_args_and_nan_refusal():
+    net = _net()
+    with pytest.raises(ValueError, match="lr"):
+        ECOAdamW(net.parameters(), lr=0)
+    with pytest.raises(ValueError, match="betas"):
+        ECOAdamW(net.parameters(), betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="momentum"):
+        ECOSGD(net.parameters(), momentum=0.0)
+    with pytest.raises(ValueError, match="rounding"):
+        ECOAdamW(net.parameters(), rounding="nearest")
+    with pytest.raises(ValueError, match="rule"):
+        ECOSGD(net.parameters(), rule="fast")
+    opt = ECOAdamW(list(net.named_parameters()), lr=1e-2)
+    net(torch.randn(4, 32)).sum().backward()
+    net[0].weight.grad[0, 0] = float("nan")
+    codes = net[0].weight.codes.clone()
+    bias = net[2].bias.detach().clone()
+    with pytest.raises(ValueError, match=r"0\.weight"):
+        opt.step()
+    assert torch.equal(net[0].weight.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(net[2].bias, bias)
+
+
+def test_8bit_states_roundtrip():
+    x = torch.randn(5000) * torch.logspace(-4, 0, 5000)
+    c, a = encode8(x, signed=True)
+    y = decode8(c, a, x.shape, signed=True)
+    assert ((y - x).abs() <= 0.02 * x.abs().max()).all()
+    v = x ** 2
+    c, a = encode8(v, signed=False)
+    assert (decode8(c, a, v.shape, signed=False) >= 0).all()
+
+
+def test_lr_zero_leaves_weights():
+    net = _net()
+    opt = ECOAdamW(net.parameters(), lr=1e-2)
+    opt.param_groups[0]["lr"] = 0.0  # a warm-up scheduler's first step
+    net(torch.randn(4, 32)).sum().backward()
+    before = net[0].weight.dequantize()
+    opt.step()
+    assert torch.equal(net[0].weight.dequantize(), before)
+    assert isinstance(net[0].weight, QParam)

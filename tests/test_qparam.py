@@ -1,0 +1,125 @@
+"""QParam: formats, SR unbiasedness, autograd, state_dict/safetensors, refusal of plain in-place updates."""
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from hfq.formats.fp8 import dequantize_fp8_row, quantize_fp8_row, round_e4m3
+from hfq.qparam import FORMATS, QLinear, QParam
+
+META = {"int4_group": {"group_size": 16}}
+
+
+def _w(shape=(24, 48), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * 0.2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_roundtrip_and_error(fmt):
+    w = _w()
+    q = QParam.from_float(w, fmt, **META.get(fmt, {}))
+    assert q.shape == w.shape and q.dtype == torch.bfloat16
+    deq = q.dequantize(torch.float32)
+    rel = float((deq - w).norm() / w.norm())
+    assert rel < {"fp8_e4m3_row": 0.05, "int8_dense_sparse": 0.02}.get(fmt, 0.2), rel
+    err = q.requantize_(w * 1.5, "rtn")
+    torch.testing.assert_close(err, w * 1.5 - q.dequantize(torch.float32), rtol=0, atol=0)
+
+
+def test_fp8_rtn_matches_torch_cast_and_sr_on_grid():
+    x = torch.randn(4000) * 50
+    assert torch.equal(round_e4m3(x, "rtn"), x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    s = round_e4m3(x, "sr", torch.Generator().manual_seed(1))
+    assert torch.equal(s, s.to(torch.float8_e4m3fn).float())  # on the grid
+    lo = torch.minimum(s, x)
+    assert ((s - x).abs() <= (x.abs() / 8).clamp_min(2 ** -9)).all()  # a neighbour, never further
+    assert lo.numel() == x.numel()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3_row", "int4_tensor"])
+def test_sr_unbiased(fmt):
+    w = _w((8, 32), seed=3)
+    q = QParam.from_float(w, fmt)
+    value = q.dequantize(torch.float32) * 0.97 + 0.003  # off-grid, same amax scale region
+    gen = torch.Generator().manual_seed(0)
+    n = 3000
+    acc = torch.zeros_like(value)
+    for _ in range(n):
+        q.requantize_(value, "sr", gen)
+        acc += q.dequantize(torch.float32)
+    mean = acc / n
+    rtn_err = (QParam.from_float(value, fmt).dequantize(torch.float32) - value).abs().mean()
+    # the SR mean error shrinks like 1/sqrt(n); RTN's bias does not
+    assert (mean - value).abs().mean() < 0.1 * rtn_err
+
+
+def test_qlinear_grad_matches_dense():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(48, 24)
+    q = QLinear.from_linear(lin, "fp8_e4m3_row")
+    ref = torch.nn.Linear(48, 24)
+    with torch.no_grad():
+        ref.weight.copy_(q.weight.dequantize(torch.float32))
+        ref.bias.copy_(lin.bias)
+    x = torch.randn(3, 5, 48, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    (q(x) ** 2).sum().backward()
+    (ref(x2) ** 2).sum().backward()
+    assert type(q.weight.grad) is torch.Tensor and q.weight.grad.dtype == torch.bfloat16
+    assert q.weight.grad.shape == (24, 48)
+    torch.testing.assert_close(q.weight.grad.float(), ref.weight.grad, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q.bias.grad, ref.bias.grad)
+    # QParam also works as the weight of a plain nn.Linear (F.linear is intercepted)
+    plain = torch.nn.Linear(48, 24)
+    plain.weight = torch.nn.Parameter(QParam.from_float(lin.weight.detach()))
+    plain(x.detach()).sum().backward()
+    assert plain.weight.grad.shape == (24, 48)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_state_dict_safetensors_codes_and_scales(fmt):
+    lin = torch.nn.Linear(48, 24)
+    q = QLinear.from_linear(lin, fmt, **META.get(fmt, {}))
+    sd = load(save(q.state_dict()))
+    assert "weight" not in sd and "weight_codes" in sd and "weight_scales" in sd
+    codes_dtype = {"fp8_e4m3_row": torch.float8_e4m3fn}.get(fmt, torch.uint8)
+    assert sd["weight_codes"].dtype == codes_dtype
+    q2 = QLinear(48, 24, True, fmt, **META.get(fmt, {}))
+    q2.load_state_dict(sd)
+    assert torch.equal(q2.weight.dequantize(), q.weight.dequantize())
+    q3 = copy.deepcopy(q).to("cpu")
+    assert isinstance(q3.weight, QParam) and q3.weight.codes is not q.weight.codes
+    assert torch.equal(q3.weight.dequantize(), q.weight.dequantize())
+
+
+def test_bad_inputs():
+    w = _w()
+    with pytest.raises(ValueError, match="weight_format"):
+        QParam.from_float(w, "fp7")
+    with pytest.raises(ValueError, match="rounding"):
+        QParam.from_float(w).requantize_(w, "stochastic")
+    bad = w.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        QParam.from_float(bad)
+    with pytest.raises(ValueError, match="group_size"):
+        QParam.from_float(w, "int4_group", group_size=10)
+    with pytest.raises(ValueError, match="even"):
+        QParam.from_float(torch.randn(4, 7), "int4_tensor")
+    q = torch.nn.Parameter(QParam.from_float(w))
+    q.grad = torch.randn(w.shape, dtype=torch.bfloat16)
+    before = q.codes.clone()
+    with pytest.raises(TypeError, match="ECOAdamW"):
+        torch.optim.AdamW([q], lr=1e-3).step()
+    assert torch.equal(q.codes.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_fp8_reference_quantizer_rows():
+    w = _w()
+    codes, scales = quantize_fp8_row(w)
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (24, 1)
+    torch.testing.assert_close(scales.squeeze(1), w.abs().amax(1) / 448)
+    assert (dequantize_fp8_row(codes, scales).abs().amax(1) - w.abs().amax(1)).abs().max() < 1e-6
