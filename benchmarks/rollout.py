@@ -281,6 +281,9 @@ def step_split(eng, V, b=8):
         if key not in eng._graphs:
             eng._graphs[key] = eng._capture(key)
         g = eng._graphs[key]
+        if g is None:
+            out["graphs"] = False
+            break
         eng.col.fill_(300)
         eng.step.fill_(1)
         for _ in range(3):
@@ -349,7 +352,8 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                 skipped.append(f"hfq bf16 b{b}")
                 continue
             tok_s, dt = run_hfq(eng, b, plen, new, V)
-            add(engine="hfq", weights="bf16", batch=b, new_tokens=new, tok_s=round(tok_s, 1), peak_gb=peak_gb())
+            add(engine="hfq", weights="bf16", batch=b, new_tokens=new, tok_s=round(tok_s, 1), peak_gb=peak_gb(),
+                graphs=eng.use_graphs)
             if b == 8 and "split_bf16_b8" not in results:
                 results["split_bf16_b8"] = {**step_split(eng, V), **linear_floor(model),
                                             "step_ms_measured": round(dt / new * 1000, 3)}

@@ -58,7 +58,9 @@ def process_logits(logits: torch.Tensor, flags: SamplerFlags, temperature: torch
     logits [B, V] float32; temperature/top_p/min_p [B, 1] float32; top_k [B, 1] int64 (<= 0: off)."""
     if flags.greedy:
         return logits
-    neg = torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype)
+    # Python-scalar fills only: building a device tensor from a host value here would be a host copy,
+    # which is illegal inside CUDA-graph capture
+    neg = float("-inf")
     x = logits / temperature
     if flags.top_k or flags.top_p:
         srt, _ = torch.sort(x, dim=-1, descending=True)
@@ -66,20 +68,20 @@ def process_logits(logits: torch.Tensor, flags: SamplerFlags, temperature: torch
         if flags.top_k:
             k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab) - 1
             kth = srt.gather(1, k)
-            x = torch.where(x < kth, neg, x)
-            srt = torch.where(srt < kth, neg, srt)
+            x = x.masked_fill(x < kth, neg)
+            srt = srt.masked_fill(srt < kth, neg)
         if flags.top_p:
             probs = srt.softmax(-1)
             before = probs.cumsum(-1) - probs  # mass strictly ahead of each sorted entry
             remove = before >= top_p
             remove[:, 0] = False
             # the smallest kept value is the threshold; ties at it are kept, as in transformers
-            kept_min = torch.where(remove, torch.tensor(float("inf"), device=x.device), srt).amin(-1, keepdim=True)
-            x = torch.where(x < kept_min, neg, x)
+            kept_min = srt.masked_fill(remove, float("inf")).amin(-1, keepdim=True)
+            x = x.masked_fill(x < kept_min, neg)
     if flags.min_p:
         probs = x.softmax(-1)
         thresh = min_p * probs.amax(-1, keepdim=True)
-        x = torch.where(probs < thresh, neg, x)
+        x = x.masked_fill(probs < thresh, neg)
     return x
 
 
