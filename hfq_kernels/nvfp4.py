@@ -310,8 +310,24 @@ def _check_packed(packed, scale, global_scale, name="nvfp4"):
         raise ValueError(f"{name}: weight_global_scale must have one element, got shape {tuple(global_scale.shape)}")
 
 
+_ASM_BROKEN = False  # set if the inline-PTX decode ever fails to compile; the plain decode is used after
+
+
 def _use_asm(device: torch.device) -> bool:
-    return (not INTERPRET) and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+    return (not INTERPRET and not _ASM_BROKEN and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def _launch(kernel, grid, use_asm: bool, *args, **kw):
+    """Launch; if the inline-PTX variant fails to build, remember that and use the plain decode."""
+    global _ASM_BROKEN
+    try:
+        kernel[grid](*args, USE_ASM=use_asm, **kw)
+    except Exception as e:
+        if not use_asm:
+            raise
+        _ASM_BROKEN = f"{type(e).__name__}: {str(e)[:2000]}"
+        kernel[grid](*args, USE_ASM=False, **kw)
 
 
 def quantize(w: torch.Tensor):
@@ -364,12 +380,11 @@ def _mm_default(m: int, n: int, k: int) -> dict:
 def _mm_candidates(m: int, n: int, k: int) -> list[dict]:
     c = []
     if m <= 16:
-        for bn, bk, warps, stages in ((64, 256, 4, 4), (128, 256, 4, 3), (64, 512, 4, 3), (128, 128, 4, 4),
-                                      (32, 512, 4, 3)):
+        for bn, bk, warps, stages in ((64, 256, 4, 4), (128, 256, 4, 3), (64, 512, 4, 3)):
             tiles = _cdiv(n, bn)
             chunks = _cdiv(k, bk)
             for split in (1, 2, 4, 8, 16):
-                if split > chunks or (tiles * split > 16 * 132) or (split > 1 and tiles * split < 66):
+                if split > chunks or (split > 1 and not 132 <= tiles * split <= 8 * 132):
                     continue
                 c.append(dict(kind="mm", BN=bn, BM=16, BK=bk, split=split, warps=warps, stages=stages, asm=True))
     elif m <= 64:
@@ -401,10 +416,11 @@ def _mm_launch(x2, packed, scale, recip, bias, cfg, out=None):
         y = torch.zeros((m, n), dtype=torch.float32, device=x2.device)
     else:
         y = out if out is not None else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    _mm_kernel[grid](x2, packed, scale.view(torch.uint8), recip, bias if bias is not None else recip, y,
+    _launch(_mm_kernel, grid, bool(cfg.get("asm", True)) and _use_asm(x2.device),
+            x2, packed, scale.view(torch.uint8), recip, bias if bias is not None else recip, y,
                      m, n, k, x2.stride(0), y.stride(0), cps,
                      BN=bn, BM=bm, BK=bk, HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic,
-                     USE_ASM=bool(cfg.get("asm", True)) and _use_asm(x2.device), MASK_K=(k % bk) != 0 or (chunks % split) != 0, F32_DOT=INTERPRET,
+                     MASK_K=(k % bk) != 0 or (chunks % split) != 0, F32_DOT=INTERPRET,
                      num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 3))
     if atomic:
         if bias is not None:
@@ -501,9 +517,9 @@ def grad_input(g, packed, scale, global_scale, config: dict | None = None, out=N
         y = out if out is not None else torch.empty((m, k), dtype=g.dtype, device=g.device)
         bm, bnr, bko = config["BM"], config["BNR"], config["BKO"]
         grid = (_cdiv(m, bm), _cdiv(k, bko))
-        _mm_grad_kernel[grid](g2, packed, scale.view(torch.uint8), recip, y, m, n, k, g2.stride(0),
-                              BM=bm, BNR=bnr, BKO=bko, USE_ASM=bool(config.get("asm", True)) and _use_asm(g.device),
-                              MASK_N=(n % bnr) != 0, F32_DOT=INTERPRET, num_warps=config.get("warps", 4),
+        _launch(_mm_grad_kernel, grid, bool(config.get("asm", True)) and _use_asm(g.device),
+                g2, packed, scale.view(torch.uint8), recip, y, m, n, k, g2.stride(0),
+                              BM=bm, BNR=bnr, BKO=bko, MASK_N=(n % bnr) != 0, F32_DOT=INTERPRET, num_warps=config.get("warps", 4),
                               num_stages=config.get("stages", 3))
     return y.reshape(*g.shape[:-1], k)
 

@@ -1,0 +1,199 @@
+"""NVFP4 Triton kernels vs the torch oracle (hfq.formats.fp4).
+
+On CPU the kernels run under TRITON_INTERPRET=1 at small shapes (odd multiples of 16 included); with CUDA the
+same tests run on the GPU, plus full-shape checks. Outputs are poisoned with NaN before each run.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hfq.formats import fp4
+from hfq_kernels import nvfp4 as K
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weight(n, k, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0.5, n)[:, None]
+    w[0, :16] = 0.0  # an all-zero block
+    if k >= 32:
+        w[0, 16:32] = -0.0
+    w[min(1, n - 1), :16] *= 1e-5  # block scale in E4M3's subnormal range
+    return w.to(dtype).to(DEV)
+
+
+def _rel(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("n,k", [(37, 160), (16, 48), (5, 272)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_bit_identical(n, k, dtype):
+    w = _weight(n, k, dtype, seed=n + k)
+    p, s, r = K.quantize(w)
+    rp, rs, rr = fp4.nvfp4_quantize(w.cpu())
+    assert torch.equal(p.cpu(), rp)
+    assert torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8))
+    assert torch.equal(r.cpu(), rr)
+
+
+def test_quantize_rounding_ties_and_extremes():
+    # values landing exactly on E2M1 decision boundaries and on E4M3 rounding ties
+    k = 64
+    base = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -2.5, -5.0, 0.1, -6.0, 3.0, 1.0])
+    w = torch.stack([base * 2.0 ** e for e in range(-8, 8)]).repeat(1, k // 16)
+    w[:, 16:32] *= 1.0 + 2.0 ** -4  # E4M3 ties in the block scale
+    w = w.to(DEV)
+    p, s, r = K.quantize(w)
+    rp, rs, rr = fp4.nvfp4_quantize(w.cpu())
+    assert torch.equal(p.cpu(), rp) and torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_bit_identical(out_dtype):
+    w = _weight(29, 96, seed=3)
+    p, s, r = K.quantize(w)
+    out = torch.full((29, 96), float("nan"), dtype=out_dtype, device=DEV)
+    d = K.dequantize(p, s, r, out_dtype, out=out)
+    ref = fp4.nvfp4_dequantize(p.cpu(), s.cpu(), r.cpu(), out_dtype)
+    assert torch.equal(d.cpu(), ref)
+
+
+LINEAR_CASES = [
+    # (M, K, N, config): swap-AB decode tiles with/without split-K (even, uneven, K tail), large-M tiles
+    (1, 96, 40, dict(kind="mm", BN=32, BM=16, BK=32, split=1, warps=4, stages=2)),
+    (3, 160, 48, dict(kind="mm", BN=16, BM=16, BK=64, split=2, warps=4, stages=2)),  # K tail + uneven split
+    (16, 256, 32, dict(kind="mm", BN=32, BM=16, BK=64, split=4, warps=4, stages=2)),
+    (17, 80, 24, dict(kind="mm", BN=16, BM=32, BK=32, split=1, warps=4, stages=2)),
+    (70, 128, 72, dict(kind="mm", BN=64, BM=32, BK=64, split=1, warps=4, stages=2)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,cfg", LINEAR_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_kernel_matches_float64(m, k, n, cfg, bias):
+    g = torch.Generator().manual_seed(m * 7 + n)
+    p, s, r = K.quantize(_weight(n, k, seed=m + n))
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEV)
+    b = torch.randn(n, generator=g).to(torch.bfloat16).to(DEV) if bias else None
+    ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
+    if bias:
+        ref = ref + b.double()
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
+    y = K.linear(x, p, s, r, b, config=cfg, out=out)
+    assert torch.isfinite(y).all()
+    assert _rel(y, ref) <= 1e-2
+
+
+def test_linear_fp16_and_batch_dims():
+    p, s, r = K.quantize(_weight(24, 64, seed=5))
+    x = torch.randn(2, 3, 64).to(torch.float16).to(DEV)
+    y = K.linear(x, p, s, r, config=dict(kind="mm", BN=16, BM=16, BK=32, split=2, warps=4, stages=2))
+    ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
+    assert y.shape == (2, 3, 24) and y.dtype == torch.float16
+    assert _rel(y, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (5, 48, 64, dict(kind="t", BM=16, BNR=32, BKO=32, warps=4, stages=2)),  # N tail (48 % 32)
+    (33, 64, 96, dict(kind="t", BM=32, BNR=32, BKO=64, warps=4, stages=2)),  # K tail (96 % 64)
+])
+def test_grad_input_kernel(m, n, k, cfg):
+    p, s, r = K.quantize(_weight(n, k, seed=n))
+    gy = torch.randn(m, n).to(torch.bfloat16).to(DEV)
+    out = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device=DEV)
+    gx = K.grad_input(gy, p, s, r, config=cfg, out=out)
+    ref = gy.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double()
+    assert torch.isfinite(gx).all() and _rel(gx, ref) <= 1e-2
+
+
+def test_op_autograd_x_and_bias():
+    w = _weight(24, 48, seed=9)
+    p, s, r = torch.ops.hfq.nvfp4_quantize(w)
+    x = torch.randn(4, 48, dtype=torch.float32, device=DEV, requires_grad=True)
+    b = torch.randn(24, dtype=torch.float32, device=DEV, requires_grad=True)
+    y = torch.ops.hfq.nvfp4_linear(x, p, s, r, b)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    wd = fp4.nvfp4_dequantize(p, s, r, torch.float32).to(DEV)
+    x2 = x.detach().clone().requires_grad_()
+    b2 = b.detach().clone().requires_grad_()
+    F.linear(x2, wd, b2).backward(gy)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.grad, b2.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_op_bias_without_grad_and_x_without_grad():
+    p, s, r = torch.ops.hfq.nvfp4_quantize(_weight(16, 32, seed=2))
+    x = torch.randn(3, 32, device=DEV)
+    b = torch.randn(16, device=DEV, requires_grad=True)
+    torch.ops.hfq.nvfp4_linear(x, p, s, r, b).sum().backward()
+    torch.testing.assert_close(b.grad, torch.full_like(b, 3.0))
+
+
+def test_bad_inputs_raise_value_error():
+    p, s, r = K.quantize(_weight(16, 32))
+    with pytest.raises(ValueError, match="in_features"):
+        K.linear(torch.randn(2, 48, device=DEV, dtype=torch.bfloat16), p, s, r)
+    with pytest.raises(ValueError, match="weight_scale"):
+        K.linear(torch.randn(2, 32, device=DEV, dtype=torch.bfloat16), p, s[:, :1], r)
+    with pytest.raises(ValueError, match="NaN"):
+        K.quantize(torch.full((4, 16), float("nan"), device=DEV))
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        K.quantize(torch.randn(4, 24, device=DEV))
+
+
+def test_autotune_bucket_and_cache_key():
+    assert [K.m_bucket(m) for m in (1, 2, 3, 16, 17, 1000, 9000)] == [1, 2, 4, 16, 32, 1024, 4096]
+    key = K.Tuner.key(3, 512, 3584, torch.bfloat16, torch.device("cpu"))
+    assert key == "m4|n512|k3584|bfloat16|cpu"
+    t = K.Tuner("hfq_test_op")
+    calls = []
+    best = t.choose(key, [{"a": 1}], lambda c: calls.append(c), default={"a": 0}) if DEV == "cuda" else None
+    if DEV == "cuda":
+        assert best == {"a": 1} and t.choose(key, [], None, default={}) == {"a": 1}
+
+
+def test_torch_compile_fullgraph_tiny_model():
+    """A tiny Qwen2 whose decoder linears call hfq::nvfp4_linear compiles with fullgraph=True."""
+    from hfq.tiny import tiny_model
+
+    model = tiny_model("qwen2", hidden=64, intermediate=128)
+    model = model.to(DEV)
+
+    class Lin(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.p, self.s, self.r = torch.ops.hfq.nvfp4_quantize(lin.weight.data)
+            self.bias = lin.bias
+
+        def forward(self, x):
+            return torch.ops.hfq.nvfp4_linear(x, self.p, self.s, self.r, self.bias)
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, mod in list(parent.named_children()):
+                if isinstance(mod, torch.nn.Linear):
+                    setattr(parent, name, Lin(mod))
+    ids = torch.randint(4, 90, (2, 1), device=DEV)
+    with torch.no_grad():
+        eager = model(ids, use_cache=False).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t: model(t, use_cache=False).logits, fullgraph=True)
+        out = compiled(ids)
+    assert math.isfinite(out.float().sum().item())
+    torch.testing.assert_close(out, eager, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="full-shape GPU check (CPU runs the small shapes above)")
+@pytest.mark.parametrize("k,n", [(3584, 18944), (18944, 3584), (5120, 27648), (11008, 512)])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 128, 1000])
+def test_linear_full_shapes_gpu(k, n, m):
+    p, s, r = K.quantize(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.ops.hfq.nvfp4_linear(x, p, s, r, None)
+    ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
+    assert _rel(y, ref) <= 1e-2
