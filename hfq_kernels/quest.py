@@ -56,7 +56,9 @@ def quest_quantize_ref(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float
 def quest_masked_ht_ref(g: torch.Tensor, mask: torch.Tensor | None, block: int) -> torch.Tensor:
     """Torch reference of hfq::quest_masked_ht on a 2-D tensor (mask None = all trusted)."""
     gm = g if mask is None else torch.where(unpack_mask(mask, g.shape[-1]), g, torch.zeros_like(g))
-    return fwht(gm, block) if block else gm
+    if block:
+        return fwht(gm, block)
+    return gm.clone() if gm is g else gm  # an op output may not alias its input
 
 
 # ----------------------------------------------------------------------------- Triton
