@@ -21,6 +21,8 @@ _LAZY = {
     "QeRLConfig": "hfq.qerl",
     "QeRLGRPOTrainer": "hfq.qerl",
     "QParam": "hfq.qparam",
+    "RolloutEngine": "hfq.rollout",
+    "RolloutMixin": "hfq.rollout",
 }
 
 __all__ = sorted(_LAZY)
