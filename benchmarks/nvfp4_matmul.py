@@ -182,7 +182,7 @@ def sweep(out_dir: Path, quick: bool):
                     continue
                 e = rel_err(y, ref)
                 check(f"linear K{k} N{n} M{m} {cfg}", e <= 1e-2 and torch.isfinite(y).all().item(), err=e,
-                      asm_broken=K._ASM_BROKEN)
+                      asm_failed=len(K._ASM_FAILED))
             if m in (3, 128):
                 yb = K.linear(x, p, s, r, bias, config=K._mm_default(m, n, k))
                 e = rel_err(yb, ref + bias.double())
@@ -260,7 +260,7 @@ def sweep(out_dir: Path, quick: bool):
     (out_dir / "nvfp4_grad_input_tuned.json").write_text(
         json.dumps({"nvfp4_grad_input": tuned_g}, indent=1, sort_keys=True))
     log["fails"] = fails
-    log["asm_broken"] = K._ASM_BROKEN
+    log["asm_failed"] = {str(a): b for a, b in K._ASM_FAILED.items()}
     (out_dir / "sweep.json").write_text(json.dumps(log, indent=1, default=str))
     print(f"SWEEP DONE: {len(log['checks'])} checks, {len(fails)} failures: {fails[:10]}", flush=True)
 
@@ -372,13 +372,18 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
     try:
         commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
                                          cwd=Path(__file__).resolve().parents[1]).strip()
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001  (the device copy of the tree has no .git)
         commit = os.environ.get("HFQ_COMMIT", "unknown")
+    commit = os.environ.get("HFQ_COMMIT", commit)
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "commit": commit, "torch": torch.__version__, "triton": __import__("triton").__version__,
            "bitsandbytes": getattr(bnb, "__version__", None), "copy_gbps": round(copy_gbps, 1),
            "compile_decode": comp, "rows": rows}
+    res["asm_failed"] = {str(a): e for a, e in K._ASM_FAILED.items()}
+    res["tuned"] = K._LINEAR_TUNER.cache
     out_json.write_text(json.dumps(res, indent=1))
+    (out_json.parent / "nvfp4_linear_tuned.json").write_text(
+        json.dumps({"nvfp4_linear": K._LINEAR_TUNER.cache}, indent=1, sort_keys=True))
     out_md.write_text(to_markdown(res))
     print(f"wrote {out_json} {out_md}")
 

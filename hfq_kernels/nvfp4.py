@@ -74,6 +74,12 @@ if HAS_TRITON:
         return b.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
+    def _e2m1_raw(c):
+        """4-bit code (int32) -> float32 value * 2^-14 (the code's bits placed in an fp16; exact)."""
+        h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16)
+        return h.to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
     def _e2m1_to_f32(c):
         """4-bit code (int32) -> float32: code bits as fp16 (value * 2^-14, exact incl. 0.5) then rescale."""
         h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16)
@@ -254,6 +260,57 @@ if HAS_TRITON:
             tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
     @triton.jit
+    def _gemv_kernel(x_ptr, wp_ptr, ws_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, chunks_per_split,
+                     BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     ATOMIC: tl.constexpr, MASK_K: tl.constexpr):
+        """CUDA-core GEMV for M <= BM (tiny): [BN, BK/16, 8] byte tiles, even/odd x columns, no interleave and
+        no shared memory; each block's 16 products are summed before its scale is applied."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BN + tl.arange(0, BN)
+        n_ok = rn < N
+        rn_c = tl.where(n_ok, rn, 0).to(tl.int64)
+        rm = tl.arange(0, BM)
+        m_ok = rm < M
+        rm_c = tl.where(m_ok, rm, 0).to(tl.int64)
+        kb = tl.arange(0, BK // 16)
+        kj = tl.arange(0, 8)
+        k_lo = pid_k * chunks_per_split * BK
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        wp_rows = wp_ptr + rn_c[:, None, None] * (K // 2) + (kb * 8)[None, :, None] + kj[None, None, :]
+        ws_rows = ws_ptr + rn_c[:, None] * (K // 16) + kb[None, :]
+        x_rows = x_ptr + rm_c[:, None, None] * stride_xm + (kb * 16)[None, :, None] + (2 * kj)[None, None, :]
+        for i in range(0, chunks_per_split):
+            k = k_lo + i * BK
+            if MASK_K:
+                kmask = (k + kb * 16) < K
+                p = tl.load(wp_rows + k // 2, mask=kmask[None, :, None], other=0)
+                s = tl.load(ws_rows + k // 16, mask=kmask[None, :], other=0)
+                xe = tl.load(x_rows + k, mask=kmask[None, :, None], other=0.0)
+                xo = tl.load(x_rows + k + 1, mask=kmask[None, :, None], other=0.0)
+            else:
+                p = tl.load(wp_rows + k // 2)
+                s = tl.load(ws_rows + k // 16)
+                xe = tl.load(x_rows + k)
+                xo = tl.load(x_rows + k + 1)
+            pi = p.to(tl.int32)
+            lo = _e2m1_raw(pi & 15)
+            hi = _e2m1_raw(pi >> 4)
+            part = tl.sum(lo[None, :, :, :] * xe.to(tl.float32)[:, None, :, :]
+                          + hi[None, :, :, :] * xo.to(tl.float32)[:, None, :, :], axis=3)
+            sf = _e4m3_to_f32(s.to(tl.int32)) * 16384.0
+            acc += tl.sum(part * sf[None, :, :], axis=2)
+        acc = acc * (1.0 / tl.load(recip_ptr))
+        ymask = m_ok[:, None] & n_ok[None, :]
+        yp = y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :]
+        if ATOMIC:
+            tl.atomic_add(yp, acc, mask=ymask, sem="relaxed")
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+    @triton.jit
     def _mm_grad_kernel(g_ptr, wp_ptr, ws_ptr, recip_ptr, out_ptr, M, N, K, stride_gm,
                         BM: tl.constexpr, BNR: tl.constexpr, BKO: tl.constexpr, USE_ASM: tl.constexpr,
                         MASK_N: tl.constexpr, F32_DOT: tl.constexpr):
@@ -310,23 +367,24 @@ def _check_packed(packed, scale, global_scale, name="nvfp4"):
         raise ValueError(f"{name}: weight_global_scale must have one element, got shape {tuple(global_scale.shape)}")
 
 
-_ASM_BROKEN = False  # set if the inline-PTX decode ever fails to compile; the plain decode is used after
+_ASM_FAILED: dict = {}  # constexpr-config -> error, for configs whose inline-PTX decode failed to build
 
 
 def _use_asm(device: torch.device) -> bool:
-    return (not INTERPRET and not _ASM_BROKEN and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) >= (8, 0))
+    return (not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
 def _launch(kernel, grid, use_asm: bool, *args, **kw):
-    """Launch; if the inline-PTX variant fails to build, remember that and use the plain decode."""
-    global _ASM_BROKEN
+    """Launch; if this config's inline-PTX variant fails to build, remember it and use the plain decode."""
+    key = (kernel.fn.__name__, tuple(sorted((k, v) for k, v in kw.items() if isinstance(v, (int, bool)))))
+    if use_asm and key in _ASM_FAILED:
+        use_asm = False
     try:
         kernel[grid](*args, USE_ASM=use_asm, **kw)
     except Exception as e:
         if not use_asm:
             raise
-        _ASM_BROKEN = f"{type(e).__name__}: {str(e)[:2000]}"
+        _ASM_FAILED[key] = f"{type(e).__name__}: {str(e)[-1500:]}"
         kernel[grid](*args, USE_ASM=False, **kw)
 
 
@@ -374,13 +432,22 @@ def _mm_default(m: int, n: int, k: int) -> dict:
         bm = 32 if m <= 32 else 64
         return dict(kind="mm", BN=64, BM=bm, BK=128, split=2 if n * k < 4096 * 4096 else 1, warps=4, stages=4,
                     asm=True)
-    return dict(kind="mm", BN=128, BM=128, BK=64, split=1, warps=8, stages=3, asm=True)
+    return dict(kind="dq")
 
 
 def _mm_candidates(m: int, n: int, k: int) -> list[dict]:
     c = []
+    if m <= 4:
+        bm = 1 if m == 1 else (2 if m == 2 else 4)
+        for bn, bk, warps, stages in ((16, 256, 4, 3), (32, 256, 4, 3), (16, 512, 4, 2), (8, 512, 4, 3)):
+            tiles = _cdiv(n, bn)
+            chunks = _cdiv(k, bk)
+            for split in (1, 2, 4, 8):
+                if split > chunks or (split > 1 and not 132 <= tiles * split <= 16 * 132):
+                    continue
+                c.append(dict(kind="gemv", BN=bn, BM=bm, BK=bk, split=split, warps=warps, stages=stages))
     if m <= 16:
-        for bn, bk, warps, stages in ((64, 256, 4, 4), (128, 256, 4, 3), (64, 512, 4, 3)):
+        for bn, bk, warps, stages in ((64, 256, 4, 4), (64, 512, 4, 3)):
             tiles = _cdiv(n, bn)
             chunks = _cdiv(k, bk)
             for split in (1, 2, 4, 8, 16):
@@ -394,11 +461,9 @@ def _mm_candidates(m: int, n: int, k: int) -> list[dict]:
                 continue
             for split in (1, 2, 4):
                 c.append(dict(kind="mm", BN=bn, BM=bm, BK=bk, split=split, warps=warps, stages=stages, asm=True))
-    else:
-        for bn, bm, bk, warps, stages in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 64, 128, 4, 3),
-                                          (64, 128, 64, 4, 4), (128, 128, 128, 8, 3)):
-            c.append(dict(kind="mm", BN=bn, BM=bm, BK=bk, split=1, warps=warps, stages=stages, asm=True))
+    else:  # measured on H100: dequantize + cuBLAS beats the fused Triton tile for M >= 128 (see benchmarks)
         c.append(dict(kind="dq"))
+        c.append(dict(kind="mm", BN=64, BM=128, BK=64, split=1, warps=4, stages=4, asm=True))
     return c
 
 
@@ -416,12 +481,19 @@ def _mm_launch(x2, packed, scale, recip, bias, cfg, out=None):
         y = torch.zeros((m, n), dtype=torch.float32, device=x2.device)
     else:
         y = out if out is not None else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    _launch(_mm_kernel, grid, bool(cfg.get("asm", True)) and _use_asm(x2.device),
+    if cfg["kind"] == "gemv":
+        _gemv_kernel[(_cdiv(n, bn), split)](
             x2, packed, scale.view(torch.uint8), recip, bias if bias is not None else recip, y,
-                     m, n, k, x2.stride(0), y.stride(0), cps,
-                     BN=bn, BM=bm, BK=bk, HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic,
-                     MASK_K=(k % bk) != 0 or (chunks % split) != 0, F32_DOT=INTERPRET,
-                     num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 3))
+            m, n, k, x2.stride(0), y.stride(0), cps, BN=bn, BM=bm, BK=bk,
+            HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic, MASK_K=(k % bk) != 0 or (chunks % split) != 0,
+            num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 3))
+    else:
+        _launch(_mm_kernel, grid, bool(cfg.get("asm", True)) and _use_asm(x2.device),
+                x2, packed, scale.view(torch.uint8), recip, bias if bias is not None else recip, y,
+                m, n, k, x2.stride(0), y.stride(0), cps,
+                BN=bn, BM=bm, BK=bk, HAS_BIAS=bias is not None and not atomic, ATOMIC=atomic,
+                MASK_K=(k % bk) != 0 or (chunks % split) != 0, F32_DOT=INTERPRET,
+                num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 3))
     if atomic:
         if bias is not None:
             y += bias.float()
@@ -477,7 +549,7 @@ def linear(x, packed, scale, global_scale, bias=None, config: dict | None = None
 
 
 def _grad_default(m, n, k):
-    return dict(kind="t", BM=128, BNR=64, BKO=128, warps=8, stages=3, asm=True)
+    return dict(kind="dq")  # measured faster than the transposed-read kernel on every benchmark shape (H100)
 
 
 def _grad_candidates(m, n, k):

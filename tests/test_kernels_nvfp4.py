@@ -65,6 +65,8 @@ def test_dequantize_bit_identical(out_dtype):
 LINEAR_CASES = [
     # (M, K, N, config): swap-AB decode tiles with/without split-K (even, uneven, K tail), large-M tiles
     (1, 96, 40, dict(kind="mm", BN=32, BM=16, BK=32, split=1, warps=4, stages=2)),
+    (1, 96, 40, dict(kind="gemv", BN=16, BM=1, BK=32, split=1, warps=4, stages=2)),  # CUDA-core GEMV
+    (3, 160, 24, dict(kind="gemv", BN=8, BM=4, BK=64, split=2, warps=4, stages=2)),  # K tail, uneven split
     (3, 160, 48, dict(kind="mm", BN=16, BM=16, BK=64, split=2, warps=4, stages=2)),  # K tail + uneven split
     (16, 256, 32, dict(kind="mm", BN=32, BM=16, BK=64, split=4, warps=4, stages=2)),
     (17, 80, 24, dict(kind="mm", BN=16, BM=32, BK=32, split=1, warps=4, stages=2)),
