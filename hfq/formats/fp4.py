@@ -91,7 +91,8 @@ def nvfp4_quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None, na
     recip = nvfp4_global_scale(wf) if global_scale is None else global_scale.float().reshape(1)
     blocks = wf.reshape(out, k // NVFP4_BLOCK, NVFP4_BLOCK)
     bmax = blocks.abs().amax(dim=-1)
-    scale = (bmax / E2M1_MAX * recip).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    # a tensor divisor: CUDA turns division by a Python scalar into a reciprocal multiply, CPU does not
+    scale = (bmax / torch.full_like(bmax, E2M1_MAX) * recip).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     eff = scale.float() / recip  # the real per-block multiplier
     safe = torch.where(eff > 0, eff, torch.ones_like(eff))
     scaled = torch.where((eff > 0)[..., None], blocks / safe[..., None], blocks * 0)
