@@ -75,7 +75,7 @@ def _check_2d(w: torch.Tensor, block: int, name: str) -> None:
 def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
     """Reciprocal global scale 448*6/amax (fp32 [1]); 1.0 for an all-zero tensor."""
     amax = w.abs().amax().float()
-    recip = (E4M3_MAX * E2M1_MAX) / amax
+    recip = torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax
     return torch.where(amax > 0, recip, torch.ones_like(recip)).reshape(1)
 
 
