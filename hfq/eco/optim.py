@@ -62,7 +62,12 @@ class _ECOBase(torch.optim.Optimizer):
                  if p.grad is not None]
         if not items:
             return
-        flags = torch.stack([torch.isfinite(p.grad).all().to("cpu", non_blocking=True) for _, _, p in items])
+        by_dev: dict = {}
+        for i, (_, _, p) in enumerate(items):
+            by_dev.setdefault(p.grad.device, []).append(i)
+        flags = torch.ones(len(items), dtype=torch.bool)
+        for dev, idx in by_dev.items():  # one blocking transfer per device
+            flags[idx] = torch.stack([torch.isfinite(items[i][2].grad).all() for i in idx]).cpu()
         if bool(flags.all()):
             return
         gi, pi, p = items[int((~flags).nonzero()[0])]
