@@ -102,6 +102,10 @@ def _quest_quantize_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K: tl.constexpr
         lim = 6.0
     else:
         lim = NLEV - 1.0
+    if IEEE:
+        h = hadamard_tile(B, tl.float32)
+    else:
+        h = hadamard_tile(B, x_ptr.dtype.element_ty)
     w8 = (1 << tl.arange(0, 8)).to(tl.int32)
     bcol = tl.arange(0, B // 8)
     for k0 in range(0, K, B):
@@ -111,9 +115,9 @@ def _quest_quantize_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K: tl.constexpr
         x = tl.load(x_ptr + base + cols[None, :], mask=m, other=0.0)
         if HT:
             if IEEE:
-                xh = tl.dot(x.to(tl.float32), hadamard_tile(B, tl.float32), input_precision="ieee")
+                xh = tl.dot(x.to(tl.float32), h, input_precision="ieee")
             else:
-                xh = tl.dot(x, hadamard_tile(B, x.dtype))
+                xh = tl.dot(x, h)
             xh = xh * inv_sqrt_b
         else:
             xh = x.to(tl.float32)

@@ -184,11 +184,15 @@ class QuESTLinear(nn.Module):
         spec = self.spec
         if self.packed:
             return self._forward_packed(x)
+        dev = x.device.type
+        # under autocast the matmuls run in the autocast dtype; the weight is still quantized in fp32
+        cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.weight.dtype
         if spec.abits is None:
             w_eff = QuESTWeight.apply(self.weight, spec)
-            return F.linear(x, w_eff.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        x2 = x.reshape(-1, shape[-1]).to(self.weight.dtype)
-        y = QuESTMatmul.apply(x2.contiguous(), self.weight, self.bias, spec)
+            return F.linear(x.to(cdt), w_eff.to(cdt), None if self.bias is None else self.bias.to(cdt))
+        x2 = x.reshape(-1, shape[-1]).to(cdt).contiguous()
+        with torch.autocast(dev, enabled=False):
+            y = QuESTMatmul.apply(x2, self.weight, self.bias, spec)
         return y.reshape(*shape[:-1], self.out_features)
 
     @torch.no_grad()
