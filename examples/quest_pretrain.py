@@ -160,6 +160,10 @@ def main():
         r = train_one(name, VARIANTS[name], args, train, val, args.device)
         print(f"{name:18s} final val loss {r['final_val_loss']:.4f}  ({r['seconds']} s)", flush=True)
         results.append(r)
+        write_results(results, args, n_train)  # after every run, so a cut-off run keeps what it has
+
+
+def write_results(results, args, n_train):
     tag = "quest_pretrain_quick" if args.quick else "quest_pretrain"
     os.makedirs(args.out, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -185,7 +189,8 @@ def main():
     lines += ["", *checks]
     with open(os.path.join(args.out, tag + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if len(results) == len(args.variants.split(",")):
+        print("\n".join(lines))
     try:
         import matplotlib
 
@@ -205,6 +210,7 @@ def main():
             a.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(args.out, tag + ".png"), dpi=110)
+        plt.close(fig)
     except ImportError:  # pragma: no cover
         pass
 
