@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-RULES = ("memory_free", "exact")
+RULES = ("memory_free", "exact", "naive")  # naive: no error feedback (the paper's baseline)
 
 
 def eco_sgdm_(theta: torch.Tensor, m: torch.Tensor, g: torch.Tensor, *, lr: float, beta: float, weight_decay: float,
@@ -36,7 +36,7 @@ def eco_sgdm_(theta: torch.Tensor, m: torch.Tensor, g: torch.Tensor, *, lr: floa
     e = requant(tmp)
     if rule == "exact":
         residual.copy_(e)
-    else:
+    elif rule == "memory_free":
         m.sub_(e, alpha=(1 - beta) / (beta * lr))
 
 
@@ -62,7 +62,7 @@ def eco_adamw_(theta, m, v, g, *, step: int, lr: float, beta1: float, beta2: flo
     e = requant(tmp)
     if rule == "exact":
         residual.copy_(e)
-    else:
+    elif rule == "memory_free":
         m.sub_(e * denom, alpha=(1 - beta1) / (beta1 * step_size))
 
 

@@ -64,10 +64,11 @@ class _ECOBase(torch.optim.Optimizer):
             return
         by_dev: dict = {}
         for i, (_, _, p) in enumerate(items):
-            by_dev.setdefault(p.grad.device, []).append(i)
+            by_dev.setdefault((p.grad.device, p.grad.dtype), []).append(i)
         flags = torch.ones(len(items), dtype=torch.bool)
-        for dev, idx in by_dev.items():  # one blocking transfer per device
-            flags[idx] = torch.stack([torch.isfinite(items[i][2].grad).all() for i in idx]).cpu()
+        for idx in by_dev.values():  # one multi-tensor max-norm (NaN/Inf propagate) + one blocking copy
+            norms = torch._foreach_norm([items[i][2].grad for i in idx], float("inf"))
+            flags[idx] = torch.isfinite(torch.stack(norms)).cpu()
         if bool(flags.all()):
             return
         gi, pi, p = items[int((~flags).nonzero()[0])]
