@@ -61,7 +61,7 @@ def checks() -> dict:
         layer = QuESTLinear.from_linear(torch.nn.Linear(2048, 1024).to(dev), QuESTConfig(weight_bits=4, activation_bits=4))
         layer.weight.data.copy_(lin.weight.data.to(dev))
         layer.bias.data.copy_(lin.bias.data.to(dev))
-        x = xs.to(dev).requires_grad_(True)
+        x = xs.to(dev).detach().clone().requires_grad_(True)
         y = layer(x)
         y.backward(torch.ones_like(y) * 0.01 + y.detach() * 1e-3)
         res[dev] = (y.detach().cpu(), x.grad.cpu(), layer.weight.grad.cpu())
