@@ -1,0 +1,108 @@
+"""`QeRLGRPOTrainer`: TRL's GRPOTrainer with Adaptive Quantization Noise on the norm weights.
+
+Only TRL's extension points are overridden:
+- `_generate_and_score_completions` (once per generation batch, i.e. once per optimizer step with TRL's defaults):
+  picks the stage / sigma for `state.global_step`, logs `aqn/sigma`, `aqn/stage`, `aqn/applied_std`, and for
+  `aqn_scope="rollout_and_old_logprobs"` recomputes the old-policy log-probs under the same noise.
+- `_generate`: the noise is present exactly while sampling (TRL's `model.generate`, hfq's rollout engine, or
+  vLLM colocate: TRL syncs the weights inside `_generate`, so the noisy norms travel with the sync).
+- `_generate_single_turn`: routes to hfq's rollout engine (`hfq.rollout.RolloutMixin`) when installed, enabled and
+  the model is on CUDA without vLLM; otherwise TRL's own path.
+The policy entropy is TRL's `entropy` metric (computed on every loss call).
+"""
+from __future__ import annotations
+
+import torch
+from trl import GRPOTrainer
+
+from .aqn import AdaptiveQuantizationNoise
+from .config import QeRLConfig
+
+try:
+    import hfq.rollout as _rollout
+
+    RolloutMixin = getattr(_rollout, "RolloutMixin", None)  # None while the room is absent or incomplete
+except ModuleNotFoundError as e:  # only a missing rollout room is tolerated, never a broken one
+    if not (e.name and "hfq.rollout".startswith(e.name)):
+        raise
+    RolloutMixin = None
+
+_BASES = (RolloutMixin, GRPOTrainer) if RolloutMixin is not None else (GRPOTrainer,)
+
+
+class QeRLGRPOTrainer(*_BASES):
+    """GRPO/DAPO (as TRL provides) + AQN. Takes a `QeRLConfig`; everything else as `trl.GRPOTrainer`."""
+
+    def __init__(self, model, reward_funcs=None, args: QeRLConfig | None = None, **kwargs):
+        if args is None:
+            args = QeRLConfig(output_dir="QeRL-GRPO")
+        if not isinstance(args, QeRLConfig):
+            raise ValueError(f"args must be a QeRLConfig (GRPOConfig + AQN fields), got {type(args).__name__}")
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        self.aqn_schedule = args.aqn_schedule_obj
+        seed = args.seed if args.aqn_seed is None else args.aqn_seed
+        self.aqn = (AdaptiveQuantizationNoise(self.accelerator.unwrap_model(self.model), args.aqn_norm_names, seed)
+                    if args.aqn else None)
+        self._aqn_now: tuple[int, float] | None = None  # (step, sigma) while a generation batch is being built
+
+    # ----------------------------------------------------------------- schedule
+    def aqn_sigma(self, step: int | None = None) -> tuple[int, float]:
+        """(stage, sigma) for an optimizer step (default: the current one)."""
+        if self.aqn is None:
+            return 0, 0.0
+        step = self.state.global_step if step is None else step
+        total = self.state.max_steps
+        stage = self.aqn_schedule.stage(step, total)
+        return stage, self.aqn_schedule.stage_sigma(stage)
+
+    def _hfq_rollout_enabled(self) -> bool:
+        if RolloutMixin is None or not self.args.use_hfq_rollout or self.use_vllm:
+            return False
+        return next(self.model.parameters()).device.type == "cuda"
+
+    # ----------------------------------------------------------------- TRL extension points
+    def _generate_and_score_completions(self, inputs):
+        if self.aqn is None or not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        step = self.state.global_step
+        stage, sigma = self.aqn_sigma(step)
+        self._aqn_now = (step, sigma)
+        try:
+            out = super()._generate_and_score_completions(inputs)
+        finally:
+            self._aqn_now = None
+        if self.args.aqn_scope == "rollout_and_old_logprobs" and sigma > 0:
+            out["old_per_token_logps"] = self._noisy_old_logps(out, step, sigma)
+        m = self._metrics["train"]
+        m["aqn/sigma"].append(sigma)
+        m["aqn/stage"].append(float(stage))
+        m["aqn/applied_std"].append(self.aqn.last_applied_std)
+        return out
+
+    def _generate(self, prompts):
+        if self._aqn_now is None:
+            return super()._generate(prompts)
+        step, sigma = self._aqn_now
+        with self.aqn.noisy(step, sigma):
+            if self.use_vllm:  # make TRL push the freshly perturbed norms to vLLM
+                self._last_loaded_step = -1
+            return super()._generate(prompts)
+
+    def _generate_single_turn(self, *args, **kwargs):
+        if RolloutMixin is not None and not self._hfq_rollout_enabled():
+            return GRPOTrainer._generate_single_turn(self, *args, **kwargs)
+        return super()._generate_single_turn(*args, **kwargs)
+
+    # ----------------------------------------------------------------- helpers
+    def _noisy_old_logps(self, out, step: int, sigma: float) -> torch.Tensor:
+        """Old-policy log-probs of the batch under the noise that generated it (text-only models)."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+        mask = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
+                self.aqn.noisy(step, sigma):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, ids, mask, out["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size)
+        return logps
