@@ -311,6 +311,153 @@ if HAS_TRITON:
             tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
     @triton.jit
+    def _dec_x_rowscale(x_cols, m_ok, k_lo, k_hi, K, BM: tl.constexpr, BK: tl.constexpr):
+        """Per-row power-of-two factors (scale, 1/scale) that bring x's row max to [2^14, 2^15): fp16-safe x."""
+        kk = tl.arange(0, BK)
+        amax = tl.zeros((BM,), dtype=tl.float32)
+        for k in range(k_lo, k_hi, BK):
+            xt = tl.load(x_cols + (k + kk)[:, None], mask=(k + kk < K)[:, None], other=0.0)  # clamped rows: row 0
+            amax = tl.maximum(amax, tl.max(tl.abs(xt.to(tl.float32)), axis=0))
+        e = (amax.to(tl.int32, bitcast=True) >> 23) & 255
+        e = tl.minimum(tl.maximum(e, 15), 254)
+        sc = ((268 - e) << 23).to(tl.float32, bitcast=True)  # 2^(14 - E)
+        inv = ((e - 14) << 23).to(tl.float32, bitcast=True)  # 2^(E - 14)
+        return sc, inv
+
+    @triton.jit
+    def _dec_step(acc, q, s, x_cols, xsc, k, K, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                  MASK_K: tl.constexpr, X_F16: tl.constexpr, F32_DOT: tl.constexpr):
+        """acc[BN, BM] += W-tile @ x^T-tile for one K tile. q: int32 words [BN, BK/8] (8 codes each, code j of
+        word w is k = 8w + j), s: scale bytes [BN, BK/16]. The dot runs as 8 dots over the word axis, one per
+        code position j, so no nibble is ever moved across lanes; x is read with the matching stride 8."""
+        # E4M3 byte << 7 as fp16 bits = scale * 2^-8 (exact, subnormals included); * 256 restores it.
+        sh = ((s.to(tl.int32) & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+        s2 = tl.reshape(tl.join(sh, sh), (BN, BK // 8))
+        kw = tl.arange(0, BK // 8)
+        xk = k + 8 * kw
+        for j in tl.static_range(4):
+            # codes j and j+4 of each word as two fp16 bit patterns (lo/hi half): e2m1 * 2^-14, exact
+            if j < 3:
+                pr = ((q << (9 - 4 * j)) & 0x0E000E00) | ((q << (12 - 4 * j)) & (-2147450880))  # 0x80008000
+            else:
+                pr = ((q >> 3) & 0x0E000E00) | (q & (-2147450880))
+            wlo = pr.to(tl.int16).to(tl.float16, bitcast=True) * s2
+            whi = (pr >> 16).to(tl.int16).to(tl.float16, bitcast=True) * s2
+            if MASK_K:
+                xm = (xk < K)[:, None]
+                xlo = tl.load(x_cols + (xk + j)[:, None], mask=xm, other=0.0)
+                xhi = tl.load(x_cols + (xk + j + 4)[:, None], mask=xm, other=0.0)
+            else:
+                xlo = tl.load(x_cols + (xk + j)[:, None])
+                xhi = tl.load(x_cols + (xk + j + 4)[:, None])
+            if X_F16:
+                xlo = xlo.to(tl.float16)
+                xhi = xhi.to(tl.float16)
+            else:
+                xlo = (xlo.to(tl.float32) * xsc[None, :]).to(tl.float16)
+                xhi = (xhi.to(tl.float32) * xsc[None, :]).to(tl.float16)
+            if F32_DOT:
+                acc = tl.dot(wlo.to(tl.float32), xlo.to(tl.float32), acc)
+                acc = tl.dot(whi.to(tl.float32), xhi.to(tl.float32), acc)
+            else:
+                acc = tl.dot(wlo, xlo, acc)
+                acc = tl.dot(whi, xhi, acc)
+        return acc
+
+    @triton.jit
+    def _dec_kernel(x_ptr, wq_ptr, ws_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, chunks_per_split,
+                    BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    PARTIAL: tl.constexpr, MASK_K: tl.constexpr, X_F16: tl.constexpr, PREFETCH: tl.constexpr,
+                    F32_DOT: tl.constexpr):
+        """Decode-path W4A16 (swap-AB, fp16 tensor cores): y^T tile = dequant(W)[BN, K-slice] @ x^T[K-slice, BM].
+
+        Weights are read as int32 words (8 codes, 16-byte vector loads) and decoded with ~2 integer ops per
+        code: the code's bits placed in an fp16 (= e2m1 * 2^-14) times the E4M3 scale as fp16 is exact
+        (a multiple of 2^-24, at most 2688 * 2^-14). x is scaled per row by a power of two into fp16 range.
+        PREFETCH keeps the next K tile's weight loads in flight while this one is decoded.
+        PARTIAL writes fp32 partial sums to y_ptr[pid_k, M, N] (split-K; a second kernel reduces them)."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rm = pid_m * BM + tl.arange(0, BM)
+        n_ok = rn < N
+        m_ok = rm < M
+        rn_c = tl.where(n_ok, rn, 0).to(tl.int64)
+        rm_c = tl.where(m_ok, rm, 0).to(tl.int64)
+        k_lo = pid_k * chunks_per_split * BK
+        KW = K // 8
+        kw = tl.arange(0, BK // 8)
+        ks = tl.arange(0, BK // 16)
+        wq_rows = wq_ptr + rn_c[:, None] * KW
+        ws_rows = ws_ptr + rn_c[:, None] * (K // 16)
+        x_cols = x_ptr + rm_c[None, :] * stride_xm
+        if X_F16:
+            xsc = tl.full((BM,), 1.0, tl.float32)
+            xinv = xsc
+        else:
+            xsc, xinv = _dec_x_rowscale(x_cols, m_ok, k_lo, k_lo + chunks_per_split * BK, K, BM, BK)
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        if PREFETCH:
+            if MASK_K:
+                q = tl.load(wq_rows + (k_lo // 8 + kw)[None, :], mask=(k_lo // 8 + kw < KW)[None, :], other=0)
+                s = tl.load(ws_rows + (k_lo // 16 + ks)[None, :], mask=(k_lo // 16 + ks < K // 16)[None, :],
+                            other=0)
+            else:
+                q = tl.load(wq_rows + (k_lo // 8 + kw)[None, :])
+                s = tl.load(ws_rows + (k_lo // 16 + ks)[None, :])
+            for i in range(0, chunks_per_split - 1):
+                k = k_lo + i * BK
+                kn = k + BK
+                if MASK_K:
+                    qn = tl.load(wq_rows + (kn // 8 + kw)[None, :], mask=(kn // 8 + kw < KW)[None, :], other=0)
+                    sn = tl.load(ws_rows + (kn // 16 + ks)[None, :], mask=(kn // 16 + ks < K // 16)[None, :],
+                                 other=0)
+                else:
+                    qn = tl.load(wq_rows + (kn // 8 + kw)[None, :])
+                    sn = tl.load(ws_rows + (kn // 16 + ks)[None, :])
+                acc = _dec_step(acc, q, s, x_cols, xsc, k, K, BN, BM, BK, MASK_K, X_F16, F32_DOT)
+                q = qn
+                s = sn
+            acc = _dec_step(acc, q, s, x_cols, xsc, k_lo + (chunks_per_split - 1) * BK, K, BN, BM, BK, MASK_K,
+                            X_F16, F32_DOT)
+        else:
+            for i in range(0, chunks_per_split):
+                k = k_lo + i * BK
+                if MASK_K:
+                    q = tl.load(wq_rows + (k // 8 + kw)[None, :], mask=(k // 8 + kw < KW)[None, :], other=0)
+                    s = tl.load(ws_rows + (k // 16 + ks)[None, :], mask=(k // 16 + ks < K // 16)[None, :],
+                                other=0)
+                else:
+                    q = tl.load(wq_rows + (k // 8 + kw)[None, :])
+                    s = tl.load(ws_rows + (k // 16 + ks)[None, :])
+                acc = _dec_step(acc, q, s, x_cols, xsc, k, K, BN, BM, BK, MASK_K, X_F16, F32_DOT)
+        acc = acc * xinv[None, :] * (16384.0 / tl.load(recip_ptr))
+        ymask = n_ok[:, None] & m_ok[None, :]
+        if PARTIAL:
+            tl.store(y_ptr + (pid_k * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc, mask=ymask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + rm[None, :].to(tl.int64) * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
+                     mask=ymask)
+
+    @triton.jit
+    def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_ym, HAS_BIAS: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """y[M, N] = sum_s partial[s, M, N] (+ bias), cast to y's dtype."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < M * N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in range(0, SPLIT):
+            acc += tl.load(p_ptr + s * M * N + offs, mask=ok, other=0.0)
+        n = offs % N
+        m = offs // N
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _mm_grad_kernel(g_ptr, wp_ptr, ws_ptr, recip_ptr, out_ptr, M, N, K, stride_gm,
                         BM: tl.constexpr, BNR: tl.constexpr, BKO: tl.constexpr, USE_ASM: tl.constexpr,
                         MASK_N: tl.constexpr, F32_DOT: tl.constexpr):
@@ -420,6 +567,8 @@ def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None):
 def _mm_default(m: int, n: int, k: int) -> dict:
     """Heuristic config used when no tuned choice exists (and during graph capture / compile)."""
     sms = 132
+    if m <= 64:
+        return _dec_default(m, n, k)
     if m <= 16:
         bn, bm, bk = 64, 16, 256
         tiles = _cdiv(n, bn)
@@ -435,8 +584,24 @@ def _mm_default(m: int, n: int, k: int) -> dict:
     return dict(kind="dq")
 
 
-def _mm_candidates(m: int, n: int, k: int) -> list[dict]:
+def _dec_candidates(m: int, n: int, k: int) -> list[dict]:
+    """Decode-kernel configs: tile shapes x split-K around the one that gives ~2 programs per SM."""
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     c = []
+    for bn, bk, warps, pre in ((128, 256, 4, True), (64, 256, 4, True), (128, 512, 8, True), (256, 256, 8, True),
+                               (128, 256, 8, True), (128, 256, 4, False)):
+        tiles = _cdiv(n, bn) * _cdiv(m, bm)
+        chunks = _cdiv(k, bk)
+        base = 1
+        while tiles * base < 264 and base * 2 <= chunks:
+            base *= 2
+        for split in sorted({max(1, base // 2), base, min(chunks, base * 2)}):
+            c.append(dict(kind="dec", BN=bn, BM=bm, BK=bk, split=split, warps=warps, stages=1, prefetch=pre))
+    return c
+
+
+def _mm_candidates(m: int, n: int, k: int) -> list[dict]:
+    c = _dec_candidates(m, n, k) if m <= 64 else []
     if m <= 4:
         bm = 1 if m == 1 else (2 if m == 2 else 4)
         for bn, bk, warps, stages in ((16, 256, 4, 3), (32, 256, 4, 3), (16, 512, 4, 2), (8, 512, 4, 3)):
@@ -467,6 +632,48 @@ def _mm_candidates(m: int, n: int, k: int) -> list[dict]:
     return c
 
 
+def _dec_launch(x2, packed, scale, recip, bias, cfg, out=None):
+    """Decode kernel (kind "dec"); split > 1 writes fp32 partials and reduces them in a second launch."""
+    m, k = x2.shape
+    n = packed.shape[0]
+    bn, bm, bk = cfg["BN"], cfg["BM"], cfg["BK"]
+    chunks = _cdiv(k, bk)
+    split = max(1, min(cfg.get("split", 1), chunks))
+    cps = _cdiv(chunks, split)
+    split = _cdiv(chunks, cps)
+    if not packed.is_contiguous():
+        packed = packed.contiguous()
+    wq = packed.view(torch.int32)
+    partial = split > 1
+    y = out if out is not None else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    dst = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if partial else y
+    grid = (_cdiv(n, bn), _cdiv(m, bm), split)
+    _dec_kernel[grid](x2, wq, scale.view(torch.uint8), recip, bias if bias is not None else recip, dst,
+                      m, n, k, x2.stride(0), y.stride(0), cps, BN=bn, BM=bm, BK=bk,
+                      HAS_BIAS=bias is not None and not partial, PARTIAL=partial,
+                      MASK_K=(k % bk) != 0 or (chunks % split) != 0, X_F16=x2.dtype == torch.float16,
+                      PREFETCH=bool(cfg.get("prefetch", True)), F32_DOT=INTERPRET,
+                      num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 1))
+    if partial:
+        blk = 1024
+        _splitk_reduce_kernel[(_cdiv(m * n, blk),)](dst, bias if bias is not None else recip, y, m, n, split,
+                                                    y.stride(0), HAS_BIAS=bias is not None, BLOCK=blk,
+                                                    num_warps=4)
+    return y
+
+
+def _dec_default(m: int, n: int, k: int) -> dict:
+    """Heuristic decode config: BN=128 rows, BK=256, split-K until ~2 programs per SM (132 SMs)."""
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn, bk = 128, 256
+    tiles = _cdiv(n, bn) * _cdiv(m, bm)
+    chunks = _cdiv(k, bk)
+    split = 1
+    while tiles * split < 264 and split * 2 <= chunks:
+        split *= 2
+    return dict(kind="dec", BN=bn, BM=bm, BK=bk, split=split, warps=4, stages=1, prefetch=True)
+
+
 def _mm_launch(x2, packed, scale, recip, bias, cfg, out=None):
     m, k = x2.shape
     n = packed.shape[0]
@@ -481,6 +688,8 @@ def _mm_launch(x2, packed, scale, recip, bias, cfg, out=None):
         y = torch.zeros((m, n), dtype=torch.float32, device=x2.device)
     else:
         y = out if out is not None else torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if cfg["kind"] == "dec":
+        return _dec_launch(x2, packed, scale, recip, bias, cfg, out=out)
     if cfg["kind"] == "gemv":
         _gemv_kernel[(_cdiv(n, bn), split)](
             x2, packed, scale.view(torch.uint8), recip, bias if bias is not None else recip, y,
