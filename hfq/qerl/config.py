@@ -10,9 +10,11 @@ from .aqn import SCHEDULES, SCOPES, AQNSchedule
 
 _PRESETS = {
     # App. E, Tab. 6: GRPO on GSM8K (8 samples/prompt, 4 policy updates per rollout, 4096 tokens)
-    "gsm8k": dict(loss_type="grpo", num_generations=8, steps_per_generation=4, max_completion_length=4096),
+    "gsm8k": dict(loss_type="grpo", num_generations=8, per_device_train_batch_size=8, steps_per_generation=4,
+                  max_completion_length=4096),
     # DAPO on BigMath (16 samples/prompt, on-policy, 8192 tokens)
-    "bigmath": dict(loss_type="dapo", num_generations=16, steps_per_generation=1, max_completion_length=8192),
+    "bigmath": dict(loss_type="dapo", num_generations=16, per_device_train_batch_size=16, steps_per_generation=1,
+                    max_completion_length=8192),
 }
 
 
@@ -62,7 +64,8 @@ class QeRLConfig(GRPOConfig):
     def paper_preset(cls, task: str = "gsm8k", **overrides) -> "QeRLConfig":
         """App. E Tab. 6: lr 1e-5, clip 0.2/0.28, temperature 1.0, no KL, no entropy loss, noise 1e-2 -> 5e-4
         (exponential, K = 10); GRPO for GSM8K, DAPO loss for BigMath. Optimizer AdamW-8bit when bitsandbytes is
-        installed, else AdamW. Batch sizes are left to the caller (the paper: 128 prompts per step)."""
+        installed, else AdamW. The per-device batch defaults to one prompt group; raise it (and gradient accumulation) toward the
+        paper's 128 prompts per step as memory allows."""
         if task not in _PRESETS:
             raise ValueError(f"task: unknown {task!r}; allowed {tuple(_PRESETS)}")
         kw = dict(learning_rate=1e-5, epsilon=0.2, epsilon_high=0.28, temperature=1.0, beta=0.0, entropy_coef=0.0,

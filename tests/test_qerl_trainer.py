@@ -1,0 +1,141 @@
+"""QeRLGRPOTrainer with the real TRL on a tiny NVFP4 + LoRA model: noise present exactly while sampling."""
+import pytest
+import torch
+from datasets import Dataset
+
+import hfq  # noqa: F401
+from hfq.qerl import QeRLConfig, QeRLGRPOTrainer
+from hfq.qerl.data import make_dataset
+from hfq.qerl.rewards import accuracy_reward, format_reward
+
+
+def _policy(path):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hfq.nvfp4 import NVFP4Config, NVFP4Linear, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config(), dtype=torch.float32)
+    assert isinstance(model.model.layers[0].self_attn.q_proj, NVFP4Linear)
+    with torch.no_grad():  # distinct, non-trivial clean norm weights
+        g = torch.Generator().manual_seed(0)
+        for n, p in model.named_parameters():
+            if "layernorm" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                         "up_proj", "down_proj"], task_type="CAUSAL_LM")
+    return get_peft_model(model, lcfg), AutoTokenizer.from_pretrained(path)
+
+
+def _config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), learning_rate=1e-3, num_generations=4, per_device_train_batch_size=8,
+                max_completion_length=10, max_steps=3, logging_steps=1, save_strategy="no", report_to="none",
+                bf16=False, gradient_checkpointing=False, use_cpu=True, aqn_num_stages=2, aqn_sigma_start=2e-2,
+                aqn_sigma_end=5e-3)
+    base.update(kw)
+    return QeRLConfig(**base)
+
+
+def digit_reward(completions, **kwargs):
+    """A dense reward (the random tiny policy never earns the math rewards), so GRPO has a gradient."""
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+def _dataset():
+    return Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in make_dataset(24, seed=5)])
+
+
+@pytest.mark.parametrize("scope", ["rollout", "rollout_and_old_logprobs"])
+def test_three_step_run_noise_only_while_sampling(tiny_dir, tmp_path, scope):
+    model, tok = _policy(tiny_dir)
+    trainer = QeRLGRPOTrainer(model=model, reward_funcs=[accuracy_reward, format_reward, digit_reward],
+                              args=_config(tmp_path, aqn_scope=scope), train_dataset=_dataset(), processing_class=tok)
+    targets = trainer.aqn.targets
+    assert len(targets) == 4  # 2 blocks x (input, post-attention) norms
+    clean = {n: m.weight.detach().clone() for n, m in targets}
+    seen = []  # (step, grad enabled, in generate, name, weight as the forward saw it)
+    in_gen = {"on": False}
+    orig_generate = model.generate
+
+    def generate(*a, **k):
+        in_gen["on"] = True
+        try:
+            return orig_generate(*a, **k)
+        finally:
+            in_gen["on"] = False
+
+    model.generate = generate  # observe which forwards belong to sampling (the real generate still runs)
+    for name, mod in targets:
+        mod.register_forward_pre_hook(lambda m, a, name=name: seen.append(
+            (trainer.state.global_step, torch.is_grad_enabled(), in_gen["on"], name, m.weight.detach().clone())))
+    trainer.train()
+
+    sigmas = {h["step"] - 1: h["aqn/sigma"] for h in trainer.state.log_history if "aqn/sigma" in h}
+    assert sigmas == {0: 0.0, 1: 2e-2, 2: 5e-3}  # stage 0, then Eq. 8 from start to end
+    gen = [s for s in seen if s[2]]
+    assert {s[0] for s in gen} == {0, 1, 2} and all(not s[1] for s in gen)
+    for step, _, _, name, w in gen:
+        d = w - clean[name]
+        if sigmas[step] == 0:
+            assert torch.equal(w, clean[name])
+        else:  # every targeted norm is perturbed during sampling, with the scheduled std
+            assert (d != 0).all(), f"{name} not perturbed at step {step}"
+            assert d.std().item() == pytest.approx(sigmas[step], rel=0.45)
+    # the update always sees clean norms
+    assert all(torch.equal(w, clean[n]) for _, grad, g, n, w in seen if grad)
+    noisy_scoring = [s for s in seen if not s[1] and not s[2] and not torch.equal(s[4], clean[s[3]])]
+    if scope == "rollout":  # old log-probs (if any) are clean
+        assert noisy_scoring == []
+    else:  # old log-probs are recomputed under the very noise that generated the batch
+        assert {s[0] for s in noisy_scoring} == {1, 2}
+        for step, _, _, name, w in noisy_scoring:
+            same_gen = [g[4] for g in gen if g[0] == step and g[3] == name]
+            assert torch.equal(w, same_gen[0])
+    for name, mod in targets:  # restored bit-exactly afterwards
+        assert torch.equal(mod.weight, clean[name])
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert any(p.abs().sum() > 0 for p in lora_b)  # LoRA was trained
+    h = [x for x in trainer.state.log_history if "entropy" in x]
+    assert len(h) == 3 and all(x["entropy"] > 0 for x in h) and all("aqn/stage" in x for x in h)
+
+
+def test_no_aqn_and_bad_args(tiny_dir, tmp_path):
+    from trl import GRPOConfig
+
+    model, tok = _policy(tiny_dir)
+    with pytest.raises(ValueError, match="QeRLConfig"):
+        QeRLGRPOTrainer(model=model, reward_funcs=[format_reward], args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False),
+                        train_dataset=_dataset(), processing_class=tok)
+    trainer = QeRLGRPOTrainer(model=model, reward_funcs=[format_reward], args=_config(tmp_path, aqn=False, max_steps=1),
+                              train_dataset=_dataset(), processing_class=tok)
+    assert trainer.aqn is None
+    trainer.train()
+    assert trainer.aqn_sigma() == (0, 0.0)
+
+
+def test_unrecognised_norms_error(tiny_dir, tmp_path):
+    model, tok = _policy(tiny_dir)
+    with pytest.raises(ValueError, match="no norm named.*input_layernorm"):
+        QeRLGRPOTrainer(model=model, reward_funcs=[format_reward], args=_config(tmp_path, aqn_norm_names=["ln_x"]),
+                        train_dataset=_dataset(), processing_class=tok)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(aqn_sigma_start=-0.1), "aqn_sigma_start"), (dict(aqn_sigma_end=0.5), "aqn_sigma_end"),
+    (dict(aqn_num_stages=1), "aqn_num_stages"), (dict(aqn_schedule="step"), "aqn_schedule"),
+    (dict(aqn_scope="everywhere"), "aqn_scope"), (dict(aqn_norm_names=[]), "aqn_norm_names"),
+])
+def test_config_validation(tmp_path, kw, field):
+    with pytest.raises(ValueError, match=field):
+        QeRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **kw)
+
+
+def test_paper_preset(tmp_path):
+    c = QeRLConfig.paper_preset("gsm8k", output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    assert (c.learning_rate, c.epsilon, c.epsilon_high, c.temperature, c.beta) == (1e-5, 0.2, 0.28, 1.0, 0.0)
+    assert (c.loss_type, c.num_generations, c.max_completion_length) == ("grpo", 8, 4096)
+    assert (c.aqn_sigma_start, c.aqn_sigma_end, c.aqn_num_stages, c.aqn_schedule) == (1e-2, 5e-4, 10, "exponential")
+    d = QeRLConfig.paper_preset("bigmath", output_dir=str(tmp_path), use_cpu=True, bf16=False, learning_rate=2e-5)
+    assert (d.loss_type, d.num_generations, d.learning_rate) == ("dapo", 16, 2e-5)
+    with pytest.raises(ValueError, match="task"):
+        QeRLConfig.paper_preset("math500")
