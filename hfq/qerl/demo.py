@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 DEMO_ARCH = dict(hidden=96, layers=3, heads=4, kv_heads=2, intermediate=192)
-DEMO_PRETRAIN_STEPS = 250
+DEMO_PRETRAIN_STEPS = 100
 DEMO_VERSION = "v1"  # bump when the recipe changes: it names the cache folder
 
 
@@ -30,11 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="JSON file of QeRLConfig fields (override the preset)")
     p.add_argument("--preset", default=None, choices=("gsm8k", "bigmath"), help="start from the paper's preset")
     p.add_argument("--quant", default="nvfp4", choices=("nvfp4", "mxfp4", "none"), help="base weight format")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps (demo default 40)")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps (demo default 60)")
     p.add_argument("--aqn-scope", default=None, choices=("rollout", "rollout_and_old_logprobs"))
     p.add_argument("--no-aqn", action="store_true", help="disable Adaptive Quantization Noise")
     p.add_argument("--lora-r", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pretrain-steps", type=int, default=DEMO_PRETRAIN_STEPS, help="demo base: pre-training steps")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (demo default 2e-3)")
     p.add_argument("--cache-dir", default=None, help="where the demo base model is cached (default ~/.cache/hfq)")
     p.add_argument("--output-dir", default="hfq-grpo-out", help="checkpoints, metrics.json and curves.png")
     p.add_argument("--no-plot", action="store_true")
@@ -155,8 +157,8 @@ def _build_config(args, demo: bool):
 
     kw = {}
     if demo:
-        kw = dict(learning_rate=3e-4, num_generations=8, per_device_train_batch_size=64, max_completion_length=48,
-                  temperature=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="grpo", max_steps=40,
+        kw = dict(learning_rate=2e-3, num_generations=8, per_device_train_batch_size=64, max_completion_length=48,
+                  temperature=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="grpo", max_steps=60,
                   logging_steps=1, save_strategy="no", report_to="none", bf16=False, gradient_checkpointing=False,
                   use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0, disable_tqdm=True,
                   aqn_num_stages=4, aqn_sigma_start=1e-2, aqn_sigma_end=5e-4)
@@ -166,6 +168,8 @@ def _build_config(args, demo: bool):
         kw.update(json.loads(Path(args.config).read_text()))
     if args.steps:
         kw["max_steps"] = args.steps
+    if args.lr:
+        kw["learning_rate"] = args.lr
     if args.aqn_scope:
         kw["aqn_scope"] = args.aqn_scope
     if args.no_aqn:
@@ -229,7 +233,7 @@ def main(args) -> int:
     torch.manual_seed(args.seed)
     demo = args.model is None
     t0 = time.time()
-    path = build_demo_base(args.cache_dir, seed=args.seed) if demo else args.model
+    path = build_demo_base(args.cache_dir, steps=args.pretrain_steps, seed=args.seed) if demo else args.model
     model, tok = _load_policy(args, path, demo)
     dataset, _ = _load_dataset(args)
     cfg = _build_config(args, demo)
