@@ -1,0 +1,57 @@
+"""QeRL on GSM8K (paper Tab. 1 setup: GRPO, NVFP4 + LoRA r=32, AQN 1e-2 -> 5e-4), TRL-style.
+
+    accelerate launch examples/qerl_gsm8k.py --model_name_or_path Qwen/Qwen2.5-7B-Instruct --output_dir qerl-gsm8k \
+        --per_device_train_batch_size 8 --gradient_accumulation_steps 4 --bf16 true
+
+Any QeRLConfig / GRPOConfig field can be given on the command line; defaults come from the paper preset.
+"""
+from dataclasses import dataclass, field
+
+import torch
+from datasets import load_dataset
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+
+import hfq  # noqa: F401  (registers hfq_nvfp4)
+from hfq.nvfp4 import NVFP4Config, get_peft_model
+from hfq.qerl import QeRLConfig, QeRLGRPOTrainer
+from hfq.qerl.rewards import accuracy_reward, add_suffix, format_reward
+
+TASK = "gsm8k"
+
+
+@dataclass
+class ScriptArgs:
+    model_name_or_path: str = "Qwen/Qwen2.5-7B-Instruct"
+    dataset_name: str = "openai/gsm8k"
+    dataset_config: str | None = "main"
+    question_column: str = "question"
+    answer_column: str = "answer"
+    lora_r: int = 32
+    quant: str = field(default="nvfp4", metadata={"help": "nvfp4 | mxfp4 | none"})
+
+
+def main():
+    script, cfg = HfArgumentParser((ScriptArgs, QeRLConfig)).parse_args_into_dataclasses()
+    preset = QeRLConfig.paper_preset(TASK, output_dir=cfg.output_dir)
+    for k, v in vars(preset).items():  # preset values unless given explicitly on the command line
+        if getattr(cfg, k) == getattr(QeRLConfig, k, None) and k not in ("output_dir",):
+            setattr(cfg, k, v)
+    tok = AutoTokenizer.from_pretrained(script.model_name_or_path)
+    qc = None if script.quant == "none" else NVFP4Config(format=script.quant)
+    model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, dtype=torch.bfloat16,
+                                                 quantization_config=qc)
+    lora = LoraConfig(r=script.lora_r, lora_alpha=2 * script.lora_r, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = get_peft_model(model, lora)
+    ds = load_dataset(script.dataset_name, script.dataset_config, split="train")
+    ds = ds.map(lambda ex: {"prompt": [{"role": "user", "content": add_suffix(ex[script.question_column])}],
+                            "answer": ex[script.answer_column]}, remove_columns=ds.column_names)
+    trainer = QeRLGRPOTrainer(model=model, reward_funcs=[accuracy_reward, format_reward], args=cfg,
+                              train_dataset=ds, processing_class=tok)
+    trainer.train()
+    trainer.save_model(cfg.output_dir)
+
+
+if __name__ == "__main__":
+    main()
