@@ -1,7 +1,7 @@
 """hfq: quantized LLM training for the Hugging Face stack.
 
 Importing hfq registers its quantization methods (`hfq_nvfp4`, `hfq_quest`, `hfq_qft`) with
-transformers and its LoRA layers with PEFT, so `from_pretrained` reloads hfq checkpoints.
+transformers, so `from_pretrained` reloads hfq checkpoints (PEFT LoRA: see `hfq.nvfp4.register_lora`).
 """
 from __future__ import annotations
 
