@@ -5,7 +5,8 @@ Only TRL's extension points are overridden:
   picks the stage / sigma for `state.global_step`, logs `aqn/sigma`, `aqn/stage`, `aqn/applied_std`, and for
   `aqn_scope="rollout_and_old_logprobs"` recomputes the old-policy log-probs under the same noise.
 - `_generate`: the noise is present exactly while sampling (TRL's `model.generate`, hfq's rollout engine, or
-  vLLM colocate: TRL syncs the weights inside `_generate`, so the noisy norms travel with the sync).
+  vLLM colocate: TRL syncs the weights inside `_generate`, so the noisy norms travel with the sync; for an NVFP4
+  base the sync sends re-quantized LoRA-merged layers in compressed-tensors naming, see `vllm_sync`).
 - `_generate_single_turn`: routes to hfq's rollout engine (`hfq.rollout.RolloutMixin`) when installed, enabled and
   the model is on CUDA without vLLM; otherwise TRL's own path.
 The policy entropy is TRL's `entropy` metric (computed on every loss call).
@@ -44,6 +45,10 @@ class QeRLGRPOTrainer(*_BASES):
         self.aqn = (AdaptiveQuantizationNoise(self.accelerator.unwrap_model(self.model), args.aqn_norm_names, seed)
                     if args.aqn else None)
         self._aqn_now: tuple[int, float] | None = None  # (step, sigma) while a generation batch is being built
+        if self.use_vllm:  # NVFP4 base: sync re-quantized LoRA layers + noisy norms (see hfq.qerl.vllm_sync)
+            from .vllm_sync import install_vllm_sync
+
+            install_vllm_sync(self)
 
     # ----------------------------------------------------------------- schedule
     def aqn_sigma(self, step: int | None = None) -> tuple[int, float]:
