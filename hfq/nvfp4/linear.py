@@ -105,3 +105,20 @@ class NVFP4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"format={self.format}")
+
+
+_CODE_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def mark_ddp_ignore(model: nn.Module) -> list[str]:
+    """Tell DistributedDataParallel to leave the frozen NVFP4 codes/scales alone.
+
+    By default DDP broadcasts every buffer at construction and before every forward: for NVFP4 codes that is the
+    whole base model each step, and gloo cannot broadcast float8 scales at all. Every rank loads the same
+    checkpoint, so the codes need no sync. Uses DDP's `_ddp_params_and_buffers_to_ignore` (names relative to
+    the module handed to DDP: call this on the outermost model, e.g. the PEFT model). Returns the names added."""
+    names = [f"{mn}.{b}" if mn else b for mn, m in model.named_modules() if isinstance(m, NVFP4Linear)
+             for b in _CODE_BUFFERS if getattr(m, b, None) is not None]
+    prev = list(model.__dict__.get("_ddp_params_and_buffers_to_ignore", []))
+    object.__setattr__(model, "_ddp_params_and_buffers_to_ignore", sorted(set(prev) | set(names)))
+    return names

@@ -121,7 +121,11 @@ def get_peft_model(model, lora_config, **kwargs):
     """peft.get_peft_model with hfq's NVFP4 LoRA layer registered on the config."""
     import peft
 
-    return peft.get_peft_model(model, register_lora(lora_config), **kwargs)
+    from .linear import mark_ddp_ignore
+
+    pm = peft.get_peft_model(model, register_lora(lora_config), **kwargs)
+    mark_ddp_ignore(pm)  # DDP must not broadcast the frozen codes (names now carry PEFT's prefix)
+    return pm
 
 
 def register_peft_dispatch() -> None:

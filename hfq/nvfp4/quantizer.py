@@ -7,7 +7,7 @@ from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 
 from .config import NVFP4Config
-from .linear import NVFP4Linear
+from .linear import NVFP4Linear, mark_ddp_ignore
 
 
 def is_skipped(name: str, skip: list[str]) -> bool:
@@ -158,6 +158,7 @@ class NVFP4HfQuantizer(HfQuantizer):
             raise ValueError(f"NVFP4: no weight was found in the checkpoint for {leftover[:10]}")
         model.hfq_quantization_report = {"quantized": list(self.converted), "skipped": dict(self.skipped),
                                          "rel_error": dict(self.rel_error)}
+        mark_ddp_ignore(model)
         return model
 
     def _dequantize(self, model, dtype=None):

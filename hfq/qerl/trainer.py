@@ -45,6 +45,9 @@ class QeRLGRPOTrainer(*_BASES):
         self.aqn = (AdaptiveQuantizationNoise(self.accelerator.unwrap_model(self.model), args.aqn_norm_names, seed)
                     if args.aqn else None)
         self._aqn_now: tuple[int, float] | None = None  # (step, sigma) while a generation batch is being built
+        from hfq.nvfp4.linear import mark_ddp_ignore
+
+        mark_ddp_ignore(self.model)  # TRL may have wrapped the model with PEFT: names relative to self.model
         if self.use_vllm:  # NVFP4 base: sync re-quantized LoRA layers + noisy norms (see hfq.qerl.vllm_sync)
             from .vllm_sync import install_vllm_sync
 
