@@ -5,6 +5,8 @@
 
 Any QeRLConfig / GRPOConfig field can be given on the command line; defaults come from the paper preset.
 """
+import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 import hfq  # noqa: F401  (registers hfq_nvfp4)
 from hfq.nvfp4 import NVFP4Config, get_peft_model
 from hfq.qerl import QeRLConfig, QeRLGRPOTrainer
+from hfq.qerl.plot import plot_curves
 from hfq.qerl.rewards import accuracy_reward, add_suffix, format_reward
 
 TASK = "bigmath"
@@ -25,6 +28,7 @@ class ScriptArgs:
     model_name_or_path: str = "Qwen/Qwen2.5-7B-Instruct"
     dataset_name: str = "SynthLabsAI/Big-Math-RL-Verified"
     dataset_config: str | None = None
+    data_files: str | None = field(default=None, metadata={"help": "local files, e.g. with --dataset_name json"})
     question_column: str = "problem"
     answer_column: str = "answer"
     lora_r: int = 32
@@ -33,10 +37,9 @@ class ScriptArgs:
 
 def main():
     script, cfg = HfArgumentParser((ScriptArgs, QeRLConfig)).parse_args_into_dataclasses()
-    preset = QeRLConfig.paper_preset(TASK, output_dir=cfg.output_dir)
-    for k, v in vars(preset).items():  # preset values unless given explicitly on the command line
-        if getattr(cfg, k) == getattr(QeRLConfig, k, None) and k not in ("output_dir",):
-            setattr(cfg, k, v)
+    # the paper's preset, overridden by every QeRLConfig field given explicitly on the command line
+    given = {a[2:].split("=")[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+    cfg = QeRLConfig.paper_preset(TASK, **{k: getattr(cfg, k) for k in given if k in QeRLConfig.__dataclass_fields__})
     tok = AutoTokenizer.from_pretrained(script.model_name_or_path)
     qc = None if script.quant == "none" else NVFP4Config(format=script.quant)
     model = AutoModelForCausalLM.from_pretrained(script.model_name_or_path, dtype=torch.bfloat16,
@@ -44,13 +47,15 @@ def main():
     lora = LoraConfig(r=script.lora_r, lora_alpha=2 * script.lora_r, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     model = get_peft_model(model, lora)
-    ds = load_dataset(script.dataset_name, script.dataset_config, split="train")
+    ds = load_dataset(script.dataset_name, script.dataset_config, data_files=script.data_files, split="train")
     ds = ds.map(lambda ex: {"prompt": [{"role": "user", "content": add_suffix(ex[script.question_column])}],
                             "answer": ex[script.answer_column]}, remove_columns=ds.column_names)
     trainer = QeRLGRPOTrainer(model=model, reward_funcs=[accuracy_reward, format_reward], args=cfg,
                               train_dataset=ds, processing_class=tok)
     trainer.train()
     trainer.save_model(cfg.output_dir)
+    if trainer.accelerator.is_main_process:  # reward / loss / entropy / sigma curves
+        print("curves:", plot_curves(trainer.state.log_history, os.path.join(cfg.output_dir, "curves.png")))
 
 
 if __name__ == "__main__":
