@@ -53,7 +53,8 @@ def main():
         torch.cuda.synchronize()
         rows[name] = {"load_s": time.perf_counter() - t, "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
                       "resident_gb": torch.cuda.memory_allocated() / 1e9}
-        x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
+        x = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda",
+                          generator=torch.Generator("cuda").manual_seed(0))  # the same prompts for both models
         with torch.no_grad():
             rows[name]["logits"] = model(x).logits.float()
         if name == "nvfp4":

@@ -637,6 +637,9 @@ def _dec_launch(x2, packed, scale, recip, bias, cfg, out=None):
     m, k = x2.shape
     n = packed.shape[0]
     bn, bm, bk = cfg["BN"], cfg["BM"], cfg["BK"]
+    if bk < 128 or bm < 16 or bn < 16:
+        raise ValueError(f"nvfp4 decode kernel config: BK={bk}, BM={bm}, BN={bn}; need BK >= 128 (8 dots of "
+                         f"K = BK/8 >= 16), BM >= 16 and BN >= 16 (tensor-core tile limits)")
     chunks = _cdiv(k, bk)
     split = max(1, min(cfg.get("split", 1), chunks))
     cps = _cdiv(chunks, split)

@@ -72,9 +72,10 @@ LINEAR_CASES = [
     (17, 80, 24, dict(kind="mm", BN=16, BM=32, BK=32, split=1, warps=4, stages=2)),
     (70, 128, 72, dict(kind="mm", BN=64, BM=32, BK=64, split=1, warps=4, stages=2)),
     # decode kernel: int32 word loads, fp16 decode, per-row x scaling; prefetch, split-K partials + reduce
-    (1, 96, 40, dict(kind="dec", BN=16, BM=16, BK=32, split=1, prefetch=True)),
-    (3, 160, 48, dict(kind="dec", BN=32, BM=16, BK=64, split=2, prefetch=True)),  # K tail + uneven split
-    (17, 256, 24, dict(kind="dec", BN=16, BM=16, BK=32, split=3, prefetch=False)),
+    # (BK >= 128: each of the 8 per-code-position tensor-core dots needs K >= 16 on the GPU)
+    (1, 96, 40, dict(kind="dec", BN=16, BM=16, BK=128, split=1, prefetch=True)),  # K < BK
+    (3, 400, 48, dict(kind="dec", BN=32, BM=16, BK=128, split=2, prefetch=True)),  # K tail + uneven split
+    (17, 528, 24, dict(kind="dec", BN=16, BM=16, BK=128, split=3, prefetch=False)),
 ]
 
 
@@ -96,11 +97,11 @@ def test_linear_kernel_matches_float64(m, k, n, cfg, bias):
 
 def test_dec_kernel_wide_x_range_and_fp16():
     """Rows of x spanning 1e-4..1e3 (bf16: per-row power-of-two scaling into fp16) and an fp16 input."""
-    p, s, r = K.quantize(_weight(40, 128, seed=11))
+    p, s, r = K.quantize(_weight(40, 256, seed=11))
     wf = fp4.nvfp4_dequantize(p, s, r, torch.float32).double()
-    cfg = dict(kind="dec", BN=16, BM=16, BK=64, split=2, prefetch=True)
+    cfg = dict(kind="dec", BN=16, BM=16, BK=128, split=2, prefetch=True)
     for dt, hi in ((torch.bfloat16, 3.0), (torch.float16, 1.0)):
-        x = (torch.randn(5, 128) * torch.logspace(-4, hi, 5)[:, None]).to(dt).to(DEV)
+        x = (torch.randn(5, 256) * torch.logspace(-4, hi, 5)[:, None]).to(dt).to(DEV)
         y = K.linear(x, p, s, r, config=cfg)
         ref = x.double() @ wf.T
         for i in range(5):  # every row accurate on its own, not only the large ones
