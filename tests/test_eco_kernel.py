@@ -12,13 +12,16 @@ from hfq.qparam import QLinear
 KW = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
 
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _state(r, c, seed, state_dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     codes, scales = quantize_fp8_row(torch.randn(r, c, generator=g))
     grad = torch.randn(r, c, generator=g).bfloat16()
     m = (torch.randn(r, c, generator=g) * 0.1).to(state_dtype)
     v = (torch.rand(r, c, generator=g) * 0.01).to(state_dtype)
-    return codes, scales, grad, m, v
+    return [t.to(DEV) for t in (codes, scales, grad, m, v)]  # the Triton kernels need device tensors on a GPU
 
 
 def _clone(s):

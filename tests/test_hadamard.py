@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 from hfq.formats.hadamard import effective_block, fwht, hadamard_matrix
 from hfq_kernels.hadamard import hadamard_triton
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: device tensors on a GPU
+
 
 @pytest.mark.parametrize("n", [1, 2, 8, 64, 128, 256])
 def test_matrix_orthogonal_symmetric(n):
@@ -52,7 +54,7 @@ def test_bad_block_sizes():
 def test_triton_matches_reference(rows, nblk, logb, dtype):
     b = 2**logb
     x = (torch.randn(rows, nblk * b) * 3).to(dtype)
-    y = hadamard_triton(x, b)
+    y = hadamard_triton(x.to(DEV), b).cpu()
     ref = fwht(x.double(), b)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert torch.isfinite(y).all()
@@ -60,7 +62,7 @@ def test_triton_matches_reference(rows, nblk, logb, dtype):
 
 
 def test_triton_3d_and_self_inverse():
-    x = torch.randn(2, 5, 384)
+    x = torch.randn(2, 5, 384, device=DEV)
     y = hadamard_triton(x, 128)
     assert y.shape == x.shape
     assert torch.allclose(hadamard_triton(y, 128), x, atol=1e-5)

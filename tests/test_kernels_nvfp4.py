@@ -73,9 +73,9 @@ LINEAR_CASES = [
     (70, 128, 72, dict(kind="mm", BN=64, BM=32, BK=64, split=1, warps=4, stages=2)),
     # decode kernel: int32 word loads, fp16 decode, per-row x scaling; prefetch, split-K partials + reduce
     # (BK >= 128: each of the 8 per-code-position tensor-core dots needs K >= 16 on the GPU)
-    (1, 96, 40, dict(kind="dec", BN=16, BM=16, BK=128, split=1, prefetch=True)),  # K < BK
+    (1, 96, 40, dict(kind="dec", BN=32, BM=16, BK=128, split=1, prefetch=True)),  # K < BK
     (3, 400, 48, dict(kind="dec", BN=32, BM=16, BK=128, split=2, prefetch=True)),  # K tail + uneven split
-    (17, 528, 24, dict(kind="dec", BN=16, BM=16, BK=128, split=3, prefetch=False)),
+    (17, 528, 24, dict(kind="dec", BN=32, BM=16, BK=128, split=3, prefetch=False)),
 ]
 
 
@@ -99,7 +99,7 @@ def test_dec_kernel_wide_x_range_and_fp16():
     """Rows of x spanning 1e-4..1e3 (bf16: per-row power-of-two scaling into fp16) and an fp16 input."""
     p, s, r = K.quantize(_weight(40, 256, seed=11))
     wf = fp4.nvfp4_dequantize(p, s, r, torch.float32).double()
-    cfg = dict(kind="dec", BN=16, BM=16, BK=128, split=2, prefetch=True)
+    cfg = dict(kind="dec", BN=32, BM=16, BK=128, split=2, prefetch=True)
     for dt, hi in ((torch.bfloat16, 3.0), (torch.float16, 1.0)):
         x = (torch.randn(5, 256) * torch.logspace(-4, hi, 5)[:, None]).to(dt).to(DEV)
         y = K.linear(x, p, s, r, config=cfg)
@@ -172,7 +172,7 @@ def test_autotune_bucket_and_cache_key():
     assert key == "m4|n512|k3584|bfloat16|cpu"
     t = K.Tuner("hfq_test_op")
     calls = []
-    best = t.choose(key, [{"a": 1}], lambda c: calls.append(c), default={"a": 0}) if DEV == "cuda" else None
+    best = t.choose(key, [{"a": 1}], lambda c: (lambda: calls.append(c)), default={"a": 0}) if DEV == "cuda" else None
     if DEV == "cuda":
         assert best == {"a": 1} and t.choose(key, [], None, default={}) == {"a": 1}
 

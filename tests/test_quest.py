@@ -12,6 +12,8 @@ from hfq.formats.hadamard import fwht, hadamard_matrix
 from hfq.quest import QuESTConfig, QuESTLinear, pack_codes, quantize_model, unpack_codes
 from hfq_kernels import quest as K
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: device tensors on a GPU
+
 
 # ----------------------------------------------------------------------------- kernels
 @settings(max_examples=8, deadline=None)
@@ -24,7 +26,7 @@ def test_quantize_kernel_matches_reference_fp32(rows, nblk, logb, bits, fp4, s):
     width = nblk * (2**logb if logb else 37)  # no-HT case: odd widths
     x = torch.randn(rows, width) * 2
     x[0, 0] = 25.0  # an outlier
-    xq, m, unit = K.quest_quantize_triton(x, bits, fp4, s, block)
+    xq, m, unit = (t.cpu() for t in K.quest_quantize_triton(x.to(DEV), bits, fp4, s, block))
     rq, rm, ru = K.quest_quantize_ref(x, bits, fp4, s, block)
     assert torch.allclose(unit, ru, rtol=1e-5)
     # identical up to elements within float rounding of a decision boundary
@@ -36,14 +38,14 @@ def test_quantize_kernel_matches_reference_fp32(rows, nblk, logb, bits, fp4, s):
 def test_quantize_kernel_bf16_and_packed_padding():
     torch.manual_seed(3)
     x = (torch.randn(33, 256) * 0.1).bfloat16()
-    xq, m, unit = K.quest_quantize_triton(x, 4, False, 1.0, 128)
+    xq, m, unit = (t.cpu() for t in K.quest_quantize_triton(x.to(DEV), 4, False, 1.0, 128))
     rq, rm, ru = K.quest_quantize_ref(x, 4, False, 1.0, 128)
     assert xq.dtype == torch.bfloat16 and m.shape == (33, 32)
     # the CPU interpreter truncates fp32 -> bf16; the GPU rounds: allow one bf16 ulp
     assert torch.allclose(xq.float(), rq.float(), rtol=2**-7, atol=0)
     assert torch.equal(m, rm)
     # no HT, a width that is not a multiple of 8: pad bits are zero
-    _, m2, _ = K.quest_quantize_triton(torch.randn(5, 13), 2, False, 1.0, 0)
+    _, m2, _ = K.quest_quantize_triton(torch.randn(5, 13, device=DEV), 2, False, 1.0, 0)
     assert m2.shape == (5, 2) and int((m2[:, 1] >> 5).max()) == 0
 
 
@@ -53,10 +55,10 @@ def test_masked_ht_kernel_matches_reference(block, width, dtype):
     torch.manual_seed(width)
     g = torch.randn(21, width).to(dtype)
     mask = K.pack_mask(torch.rand(21, width) > 0.3)
-    out = K.quest_masked_ht_triton(g, mask, block)
+    out = K.quest_masked_ht_triton(g.to(DEV), mask.to(DEV), block).cpu()
     ref = K.quest_masked_ht_ref(g.float(), mask, block)
     assert torch.allclose(out.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
-    assert torch.allclose(K.quest_masked_ht_triton(g, None, block).float(),
+    assert torch.allclose(K.quest_masked_ht_triton(g.to(DEV), None, block).float().cpu(),
                           K.quest_masked_ht_ref(g.float(), None, block), rtol=1e-2, atol=1e-2)
 
 
