@@ -1005,6 +1005,24 @@ def _prep(x, packed, scale, global_scale, bias):
     return x2, recip
 
 
+def _checked_runner(x2, packed, scale, recip, bias, tol: float = 2e-2):
+    """Autotuning runner that first checks a candidate's product against dequantize + F.linear (fp32) and
+    raises for a wrong one, so the tuner can never pick a config that miscomputes on this device/shape."""
+    ref = {}
+
+    def runner(c):
+        if "y" not in ref:
+            w = dequantize(packed, scale, recip, torch.float32)
+            ref["y"] = F.linear(x2.float(), w, None if bias is None else bias.float())
+        y = linear(x2, packed, scale, recip, bias, config=c).float()
+        err = float((y - ref["y"]).norm() / ref["y"].norm().clamp_min(1e-30))
+        if not err <= tol:
+            raise ValueError(f"nvfp4 linear config {c}: relative error {err:.3g} > {tol} on this shape")
+        return lambda: linear(x2, packed, scale, recip, bias, config=c)
+
+    return runner
+
+
 def linear(x, packed, scale, global_scale, bias=None, config: dict | None = None, out=None):
     """y = x @ dequant(W)^T + bias on the GPU (Triton); `config` forces a kernel config (tests, sweeps)."""
     x2, recip = _prep(x, packed, scale, global_scale, bias)
@@ -1015,10 +1033,8 @@ def linear(x, packed, scale, global_scale, bias=None, config: dict | None = None
         return F.linear(x, w, bias)
     if config is None:
         key = Tuner.key(m, n, k, x.dtype, x.device)
-        config = _LINEAR_TUNER.choose(
-            key, _mm_candidates(m, n, k),
-            lambda c: (lambda: linear(x2, packed, scale, recip, bias, config=c)),
-            _mm_default(m, n, k))
+        config = _LINEAR_TUNER.choose(key, _mm_candidates(m, n, k),
+                                      _checked_runner(x2, packed, scale, recip, bias), _mm_default(m, n, k))
     if config["kind"] == "dq":
         y = F.linear(x2, dequantize(packed, scale, recip, x.dtype), bias)
         if out is not None:

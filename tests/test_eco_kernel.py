@@ -35,7 +35,13 @@ def test_rtn_matches_reference(shape, one_pass, monkeypatch):
     a, b = _clone(s), _clone(s)
     K.eco_adamw_fp8_step_triton(*a, rounding="rtn", **KW)
     K.eco_adamw_fp8_step_ref(*b, rounding="rtn", **KW)
-    assert torch.equal(dequantize_fp8_row(a[0], a[1]), dequantize_fp8_row(b[0], b[1]))
+    wa, wb = dequantize_fp8_row(a[0], a[1]), dequantize_fp8_row(b[0], b[1])
+    if DEV == "cpu":  # the interpreter evaluates the same fp32 ops in the same order: bit-identical
+        assert torch.equal(wa, wb)
+    else:  # on the GPU, FMA contraction can flip a value sitting on a rounding boundary to its neighbour code
+        same = (wa == wb).float().mean().item()
+        assert same >= 0.999, same
+        assert torch.allclose(wa, wb, rtol=2 ** -3, atol=0), "a code differs by more than one E4M3 step"
     torch.testing.assert_close(a[3], b[3], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(a[4], b[4], rtol=1e-5, atol=1e-7)
 

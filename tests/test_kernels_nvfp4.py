@@ -217,3 +217,52 @@ def test_linear_full_shapes_gpu(k, n, m):
     y = torch.ops.hfq.nvfp4_linear(x, p, s, r, None)
     ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
     assert _rel(y, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("n,k", [(37, 160), (528, 3600), (16, 64)])
+def test_g4_repack_layout_matches_reference(n, k):
+    """repack_g4 + the g4 kernel's bit-level decode (emulated in torch) reproduce the canonical dequantized product."""
+    w = _weight(n, k, seed=n + k).cpu()
+    p, s, r = fp4.nvfp4_quantize(w)
+    wr, sr = K.repack_g4(p, s)
+    assert wr.dtype == torch.int32 and wr.numel() == -(-n // 16) * 16 * -(-k // 64) * 64 // 8
+    assert sr.dtype == torch.uint8 and sr.numel() == wr.numel() // 2
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
+    assert _rel(K.g4_reference(x, wr, sr, n, k, r), ref) < 1e-6
+
+
+def test_g4_kernel_compiles_for_sm90_without_shared_memory():
+    """The g4 kernel's layout conversions are all register-only (assert_trivial) and it uses no shared memory."""
+    if not K.HAS_GLUON:
+        pytest.skip("no gluon")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = {"x_ptr": "*bf16", "wr_ptr": "*i32", "sr_ptr": "*u8", "recip_ptr": "*fp32", "b_ptr": "*bf16",
+           "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "KC": "i32", "NT": "i32", "stride_xm": "i32",
+           "stride_ym": "i32", "cps": "i32"}
+    src = GluonASTSource(fn=K._g4_kernel, signature=sig,
+                         constexprs=dict(BM=16, R=2, HAS_BIAS=False, PARTIAL=True, PREFETCH=True))
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except (RuntimeError, FileNotFoundError) as e:  # no ptxas/backend on this machine
+        if "ptxas" in str(e).lower():
+            pytest.skip(str(e)[:200])
+        raise
+    assert k.metadata.shared == 0
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.asm["ptx"]
+
+
+def test_autotune_rejects_a_config_that_miscomputes(monkeypatch):
+    """The tuner's runner checks each candidate against dequantize + F.linear before timing it."""
+    p, s, r = K.quantize(_weight(48, 128, seed=4))
+    x = torch.randn(3, 128).to(torch.bfloat16).to(DEV)
+    runner = K._checked_runner(x, p, s, r, None)
+    assert callable(runner(dict(kind="dq")))
+    real = K.linear
+    monkeypatch.setattr(K, "linear", lambda *a, config=None, **kw: real(*a, config=config, **kw) * 1.5
+                        if config.get("bad") else real(*a, config=config, **kw))
+    with pytest.raises(ValueError, match="relative error"):
+        runner(dict(kind="dq", bad=True))
