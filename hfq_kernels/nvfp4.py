@@ -913,6 +913,12 @@ def _g4_default(m: int, n: int, k: int) -> dict:
     return dict(kind="g4", BM=bm, R=r, warps=warps, split=split)
 
 
+def g4_config(m: int, n: int, k: int, device) -> dict:
+    """The g4 config linear() uses for bf16 x with M <= 64: a tuned "g4" entry of the shipped table, else the default."""
+    hit = _LINEAR_TUNER.cache.get(Tuner.key(m, n, k, torch.bfloat16, torch.device(device)))
+    return dict(hit) if hit is not None and hit.get("kind") == "g4" else _g4_default(m, n, k)
+
+
 def _g4_launch(x2, packed, scale, recip, bias, cfg, out=None):
     rep = _g4_repacked(packed, scale)
     if rep is None:
@@ -1031,6 +1037,8 @@ def linear(x, packed, scale, global_scale, bias=None, config: dict | None = None
     if m == 0 or x.dtype not in _MM_DTYPES:
         w = dequantize(packed, scale, recip, x.dtype)
         return F.linear(x, w, bias)
+    if config is None and _g4_ok(x2):  # bf16 decode path: g4 kernel, shipped tuned choice else the heuristic
+        config = g4_config(m, n, k, x.device)
     if config is None:
         key = Tuner.key(m, n, k, x.dtype, x.device)
         config = _LINEAR_TUNER.choose(key, _mm_candidates(m, n, k),
