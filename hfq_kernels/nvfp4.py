@@ -915,8 +915,12 @@ def _g4_default(m: int, n: int, k: int) -> dict:
 
 def g4_config(m: int, n: int, k: int, device) -> dict:
     """The g4 config linear() uses for bf16 x with M <= 64: a tuned "g4" entry of the shipped table, else the default."""
-    hit = _LINEAR_TUNER.cache.get(Tuner.key(m, n, k, torch.bfloat16, torch.device(device)))
-    return dict(hit) if hit is not None and hit.get("kind") == "g4" else _g4_default(m, n, k)
+    dev = torch.device(device)
+    for mm in ((m, 8) if m <= 8 else (m,)):  # M <= 8 share the BM=8 kernel: fall back to the M=8 entry
+        hit = _LINEAR_TUNER.cache.get(Tuner.key(mm, n, k, torch.bfloat16, dev))
+        if hit is not None and hit.get("kind") == "g4":
+            return dict(hit)
+    return _g4_default(m, n, k)
 
 
 def _g4_launch(x2, packed, scale, recip, bias, cfg, out=None):
