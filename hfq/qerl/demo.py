@@ -106,7 +106,9 @@ def sampling_entropy(model, tok, prompts, max_new_tokens: int = 32, seed: int = 
     """Mean per-token entropy (nats) of the sampling distribution (T = 1) along sampled completions."""
     import torch
 
-    enc = tok(list(prompts), return_tensors="pt", padding=True).to(next(model.parameters()).device)
+    # left padding whatever the tokenizer says (a reloaded char tokenizer pads on the right): generation continues
+    # right after each prompt
+    enc = tok(list(prompts), return_tensors="pt", padding=True, padding_side="left").to(next(model.parameters()).device)
     torch.manual_seed(seed)
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0,
