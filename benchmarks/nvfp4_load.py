@@ -10,10 +10,13 @@ import datetime
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # run from a checkout
 
 CONFIGS = {  # real Qwen2.5 shapes (random init: speed/memory only)
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -77,7 +80,13 @@ def main():
     loss.backward()
     opt.step()
     lora_ok = bool(torch.isfinite(loss)) and all(p.grad is not None for p in pm.parameters() if p.requires_grad)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("HFQ_COMMIT", "")  # set it on the device: its copy's git may not be this checkout's
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            commit = ""
+    commit = commit or "unknown"
     res = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
            "model": args.config, "logits_cosine": cos, "reload_identical": same, "lora_step_ok": lora_ok,
            "rows": [{"weights": k, **{kk: round(vv, 3) for kk, vv in v.items() if kk != "logits"}}

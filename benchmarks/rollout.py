@@ -164,11 +164,13 @@ def check(results):
 
     for arch in ("qwen2", "qwen3", "llama", "mistral"):
         m = tiny_model(arch, seed=1, hidden=128, intermediate=256, layers=3).cuda()
-        e = RolloutEngine(m, max_batch=8, max_seq_len=160, kv_block=32)
-        got = e.generate(P, max_new_tokens=120, temperature=0, eos_token_ids=[]).completion_ids.cpu()
-        same = torch.equal(got, hf(m, 120))
-        ok &= same and e.use_graphs
-        log(f"check greedy==generate fp32 cuda-graph {arch}: {same} (graphs={e.use_graphs}, {len(e._graphs)} captured)")
+        for fused in (True, False):
+            e = RolloutEngine(m, max_batch=8, max_seq_len=160, kv_block=32, fused_kernels=fused)
+            got = e.generate(P, max_new_tokens=120, temperature=0, eos_token_ids=[]).completion_ids.cpu()
+            same = torch.equal(got, hf(m, 120))
+            ok &= same and e.use_graphs and e.adapter.fused == fused
+            log(f"check greedy==generate fp32 cuda-graph {arch} fused={e.adapter.fused}: {same} "
+                f"(graphs={e.use_graphs}, {len(e._graphs)} captured)")
     # graph vs eager, sampling on, seeded: identical tokens
     m = tiny_model("qwen2", seed=2, hidden=128, intermediate=256, layers=3).cuda()
     kw = dict(max_new_tokens=100, temperature=0.9, top_p=0.9, top_k=30, min_p=0.02, eos_token_ids=[], seed=3,
@@ -184,7 +186,7 @@ def check(results):
     pm = get_peft_model(tiny_model("llama", seed=4, hidden=128, intermediate=256, layers=3), cfg).cuda().eval()
     e = RolloutEngine(pm, max_batch=8, max_seq_len=160, kv_block=32)
     r1 = e.generate(P, max_new_tokens=60, temperature=0, eos_token_ids=[]).completion_ids.cpu()
-    s1 = torch.equal(r1, hf(pm, 60))
+    s1 = torch.equal(r1, hf(pm, 60)) and e.adapter.fused
     n_graphs = len(e._graphs)
     with torch.no_grad():
         for n, p in pm.named_parameters():
@@ -270,7 +272,7 @@ def linear_floor(model, b=8):
 
 
 @torch.no_grad()
-def step_split(eng, V, b=8):
+def step_split(eng, V, b=8, with_eager=True):
     """Per decode step: full graph replay (greedy / sampling), sampler alone in a graph, host loop overhead."""
     from hfq.rollout.sampling import SamplerFlags, sample
 
@@ -297,7 +299,7 @@ def step_split(eng, V, b=8):
         e.record()
         torch.cuda.synchronize()
         out[f"replay_ms_{flags_name}"] = round(s.elapsed_time(e) / 50, 3)
-        if flags.greedy:
+        if flags.greedy and with_eager:
             eng.col.fill_(300)
             eng.step.fill_(1)
             s.record()
@@ -353,11 +355,36 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                 continue
             tok_s, dt = run_hfq(eng, b, plen, new, V)
             add(engine="hfq", weights="bf16", batch=b, new_tokens=new, tok_s=round(tok_s, 1), peak_gb=peak_gb(),
-                graphs=eng.use_graphs)
+                graphs=eng.use_graphs, fused=eng.adapter.fused)
             if b == 8 and "split_bf16_b8" not in results:
                 results["split_bf16_b8"] = {**step_split(eng, V), **linear_floor(model),
-                                            "step_ms_measured": round(dt / new * 1000, 3)}
+                                            "step_ms_measured": round(dt / new * 1000, 3),
+                                            "fused": eng.adapter.fused}
                 log("split", results["split_bf16_b8"])
+                from hfq.rollout import gemm as _gemm
+
+                ids = prompts(b, plen, V).cuda()
+                results["split_bf16_b8"]["prefill_ms"] = round(1000 * min(
+                    timed(lambda: eng.generate(ids, max_new_tokens=1, eos_token_ids=[], seed=1))[0]
+                    for _ in range(3)), 2)
+
+                results["gemm_tuning_b8"] = {" ".join(str(x) for x in k): v for k, v in _gemm.TIMINGS.items()}
+                log("gemm tuning", results["gemm_tuning_b8"])
+                if eng.adapter.gemm:  # fused kernels, cuBLAS for every linear
+                    eng.adapter.gemm = False
+                    eng.invalidate()
+                    results["split_bf16_b8_cublas"] = step_split(eng, V, with_eager=False)
+                    log("split fused+cublas", results["split_bf16_b8_cublas"])
+                    eng.adapter.gemm = True
+                    eng.invalidate()
+                if eng.adapter.fused:  # the same engine with the model's own modules, for comparison
+                    eng.adapter.fused = False
+                    gm, eng.adapter.gemm = eng.adapter.gemm, False
+                    eng.invalidate()
+                    results["split_bf16_b8_unfused"] = step_split(eng, V)
+                    log("split unfused", results["split_bf16_b8_unfused"])
+                    eng.adapter.fused, eng.adapter.gemm = True, gm
+                    eng.invalidate()
         gen_new = min(new, 128 if b <= 8 else 64)
         if "generate" in weights_list and left() > 60:
             tok_s, dt = run_generate(model, b, plen, gen_new, V)
@@ -413,7 +440,19 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
             try:
                 tok_s, dt = run_hfq(eng, b, plen, new, V)
                 add(engine="hfq", weights=w, batch=b, new_tokens=new, tok_s=round(tok_s, 1), peak_gb=peak_gb(),
-                    graphs=eng.use_graphs)
+                    graphs=eng.use_graphs, fused=eng.adapter.fused)
+                if b == 8 and f"split_{w}_b8" not in results:
+                    results[f"split_{w}_b8"] = {**step_split(eng, V, with_eager=False),
+                                                "step_ms_measured": round(dt / new * 1000, 3)}
+                    log(f"split {w}", results[f"split_{w}_b8"])
+                    if w == "nvfp4+lora" and eng.adapter.fused:  # the model's own modules, for comparison
+                        eng.adapter.fused = False
+                        gm, eng.adapter.gemm = eng.adapter.gemm, False
+                        eng.invalidate()
+                        results[f"split_{w}_b8_unfused"] = step_split(eng, V, with_eager=False)
+                        log(f"split {w} unfused", results[f"split_{w}_b8_unfused"])
+                        eng.adapter.fused, eng.adapter.gemm = True, gm
+                        eng.invalidate()
             except Exception as ex:  # noqa: BLE001 - a failing kernel must not lose the other rows
                 add(engine="hfq", weights=w, batch=b, new_tokens=new, tok_s=None, peak_gb=None,
                     error=f"{type(ex).__name__}: {str(ex)[:200]}")
@@ -439,7 +478,7 @@ def write(results, out_dir):
                      f"{r['new_tokens']} | {r.get('tok_s')} | {r.get('peak_gb')} | {ratio} |")
     if results.get("not_run"):
         lines.append(f"\nNot run (time budget / missing package): {', '.join(results['not_run'])}")
-    for k in ("split_bf16_b8", "quick"):
+    for k in [k for k in results if k.startswith("split_")] + ["quick"]:
         if k in results:
             lines.append(f"\n{k}: `{json.dumps(results[k])}`")
     with open(os.path.join(out_dir, "rollout.md"), "w") as f:
@@ -449,6 +488,7 @@ def write(results, out_dir):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--bench", action="store_true", help="with --check: the table instead of the quick timings")
     ap.add_argument("--batches", default="8,1,32")
     ap.add_argument("--new-tokens", type=int, default=2048)
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -459,17 +499,23 @@ def main():
     a = ap.parse_args()
     global OUT_DIR
     OUT_DIR = a.out
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001 - the device copy may have no .git
-        commit = os.environ.get("HFQ_COMMIT", "unknown")
+    commit = os.environ.get("HFQ_COMMIT")  # set it on the device: its copy's git may not be this checkout's
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        except Exception:  # noqa: BLE001 - the device copy may have no .git
+            commit = "unknown"
     results = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit,
                    torch=torch.__version__, rows=[])
     try:
         if a.check:
             check(results)
             write(results, a.out)
-            quick_timings(results, a.layers)
+            if a.bench:
+                bench(results, [int(x) for x in a.batches.split(",")], a.new_tokens, a.prompt_len, a.budget_s,
+                      a.layers, a.what.split(","))
+            else:
+                quick_timings(results, a.layers)
         else:
             bench(results, [int(x) for x in a.batches.split(",")], a.new_tokens, a.prompt_len, a.budget_s, a.layers,
                   a.what.split(","))

@@ -4,11 +4,21 @@ It calls the model's own submodules (norms, projections, MLPs, rotary embedding,
 quantized linears (hfq NVFP4, bitsandbytes), PEFT LoRA wrappers (unmerged) and in-place weight
 changes (LoRA updates, AQN noise on norm weights) are used as they are; only attention and the
 KV cache are ours, so a decode step has fixed shapes and no host synchronisation (graph-safe).
+
+With `fused=True` (CUDA, or CPU under TRITON_INTERPRET=1) a decode step runs the norms, RoPE + KV write,
+attention and SiLU*mul as the Triton kernels of `kernels.py`, reading the norm weights where they live,
+and applies unmerged LoRA with one shrink + one expand kernel per group of linears sharing an input
+(`lora.py`; q/k/v, gate/up, o, down); any module it does not
+recognise (custom norms, hooks, DoRA, dropout in training, ...) is called as the model's own module.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import gemm as _gemm
+from . import kernels as K
+from . import lora as _lora
 
 SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama", "mistral")
 
@@ -35,10 +45,48 @@ def unwrap_causal_lm(model):
     return m
 
 
+_RMSNORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm")
+
+
+def _has_hooks(mod) -> bool:
+    return bool(mod._forward_hooks or mod._forward_pre_hooks or getattr(mod, "_forward_hooks_with_kwargs", None))
+
+
+def _lora_plan(mod, x):
+    """[(A weight, B weight, scale), ...] when `mod` is an unmerged PEFT LoRA layer whose forward is exactly
+    base(x) + sum scale * B(A(x)) (eval-mode dropout, no DoRA / bias / variants, weights in x's dtype);
+    None otherwise (then the module itself is called)."""
+    if not all(hasattr(mod, n) for n in ("base_layer", "lora_A", "lora_B", "scaling", "active_adapters")):
+        return None
+    if getattr(mod, "disable_adapters", False) or getattr(mod, "merged", False) or _has_hooks(mod):
+        return None
+    if mod.training or x.dim() < 2:
+        return None
+    plan = []
+    for name in mod.active_adapters:
+        if name not in mod.lora_A:
+            continue
+        a, b = mod.lora_A[name], mod.lora_B[name]
+        if not (type(a) is torch.nn.Linear and type(b) is torch.nn.Linear) or a.bias is not None or b.bias is not None:
+            return None
+        if getattr(mod, "use_dora", {}).get(name, False) or name in getattr(mod, "lora_variant", {}):
+            return None
+        drop = mod.lora_dropout[name] if name in getattr(mod, "lora_dropout", {}) else None
+        if drop is not None and not isinstance(drop, torch.nn.Identity) and drop.training:
+            return None
+        if a.weight.dtype != x.dtype or b.weight.dtype != x.dtype or _has_hooks(a) or _has_hooks(b):
+            return None
+        scale = mod.scaling[name]
+        if not isinstance(scale, (int, float)):
+            return None
+        plan.append((a.weight, b.weight, float(scale)))
+    return plan
+
+
 class DecoderAdapter:
     """Holds references to a causal LM's parts and runs prefill / decode against an external KV cache."""
 
-    def __init__(self, model, max_seq_len: int):
+    def __init__(self, model, max_seq_len: int, fused: bool = False):
         lm = unwrap_causal_lm(model)
         cfg = getattr(lm, "config", None)
         arch = getattr(cfg, "model_type", None)
@@ -78,6 +126,8 @@ class DecoderAdapter:
                              f"max_seq_len <= {min(windows)}")
         self.vocab_size = self.lm_head.out_features if hasattr(self.lm_head, "out_features") else cfg.vocab_size
         self.dtype = self.embed.weight.dtype
+        self.fused = bool(fused)
+        self.gemm = False  # skinny Triton GEMM for plain BF16/FP16 nn.Linear at <= 16 rows (set by the engine)
 
     def _qkv(self, attn, x, cos, sin):
         b, n, _ = x.shape
@@ -119,6 +169,8 @@ class DecoderAdapter:
     def decode(self, ids, pos, col, add_mask, k_cache, v_cache, b: int, kv_len: int):
         """One token per row: ids/pos [b], write column `col` ([1] int64 on device), attend to columns
         [0, kv_len) with the additive mask [b, kv_len]. Returns the hidden state [b, hidden]."""
+        if self.fused:
+            return self.decode_fused(ids, pos, col, add_mask, k_cache, v_cache, b, kv_len)
         h = self.embed(ids[:, None])
         cos, sin = self.rotary(h, pos[:, None])
         mask = add_mask[:, None, None, :]
@@ -136,5 +188,98 @@ class DecoderAdapter:
             h = self._mlp_block(layer, h, o)
         return self.norm(h[:, 0])
 
+    # ------------------------------------------------------------------ fused decode
+    @staticmethod
+    def _plain_norm(mod, x):
+        """mod is an HF RMSNorm (weight * normalize(x), weight in x's dtype) with no hooks."""
+        return (type(mod).__name__ in _RMSNORMS and isinstance(getattr(mod, "weight", None), torch.Tensor)
+                and mod.weight.dim() == 1 and mod.weight.dtype == x.dtype and not _has_hooks(mod)
+                and hasattr(mod, "variance_epsilon"))
+
+    def _norm(self, mod, x, residual):
+        """(mod(x + residual), x + residual); residual None: (mod(x), x)."""
+        if self._plain_norm(mod, x):
+            return K.add_rmsnorm(x, residual, mod.weight, mod.variance_epsilon)
+        s = x if residual is None else x + residual
+        return mod(s), s
+
+    def _linear(self, mod, x):
+        """mod(x); unmerged PEFT LoRA as base(x) then y += scale * (x A^T) B^T in one accumulating GEMM."""
+        if self.gemm and type(mod) is torch.nn.Linear and not _has_hooks(mod) and _gemm.eligible(x, mod.weight):
+            return _gemm.linear(x, mod.weight, mod.bias)
+        plan = _lora_plan(mod, x)
+        if plan is None:
+            return mod(x)
+        y = self._linear(mod.base_layer, x) if not _has_hooks(mod.base_layer) else mod.base_layer(x)
+        if y.dtype != x.dtype or not y.is_contiguous():
+            for a, b, scale in plan:
+                y = y + F.linear(F.linear(x, a), b) * scale
+            return y
+        y2 = y.view(-1, y.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        for a, b, scale in plan:
+            y2.addmm_(F.linear(x2, a), b.t(), alpha=scale)
+        return y
+
+    def _linear_group(self, mods, x):
+        """[m(x) for m in mods]; the single-adapter LoRA ones among them get their updates from one shrink and
+        one expand kernel for the whole group (`lora.lora_add_`)."""
+        plans = [_lora_plan(m, x) for m in mods]
+        grp = [i for i, p in enumerate(plans) if p is not None and len(p) == 1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if (len(grp) < 1 or x2.shape[0] > 64 or x2.stride(-1) != 1
+                or len({plans[i][0][0].shape[0] for i in grp}) != 1 or plans[grp[0]][0][0].shape[0] > 128):
+            grp = []
+        base = [m.base_layer if i in grp else m for i, m in enumerate(mods)]
+        if (self.gemm and len(base) > 1 and all(type(m) is torch.nn.Linear and not _has_hooks(m) for m in base)
+                and _gemm.group_eligible(x, [m.weight for m in base], [m.bias for m in base])):
+            outs = _gemm.linear_group(x, [m.weight for m in base], [m.bias for m in base])
+        else:
+            outs = [self._linear(m, x) for m in base]
+        if not grp:
+            return outs
+        if any(outs[i].dtype != x.dtype or not outs[i].is_contiguous() for i in grp):
+            for i in grp:
+                for a, b, scale in plans[i]:
+                    outs[i] = outs[i] + F.linear(F.linear(x, a), b) * scale
+            return outs
+        _lora.lora_add_(x2, [outs[i].view(-1, outs[i].shape[-1]) for i in grp], [plans[i][0] for i in grp])
+        return outs
+
+    def _mlp(self, mlp, x):
+        if (all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+                and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+                and not _has_hooks(mlp) and not _has_hooks(mlp.act_fn)):
+            g, u = self._linear_group([mlp.gate_proj, mlp.up_proj], x)
+            if g.is_contiguous() and u.is_contiguous() and g.dtype == u.dtype:
+                return self._linear_group([mlp.down_proj], K.silu_mul(g, u))[0]
+            return self._linear_group([mlp.down_proj], mlp.act_fn(g) * u)[0]
+        return mlp(x)
+
+    def decode_fused(self, ids, pos, col, add_mask, k_cache, v_cache, b: int, kv_len: int):
+        """`decode` with the fused kernels (same arguments and result)."""
+        h = self.embed(ids[:, None])
+        cos, sin = self.rotary(h, pos[:, None])
+        cos, sin = cos.reshape(b, -1).contiguous(), sin.reshape(b, -1).contiguous()
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        x, res = h, None
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            xn, res = self._norm(layer.input_layernorm, x, res)
+            q, k, v = self._linear_group([attn.q_proj, attn.k_proj, attn.v_proj], xn)
+            if self.qk_norm:
+                q = attn.q_norm(q.view(b, 1, nh, hd))
+                k = attn.k_norm(k.view(b, 1, nkv, hd))
+            q, k, v = (t.reshape(b, -1).contiguous() for t in (q, k, v))
+            qr = K.rope_kv_write(q, k, v, cos, sin, k_cache[i], v_cache[i], col, nh, nkv, hd)
+            o = K.decode_attention(qr, k_cache[i], v_cache[i], add_mask, col, kv_len, self.scaling)
+            o = self._linear_group([attn.o_proj], o.view(b, 1, nh * hd))[0]
+            xn, res = self._norm(layer.post_attention_layernorm, o, res)
+            x = self._mlp(layer.mlp, xn)
+        out, _ = self._norm(self.norm, x, res)
+        return out[:, 0]
+
     def logits(self, hidden):
+        if self.fused:
+            return self._linear(self.lm_head, hidden).float()
         return self.lm_head(hidden).float()

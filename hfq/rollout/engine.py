@@ -5,7 +5,9 @@ then replays a captured decode step (one graph per batch bucket x KV-length buck
 flags) until every row hit EOS / a stop string or `max_new_tokens`. Graphs read the model's
 parameters where they live, so in-place updates (optimizer steps on LoRA, AQN noise on norms)
 are seen by the next replay; if a parameter is *replaced* (new storage, `.to(dtype)`), the
-engine notices and re-captures.
+engine notices and re-captures. On CUDA a decode step uses the fused Triton kernels of `kernels.py`
+(norms, RoPE + KV write, split-KV attention, SiLU*mul, temperature sampling), grouped LoRA kernels
+(`lora.py`) and, for plain BF16/FP16 linears, a skinny GEMM where it timed faster than cuBLAS (`gemm.py`).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels as _kernels
 from .decoder import DecoderAdapter
 from .sampling import SamplerFlags, row_keys, sample
 
@@ -60,12 +63,19 @@ class RolloutEngine:
         gpu_memory_utilization: fraction of the GPU's memory that model + KV cache may use (vLLM-like).
         kv_cache_gb: alternatively, an absolute KV-cache budget in GiB.
         check_every: decode steps between host checks for "all rows finished" / stop strings.
+        fused_kernels: "auto" (on CUDA when Triton is there), True or False: decode with the Triton kernels
+            of `hfq.rollout.kernels` (add+RMSNorm, RoPE+KV write, split-KV attention, SiLU*mul) and one
+            accumulating GEMM per unmerged LoRA, instead of the model's own norm / RoPE / MLP code.
+            True on CPU needs TRITON_INTERPRET=1 (tests).
+        skinny_gemm: with the fused kernels on CUDA, run plain BF16/FP16 linears of decode steps through
+            `hfq.rollout.gemm` where a one-time timing per shape found it faster than cuBLAS.
     """
 
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 2304, graph_mode: str = "auto",
                  batch_buckets: tuple[int, ...] | None = None, kv_block: int = 256,
                  gpu_memory_utilization: float | None = None, kv_cache_gb: float | None = None,
-                 check_every: int = 32, pad_token_id: int | None = None):
+                 check_every: int = 32, pad_token_id: int | None = None, fused_kernels: bool | str = "auto",
+                 skinny_gemm: bool = True):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch: must be a positive int, got {max_batch!r}")
         if not isinstance(max_seq_len, int) or max_seq_len < 2:
@@ -84,9 +94,18 @@ class RolloutEngine:
         if buckets[0] < 1 or buckets[-1] != max_batch:
             raise ValueError(f"batch_buckets: must be positive and end with max_batch={max_batch}, got {buckets}")
 
+        if fused_kernels not in ("auto", True, False):
+            raise ValueError(f"fused_kernels: must be 'auto', True or False, got {fused_kernels!r}")
         self.model = model
         self.adapter = DecoderAdapter(model, max_seq_len)
         self.device = self.adapter.embed.weight.device
+        can_fuse = _kernels.available(self.device)
+        if fused_kernels is True and not can_fuse:
+            raise ValueError(f"fused_kernels=True: the Triton kernels cannot run on {self.device} (need CUDA and "
+                             "triton, or TRITON_INTERPRET=1 on CPU)")
+        self.adapter.fused = can_fuse and (fused_kernels is True or (fused_kernels == "auto"
+                                                                    and self.device.type == "cuda"))
+        self.adapter.gemm = bool(skinny_gemm) and self.adapter.fused and self.device.type == "cuda"
         self.dtype = self.adapter.dtype
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
@@ -179,7 +198,7 @@ class RolloutEngine:
         mask.index_fill_(1, self.col, 0.0)
         h = a.decode(self.tokens[:b], self.pos[:b], self.col, mask[:, :kv_len], self.k_cache, self.v_cache, b, kv_len)
         tok, lp = sample(a.logits(h), flags, self.temperature[:b], self.top_k[:b], self.top_p[:b], self.min_p[:b],
-                         self.keys[:b], self.step, self.vocab_ids)
+                         self.keys[:b], self.step, self.vocab_ids, fused=a.fused)
         self._commit(tok, lp, b)
         self.pos[:b] += 1
         self.col += 1
@@ -213,8 +232,16 @@ class RolloutEngine:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self._pool):
                 self._decode_body(b, kv_len, flags)
+            g.replay()  # the first replay uploads the graph; keep that out of generate (it resets the state)
             return g
         except Exception as e:  # noqa: BLE001 - a module that cannot be captured still generates eagerly
+            if self.adapter.fused:  # first drop the fused kernels, keep the graphs
+                warnings.warn(f"hfq.rollout: fused decode kernels failed ({type(e).__name__}: {e}); using the "
+                              "model's own modules", stacklevel=3)
+                torch.cuda.synchronize(self.device)
+                self.adapter.fused = False
+                self._graphs.clear()
+                return self._capture(key)
             warnings.warn(f"hfq.rollout: CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly",
                           stacklevel=3)
             self.use_graphs = False

@@ -87,9 +87,16 @@ def process_logits(logits: torch.Tensor, flags: SamplerFlags, temperature: torch
 
 def sample(logits: torch.Tensor, flags: SamplerFlags, temperature: torch.Tensor, top_k: torch.Tensor,
            top_p: torch.Tensor, min_p: torch.Tensor, keys: torch.Tensor, step: torch.Tensor,
-           vocab_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+           vocab_ids: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Next token [B] (int64) and, if flags.logprobs, its log-prob [B] under the processed distribution
-    (after temperature and filtering, what vLLM calls processed logprobs; raw log-softmax when greedy)."""
+    (after temperature and filtering, what vLLM calls processed logprobs; raw log-softmax when greedy).
+
+    fused: plain temperature sampling (no top-k/top-p/min-p) as one Triton pass over the logits with the
+    same noise bits (`kernels.gumbel_sample`) instead of ~40 elementwise kernels."""
+    if fused and not (flags.greedy or flags.top_k or flags.top_p or flags.min_p) and logits.stride(-1) == 1:
+        from .kernels import gumbel_sample
+
+        return gumbel_sample(logits, temperature, keys, step, flags.logprobs)
     x = process_logits(logits.float(), flags, temperature, top_k, top_p, min_p)
     if flags.greedy:
         tok = x.argmax(-1)

@@ -1,0 +1,212 @@
+"""Fused rollout decode kernels (Triton; on CPU under TRITON_INTERPRET=1) against their torch references,
+and the engine's fused decode path against transformers' generate."""
+import pytest
+import torch
+
+from hfq.rollout import RolloutEngine
+from hfq.rollout import kernels as K
+from hfq.rollout.engine import RolloutEngine as _E
+from hfq.tiny import tiny_model
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not K.available(torch.device(DEV)),
+                                reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27], [40]]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def same_rounding(a, b):
+    """Equal to about an ulp: the GPU may contract a * b + c into an FMA, and the interpreter's
+    float32 -> bfloat16 cast truncates instead of rounding to nearest even."""
+    return rel(a, b) < (8e-3 if a.dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_res", [False, True])
+def test_add_rmsnorm(dtype, with_res):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1, 200, generator=g).to(DEV, dtype)
+    r = torch.randn(3, 1, 200, generator=g).to(DEV, dtype) if with_res else None
+    w = (1 + 0.1 * torch.randn(200, generator=g)).to(DEV, dtype)
+    y, s = K.add_rmsnorm(x, r, w, 1e-6)
+    y_ref, s_ref = K.add_rmsnorm_ref(x, r, w, 1e-6)
+    assert y.shape == y_ref.shape and s.shape == s_ref.shape and y.dtype == dtype
+    assert same_rounding(s, s_ref)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    assert rel(y, y_ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_kv_write(dtype):
+    g = torch.Generator().manual_seed(1)
+    b, nh, nkv, hd, B, S = 3, 6, 2, 16, 4, 40
+    q = torch.randn(b, nh * hd, generator=g).to(DEV, dtype)
+    k = torch.randn(b, nkv * hd, generator=g).to(DEV, dtype)
+    v = torch.randn(b, nkv * hd, generator=g).to(DEV, dtype)
+    ang = torch.randn(b, hd // 2, generator=g)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(DEV, dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(DEV, dtype)
+    col = torch.tensor([17], device=DEV)
+    kc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
+    vc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    qo = K.rope_kv_write(q, k, v, cos, sin, kc, vc, col, nh, nkv, hd)
+    qo_ref = K.rope_kv_write_ref(q, k, v, cos, sin, kc2, vc2, col, nh, nkv, hd)
+    assert same_rounding(qo, qo_ref)  # same rounding steps as HF's rotate_half form
+    assert same_rounding(kc, kc2) and torch.equal(vc, vc2)  # only column 17 of rows 0..2 changed
+    assert torch.equal(kc[:, :, :17], kc2[:, :, :17]) and torch.equal(kc[3], kc2[3])
+    assert torch.equal(kc[:, :, 18:], kc2[:, :, 18:])
+
+
+@pytest.mark.parametrize("nh,nkv,hd,kv_len,col", [(4, 2, 16, 48, 30), (6, 2, 32, 200, 199), (7, 1, 64, 64, 5)])
+def test_decode_attention(nh, nkv, hd, kv_len, col):
+    g = torch.Generator().manual_seed(2)
+    b, B, S = 3, 4, 256
+    q = torch.randn(b, nh, hd, generator=g).to(DEV)
+    kc = torch.randn(B, nkv, S, hd, generator=g).to(DEV)
+    vc = torch.randn(B, nkv, S, hd, generator=g).to(DEV)
+    mask = torch.full((B, S), float("-inf"))
+    mask[:, :col + 1] = 0.0
+    mask[1, :min(7, col)] = float("-inf")  # left padding of row 1 (the newest column is always valid)
+    mask[2, col] = 0.0
+    mask = mask.to(DEV)
+    out = K.decode_attention(q, kc, vc, mask[:b], torch.tensor([col], device=DEV), kv_len, hd ** -0.5, block_n=16)
+    ref = K.decode_attention_ref(q, kc, vc, mask[:b], kv_len, hd ** -0.5)
+    assert out.shape == ref.shape
+    assert rel(out, ref) < 1e-5
+    # columns past col are skipped whatever the mask holds there
+    mask2 = mask.clone()
+    mask2[:, col + 1:] = 0.0
+    out2 = K.decode_attention(q, kc, vc, mask2[:b], torch.tensor([col], device=DEV), kv_len, hd ** -0.5,
+                              block_n=16)
+    assert torch.equal(out, out2)
+
+
+def test_silu_mul():
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(3, 1, 300, generator=g).to(DEV, dtype)
+        u = torch.randn(3, 1, 300, generator=g).to(DEV, dtype)
+        out = K.silu_mul(a, u)
+        assert out.shape == a.shape and out.dtype == dtype
+        assert rel(out, K.silu_mul_ref(a, u)) < (1e-6 if dtype == torch.float32 else 8e-3)
+
+
+def hf_greedy(model, prompts, max_new):
+    ids, am = _E._left_pad(prompts, None, 0)
+    out = model.generate(input_ids=ids.to(DEV), attention_mask=am.to(DEV), max_new_tokens=max_new, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[:, ids.shape[1]:].cpu()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # qwen3: q/k norms; llama/mistral: same path as qwen2
+def test_fused_engine_greedy_matches_generate(arch):
+    model = tiny_model(arch, seed=1).to(DEV)
+    eng = RolloutEngine(model, max_batch=4, max_seq_len=40, kv_block=16, fused_kernels=True, graph_mode="eager")
+    assert eng.adapter.fused
+    out = eng.generate(PROMPTS, max_new_tokens=8, temperature=0, eos_token_ids=[])
+    assert torch.equal(out.completion_ids.cpu(), hf_greedy(model, PROMPTS, 8))
+
+
+def test_fused_engine_lora_and_in_place_updates():
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"], init_lora_weights=False)
+    pm = get_peft_model(tiny_model("qwen2", seed=5), cfg).to(DEV).eval()
+    eng = RolloutEngine(pm, max_batch=4, max_seq_len=40, kv_block=16, fused_kernels=True, graph_mode="eager")
+    from hfq.rollout.decoder import _lora_plan
+
+    x = torch.zeros(1, 64, device=DEV)
+    assert _lora_plan(pm.base_model.model.model.layers[0].self_attn.q_proj, x)  # the fast LoRA path is taken
+    out = eng.generate(PROMPTS, max_new_tokens=6, temperature=0, eos_token_ids=[])
+    assert torch.equal(out.completion_ids.cpu(), hf_greedy(pm, PROMPTS, 6))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn(p.shape, generator=g).to(DEV) * 0.5)
+            if "layernorm" in n:
+                p.add_(torch.randn(p.shape, generator=g).to(DEV) * 0.3)
+    out2 = eng.generate(PROMPTS, max_new_tokens=6, temperature=0, eos_token_ids=[])
+    assert torch.equal(out2.completion_ids.cpu(), hf_greedy(pm, PROMPTS, 6))
+    assert not torch.equal(out2.completion_ids, out.completion_ids)
+
+
+def test_fused_flag_validation():
+    model = tiny_model("qwen2")
+    with pytest.raises(ValueError, match="fused_kernels"):
+        RolloutEngine(model, max_batch=1, max_seq_len=16, fused_kernels="yes")
+    eng = RolloutEngine(model, max_batch=1, max_seq_len=16, fused_kernels=False)
+    assert not eng.adapter.fused
+
+
+@pytest.mark.parametrize("want_lp", [False, True])
+def test_gumbel_sample_same_noise(want_lp):
+    from hfq.rollout.sampling import row_keys
+
+    g = torch.Generator().manual_seed(4)
+    b, V = 5, 3000
+    logits = (torch.randn(b, V, generator=g) * 2).to(DEV)
+    temp = torch.tensor([[1.0], [0.7], [1.3], [1.0], [0.5]], device=DEV)
+    keys = row_keys(torch.arange(b, dtype=torch.long) * 7919 + 3).to(DEV)
+    step = torch.tensor([11], device=DEV)
+    tok, lp = K.gumbel_sample(logits, temp, keys, step, want_lp, block=256)
+    ref_tok, ref_lp = K.gumbel_sample_ref(logits, temp, keys, step, torch.arange(V, device=DEV), want_lp)
+    assert torch.equal(tok, ref_tok)
+    if want_lp:
+        torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
+    else:
+        assert lp is None
+
+
+@pytest.mark.parametrize("cfg", [(32, 64, 1, 4, 2), (32, 64, 2, 4, 2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_gemm(cfg, with_bias):
+    from hfq.rollout import gemm
+
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float16  # the interpreter's bf16 dot is not exact
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 256, generator=g).to(DEV, dtype)
+    w = (torch.randn(96, 256, generator=g) * 0.05).to(DEV, dtype)
+    b = torch.randn(96, generator=g).to(DEV, dtype) if with_bias else None
+    out = torch.full((5, 96), float("nan"), dtype=dtype, device=DEV)
+    gemm._run(x, w, b, cfg, out)
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    assert rel(out, ref) < 5e-3
+
+
+@pytest.mark.parametrize("rows,r,n_out", [(3, 4, 3), (8, 32, 2), (20, 8, 1)])
+def test_lora_add(rows, r, n_out):
+    from hfq.rollout import lora
+
+    g = torch.Generator().manual_seed(6)
+    K_ = 200
+    x = torch.randn(rows, K_, generator=g).to(DEV)
+    plans = [((torch.randn(r, K_, generator=g) * 0.1).to(DEV), (torch.randn(n, r, generator=g) * 0.1).to(DEV),
+              0.5 + i) for i, n in enumerate((96, 40, 130)[:n_out])]
+    outs = [torch.randn(rows, p[1].shape[0], generator=g).to(DEV) for p in plans]
+    refs = lora.lora_add_ref(x, [o.clone() for o in outs], plans)
+    lora.lora_add_(x, outs, plans, n_splits=3, block_n=32)
+    for o, ref in zip(outs, refs):
+        assert rel(o, ref) < 1e-5
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_skinny_gemm_group(with_bias):
+    from hfq.rollout import gemm
+
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(6, 192, generator=g).to(DEV, dtype)
+    ws = [(torch.randn(n, 192, generator=g) * 0.05).to(DEV, dtype) for n in (64, 32, 40)]
+    bs = [torch.randn(w.shape[0], generator=g).to(DEV, dtype) if with_bias else None for w in ws]
+    outs = [torch.full((6, w.shape[0]), float("nan"), dtype=dtype, device=DEV) for w in ws]
+    assert DEV == "cpu" or gemm.group_eligible(x, ws, bs)
+    gemm._run_group(x, ws, bs, (32, 128, 4, 2), outs)
+    for o, w, b in zip(outs, ws, bs):
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        assert rel(o, ref) < 5e-3
