@@ -8,16 +8,27 @@ FP8 (E4M3, row-wise) decoder-linear weights, six configurations:
   FP8 w/o MW ECO + RTN  ECOAdamW, memory-free error injection, RTN
   FP8 w/o MW ECO + SR   ECOAdamW, memory-free error injection, SR
 
-Writes examples/results/eco_pretrain.md (final validation loss table) and eco_pretrain.png (curves).
-  python examples/eco_pretrain.py --quick      # CPU, a few minutes
+The mechanism ECO addresses shows when Adam's step (about lr per element) is small next to the FP8 grid spacing
+(1/16..1/8 of |w|): without master weights such updates are rounded away (RTN) or turned into rounding noise (SR),
+and the paper's analysis has naive removal's error growing like 1/lr. So the run sweeps the peak lr (`--lrs`) and
+decays it with a cosine to `--min-lr-ratio` of the peak (0 by default: the annealing phase is where the small
+updates are). Besides the validation loss it reports the fraction of decoder weights whose FP8 code changed over the
+last 10% of the steps (for runs with master weights: codes of the RTN-quantized master weights): a stalled run
+shows few moving codes.
+
+Writes examples/results/eco_pretrain.{md,json,png} (final validation loss table, curves).
+  python examples/eco_pretrain.py --quick      # CPU, ~15 min on 2 cores (--jobs 2, one thread each)
   python examples/eco_pretrain.py              # bigger (GPU)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import torch
 import torch.nn as nn
@@ -27,6 +38,7 @@ from tqdm import tqdm
 from hfq.eco import ECOAdamW
 from hfq.formats.fp8 import dequantize_fp8_row, quantize_fp8_row
 from hfq.qft import QFTConfig, quantize_model_
+from hfq.qparam import QParam
 from hfq.tiny import char_tokenizer, tiny_config
 
 CONFIGS = ["BF16 w/ MW", "FP8 w/ MW + RTN", "FP8 w/o MW + RTN", "FP8 w/o MW + SR", "FP8 w/o MW ECO + RTN",
@@ -66,7 +78,7 @@ class FakeQuantLinear(nn.Linear):
         return F.linear(x, w + (q - w).detach(), self.bias)
 
 
-def build(cfg_name, args, device):
+def build(cfg_name, args, device, lr):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)
@@ -75,16 +87,30 @@ def build(cfg_name, args, device):
     model = AutoModelForCausalLM.from_config(cfg).to(device)
     decay = dict(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     if cfg_name == "BF16 w/ MW":
-        return model, torch.optim.AdamW(model.parameters(), lr=args.lr, **decay)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, **decay)
     if cfg_name == "FP8 w/ MW + RTN":
         for name, mod in list(model.named_modules()):
             if type(mod) is nn.Linear and not name.endswith("lm_head"):
                 mod.__class__ = FakeQuantLinear
-        return model, torch.optim.AdamW(model.parameters(), lr=args.lr, **decay)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr, **decay)
     quantize_model_(model, QFTConfig(weight_format="fp8_e4m3_row"))
     rule = "memory_free" if "ECO" in cfg_name else "naive"
     rounding = "sr" if cfg_name.endswith("SR") else "rtn"
-    return model, ECOAdamW(model.parameters(), lr=args.lr, rule=rule, rounding=rounding, seed=args.seed, **decay)
+    return model, ECOAdamW(model.parameters(), lr=lr, rule=rule, rounding=rounding, seed=args.seed, **decay)
+
+
+@torch.no_grad()
+def fp8_codes(model) -> list:
+    """The FP8 codes (row scales aside) the forward uses for each decoder linear (RTN codes of the weight where it
+    is not a QParam)."""
+    out = []
+    for name, mod in model.named_modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(w, QParam):
+            out.append(w.codes.view(torch.uint8).clone())
+        elif isinstance(mod, nn.Linear) and not name.endswith("lm_head"):
+            out.append(quantize_fp8_row(w.detach().float(), "rtn")[0].view(torch.uint8))
+    return out
 
 
 def batches(ids, seq, bs, gen):
@@ -106,10 +132,13 @@ def evaluate(model, val, seq, device, n_batches=8):
     return sum(losses) / len(losses)
 
 
-def train_one(cfg_name, args, train_ids, val, device):
-    model, opt = build(cfg_name, args, device)
+def train_one(cfg_name, lr, args, train_ids, val, device, threads=None):
+    if threads:
+        torch.set_num_threads(threads)
+    model, opt = build(cfg_name, args, device, lr)
     warm = max(1, args.steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min((t + 1) / warm, 0.1 + 0.9 * 0.5 * (
+    floor = args.min_lr_ratio
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min((t + 1) / warm, floor + (1 - floor) * 0.5 * (
         1 + math.cos(math.pi * min(1.0, max(0, t - warm) / max(1, args.steps - warm))))))
     gen = torch.Generator().manual_seed(args.seed)
     it = batches(train_ids, args.seq, args.batch, gen)
@@ -117,7 +146,11 @@ def train_one(cfg_name, args, train_ids, val, device):
     model.train()
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
                                                                                                    enabled=False)
-    for step in tqdm(range(args.steps), desc=cfg_name, leave=False):
+    late = args.steps - max(1, args.steps // 10)
+    before = None
+    for step in tqdm(range(args.steps), desc=f"{cfg_name} lr {lr:g}", leave=False, disable=args.jobs > 1):
+        if step == late:
+            before = fp8_codes(model)
         x = next(it).to(device)
         with amp:
             loss = model(x, labels=x).loss
@@ -128,29 +161,39 @@ def train_one(cfg_name, args, train_ids, val, device):
         sched.step()
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             curve.append((step + 1, evaluate(model, val, args.seq, device)))
-    return curve
+    after = fp8_codes(model)
+    moved = sum(int((a != b).sum()) for a, b in zip(after, before)) / sum(a.numel() for a in after)
+    print(f"{cfg_name} lr {lr:g}: final val loss {curve[-1][1]:.4f}, FP8 codes moved in the last 10%: "
+          f"{100 * moved:.1f}%", flush=True)
+    return {"curve": curve, "moved_last_10pct": moved}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="CPU-sized run (a few minutes)")
+    ap.add_argument("--quick", action="store_true", help="CPU-sized run (~15 min on 2 cores)")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lrs", default="3e-3,3e-4", help="peak learning rates to sweep (comma-separated)")
+    ap.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine decays to this fraction of the peak")
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=1, help="parallel runs (CPU: one thread each)")
     ap.add_argument("--out", default="examples/results")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     args = ap.parse_args()
     if args.quick:
         args.steps, args.hidden, args.layers, args.heads, args.seq, args.batch, args.eval_every = \
-            300, 128, 2, 4, 64, 16, 25
+            500, 128, 2, 4, 64, 16, 25
+        args.jobs = max(args.jobs, 2)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    if device.type == "cuda":
+        args.jobs = 1
+    threads = 1 if args.jobs > 1 else max(1, min(4, os.cpu_count() or 1))
+    torch.set_num_threads(threads)
     tok = char_tokenizer()
     text = make_corpus(6000 if args.quick else 60000, args.seed)
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
@@ -158,35 +201,59 @@ def main():
     train_ids, val_ids = ids[:split], ids[split:]
     nv = (val_ids.numel() // (args.seq + 1))
     val = val_ids[:nv * (args.seq + 1)].view(nv, args.seq + 1)[:64]
-    curves = {}
-    for name in args.configs.split(","):
-        curves[name] = train_one(name, args, train_ids, val, device)
-        print(f"{name}: final val loss {curves[name][-1][1]:.4f}", flush=True)
+    lrs = [float(v) for v in args.lrs.split(",")]
+    names = args.configs.split(",")
+    runs = [(lr, name) for lr in lrs for name in names]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as ex:
+            futs = [ex.submit(train_one, name, lr, args, train_ids, val, device, 1) for lr, name in runs]
+            results = [f.result() for f in futs]
+    else:
+        results = [train_one(name, lr, args, train_ids, val, device) for lr, name in runs]
+    res = {f"{lr:g}": {} for lr in lrs}
+    for (lr, name), r in zip(runs, results):
+        res[f"{lr:g}"][name] = r
     os.makedirs(args.out, exist_ok=True)
-    ref = curves.get("BF16 w/ MW", [[0, float("nan")]])[-1][1]
+    setting = (f"hidden {args.hidden}, layers {args.layers}, seq {args.seq}, batch {args.batch}, steps {args.steps}, "
+               f"AdamW (betas 0.9/0.95) peak lr {', '.join(f'{lr:g}' for lr in lrs)}, 10% linear warm-up then "
+               f"cosine to {args.min_lr_ratio:g} x peak, wd 0.1, clip 1.0, seed {args.seed}; offline generated "
+               "text (word Markov chain + additions), character tokenizer; FP32 compute "
+               f"({device.type}), only the decoder linear weights FP8.")
+    with open(os.path.join(args.out, "eco_pretrain.json"), "w") as f:
+        json.dump({"setting": setting, "args": vars(args), "results": res}, f, indent=1)
+    head = "| configuration | " + " | ".join(f"lr {k}: val loss | vs BF16 | FP8 moved, last 10%" for k in res)
     lines = [f"# ECO reproduction ({'quick, CPU' if args.quick else device.type}): small Llama from scratch, FP8 "
-             "E4M3 row-wise decoder linears", "",
-             f"hidden {args.hidden}, layers {args.layers}, seq {args.seq}, batch {args.batch}, steps {args.steps}, "
-             f"AdamW lr {args.lr} (warm-up + cosine to 10%), wd 0.1, clip 1.0, seed {args.seed}; offline generated "
-             "text (word Markov chain + additions), character tokenizer.", "",
-             "| configuration | final val loss | vs BF16 w/ MW |", "|---|---|---|"]
-    for name, c in curves.items():
-        v = c[-1][1]
-        rel = "" if math.isnan(ref) else f"{100 * (v - ref) / ref:+.1f}%"
-        lines.append(f"| {name} | {v:.4f} | {rel} |")
+             "E4M3 row-wise decoder linears", "", setting, "", head + " |",
+             "|---|" + "---|---|---|" * len(res)]
+    for name in names:
+        cells = []
+        for k, by in res.items():
+            v, ref = by[name]["curve"][-1][1], by.get("BF16 w/ MW", {}).get("curve", [[0, float("nan")]])[-1][1]
+            rel = "" if math.isnan(ref) else f"{100 * (v - ref) / ref:+.1f}%"
+            cells += [f"{v:.4f}", rel, f"{100 * by[name]['moved_last_10pct']:.1f}%"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "FP8 moved: share of decoder-linear weights whose FP8 code changed over the last 10% of the steps "
+              "(row scales aside; runs with master weights: codes of their RTN quantization; BF16 w/ MW: "
+              "hypothetical, its weights are never quantized)."]
     with open(os.path.join(args.out, "eco_pretrain.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, c in curves.items():
-        ax.plot([s for s, _ in c], [v for _, v in c], label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss")
-    ax.set_title("ECO: FP8 weights without master weights")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(res), figsize=(6.5 * len(res), 4.5), squeeze=False)
+    for ax, (k, by) in zip(axes[0], res.items()):
+        for name, r in by.items():
+            c = r["curve"]
+            ax.plot([s for s, _ in c], [v for _, v in c], label=name)
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"peak lr {k}, cosine to {args.min_lr_ratio:g}x")
+        finals = [r["curve"][-1][1] for r in by.values()]
+        lo, hi = min(finals), max(finals)
+        ax.set_ylim(lo - 0.1 * (hi - lo + 0.05), max(hi + 0.6 * (hi - lo + 0.05), lo + 0.3))
+        ax.legend(fontsize=8)
+    fig.suptitle("ECO: FP8 weights without master weights")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "eco_pretrain.png"), dpi=110)
 

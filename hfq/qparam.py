@@ -9,6 +9,11 @@ Plain optimizers that try to update it in place get a clear TypeError instead of
 full-precision weight (the dequantized weight is a temporary, recomputed in backward), and its state_dict
 stores the codes and scales as such (`<prefix>weight_codes`, `<prefix>weight_scales`, ...), so safetensors,
 `save_pretrained`, `load_state_dict` and Trainer checkpoints work unchanged.
+
+DistributedDataParallel: gradients are ordinary bf16 tensors, bucketed and all-reduced like any others. DDP's
+construction-time broadcast goes through the logical value (a dequantized view copied back with `copy_`); copying a
+QParam's own value back is a no-op, so ranks that hold the same codes keep them bit-exactly. Ranks that may hold
+different codes call `broadcast_qparams_(model)` first (an exact broadcast of codes and scales).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ _NAMES = {
     "int4_group": ("codes", "scales"),
     "int8_dense_sparse": ("codes", "scales", "zeros", "thresholds", "sparse_idx", "sparse_val"),
 }
+_VARIABLE = {"int8_dense_sparse": ("sparse_idx", "sparse_val")}  # stored tensors whose length varies with the data
 _DEFAULT_META = {
     "fp8_e4m3_row": {},
     "int4_tensor": {},
@@ -168,6 +174,10 @@ class QParam(torch.Tensor):
             cur, new = getattr(self, k), data[k]
             if cur.shape == new.shape and cur.dtype == new.dtype and cur.device.type != "meta":
                 cur.copy_(new)
+            elif cur.dtype == new.dtype and cur.device.type != "meta":
+                # a new length (int8_dense_sparse outliers): swap the storage of the same tensor object, so that
+                # other wrappers of it (param.detach(), as DDP and optimizers hold) see the change too
+                cur.set_(new.detach().to(cur.device, copy=True))
             else:
                 if k == "codes" and cur.dtype != new.dtype:
                     raise ValueError(f"{self.fmt}: codes dtype {new.dtype} != {cur.dtype}")
@@ -234,8 +244,10 @@ class QParam(torch.Tensor):
                     raise ValueError(f"copy_: cannot copy a {src.fmt} {tuple(src.shape)} QParam into "
                                      f"a {dst.fmt} {tuple(dst.shape)} one")
                 dst.load_qtensors_(src.qtensors())
-            else:
+            elif not _holds_value(dst, src):
                 dst.requantize_(src, "rtn")
+            # else: src is this weight's own value (e.g. DDP's construction-time broadcast of a dequantized view):
+            # keep the codes. Requantizing a bf16 round trip would move codes and scales on every rank.
             return dst
         if func._schema.is_mutable and any(isinstance(a, QParam) for a in args[:1]):
             q = args[0]
@@ -245,6 +257,43 @@ class QParam(torch.Tensor):
                 "not a plain torch optimizer.")
         unwrap = lambda a: a.dequantize() if isinstance(a, QParam) else a  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def _holds_value(q: QParam, value: torch.Tensor) -> bool:
+    """True when `value` equals q's dequantized value in value's dtype (so storing it again changes nothing)."""
+    if tuple(value.shape) != tuple(q.shape) or not value.is_floating_point():
+        return False
+    with torch.no_grad():
+        return bool(torch.equal(q.dequantize(value.dtype).to(value.device), value))
+
+
+def broadcast_qparams_(module: nn.Module, src: int = 0, group=None, bucket_bytes: int = 250 * 2 ** 20) -> int:
+    """Copy the stored codes and scales of every QParam in `module` from rank `src` (of `group`, default: the
+    world) to all ranks, bit-exactly.
+
+    DistributedDataParallel broadcasts parameters at construction through their logical (bf16) values; for a
+    QParam that is exact only when the ranks already hold the same weights (then it is a no-op: see `copy_`),
+    which is the normal case (same checkpoint, or the same seed). When ranks may differ (e.g. unseeded random
+    init), call this before wrapping, on every rank. float8 codes travel as uint8 (gloo cannot send float8);
+    the variable-length outlier lists of int8_dense_sparse are resized first. Returns the number of QParams."""
+    import torch.distributed as dist
+
+    qps = list({id(p): p for p in module.parameters() if isinstance(p, QParam)}.values())
+    if not qps:
+        return 0
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    var = [(p, k) for p in qps for k in _VARIABLE.get(p.fmt, ())]
+    if var:
+        n = torch.tensor([getattr(p, k).numel() for p, k in var], dtype=torch.int64, device=qps[0].codes.device)
+        dist.broadcast(n, group=pg, group_src=src)
+        for (p, k), ni in zip(var, n.tolist()):
+            t = getattr(p, k)
+            if t.numel() != ni:
+                t.set_(t.new_empty((ni,)))  # same tensor object: aliases of this QParam follow
+    wire = [t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+            for p in qps for t in p.qtensors().values() if t.numel()]
+    dist._broadcast_coalesced(pg, wire, bucket_bytes, src)
+    return len(qps)
 
 
 class _QLinearFn(torch.autograd.Function):

@@ -92,6 +92,53 @@ def test_trainer_resume_bit_exact(llama_dir, tmp_path):
     assert not torch.equal(m0.model.layers[0].self_attn.q_proj.weight.dequantize(), q.dequantize())
 
 
+def _run_by_args(model_dir, out, resume=None):
+    """Trainer builds ECOAdamW and its scheduler itself from TrainingArguments (optimizer_cls_and_kwargs)."""
+    from hfq.eco import optimizer_cls_and_kwargs
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=QFTConfig(weight_format="fp8_e4m3_row"))
+    args = TrainingArguments(out, max_steps=6, per_device_train_batch_size=4, save_steps=3, logging_steps=1,
+                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, learning_rate=1e-2,
+                             weight_decay=0.1, adam_beta2=0.95, lr_scheduler_type="cosine", warmup_steps=2,
+                             optim_args="rounding=sr,state_dtype=bfloat16,seed=5")
+    tr = Trainer(model=m, args=args, train_dataset=_data(), optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args))
+    tr.train(resume_from_checkpoint=resume)
+    return m, tr.optimizer, [h["loss"] for h in tr.state.log_history if "loss" in h]
+
+
+def test_trainer_builds_eco_from_training_arguments_and_resumes(llama_dir, tmp_path):
+    m_a, opt_a, loss_a = _run_by_args(llama_dir, str(tmp_path / "a"))
+    eco = getattr(opt_a, "optimizer", opt_a)  # accelerate's wrapper
+    assert isinstance(eco, ECOAdamW) and eco.rounding == "sr" and eco._seed == 5
+    assert eco.param_groups[0]["betas"] == (0.9, 0.95)
+    q = m_a.model.layers[0].self_attn.q_proj.weight
+    norm = m_a.model.layers[0].input_layernorm.weight
+    wd = {id(p): g["weight_decay"] for g in eco.param_groups for p in g["params"]}
+    assert wd[id(q)] == 0.1 and wd[id(norm)] == 0.0  # Trainer's groups: no decay on norms
+    assert eco.state[q]["exp_avg"].dtype == torch.bfloat16
+    m_b, opt_b, loss_b = _run_by_args(llama_dir, str(tmp_path / "b"), resume=str(tmp_path / "a" / "checkpoint-3"))
+    _same(m_a, m_b)
+    assert loss_a[3:] == loss_b[-3:]
+    m0 = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=QFTConfig(weight_format="fp8_e4m3_row"))
+    assert not torch.equal(m0.model.layers[0].self_attn.q_proj.weight.dequantize(), q.dequantize())
+
+
+def test_optimizer_cls_and_kwargs_validation():
+    from hfq.eco import ECOSGD, optimizer_cls_and_kwargs
+
+    args = TrainingArguments("unused", learning_rate=3e-4, optim_args="momentum=0.8,rule=exact", report_to=[])
+    cls, kw = optimizer_cls_and_kwargs(args, "eco_sgd", rounding="rtn")
+    assert cls is ECOSGD and kw == {"lr": 3e-4, "momentum": 0.8, "rule": "exact", "rounding": "rtn"}
+    with pytest.raises(ValueError, match="momentum"):
+        optimizer_cls_and_kwargs(args)
+    with pytest.raises(ValueError, match="unknown"):
+        optimizer_cls_and_kwargs(args, "eco_lion")
+    with pytest.raises(ValueError, match="optim_args"):
+        optimizer_cls_and_kwargs(TrainingArguments("unused", optim_args="lr_mult=2", report_to=[]))
+    with pytest.raises(ValueError, match="eco_adamw"):  # transformers' closed enum: no name registration
+        TrainingArguments("unused", optim="eco_adamw", report_to=[])
+
+
 def test_no_full_precision_weight_alive():
     model = tiny_model("llama", hidden=96, intermediate=160)
     quantize_model_(model, QFTConfig(weight_format="fp8_e4m3_row"))

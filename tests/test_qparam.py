@@ -123,3 +123,20 @@ def test_fp8_reference_quantizer_rows():
     assert codes.dtype == torch.float8_e4m3fn and scales.shape == (24, 1)
     torch.testing.assert_close(scales.squeeze(1), w.abs().amax(1) / 448)
     assert (dequantize_fp8_row(codes, scales).abs().amax(1) - w.abs().amax(1)).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_copy_of_own_value_keeps_codes(fmt):
+    """DDP's construction-time broadcast copies each parameter's (dequantized, bf16) value back into it: that must
+    not requantize (a bf16 round trip would move codes and scales); a different value still requantizes."""
+    q = QParam.from_float(_w(), fmt, **META.get(fmt, {}))
+    before = {k: t.clone() for k, t in q.qtensors().items()}
+    q.detach().copy_(q.detach().view(-1).view(q.shape))  # what torch.distributed._broadcast_coalesced does
+    for k, t in q.qtensors().items():
+        assert torch.equal(t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                           before[k].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else before[k]), k
+    target = _w(seed=5)
+    q.detach().copy_(target)
+    ref = QParam.from_float(_w(), fmt, **META.get(fmt, {}))
+    ref.requantize_(target, "rtn")  # (int8_dense_sparse keeps its outlier thresholds)
+    assert torch.equal(q.dequantize(), ref.dequantize())

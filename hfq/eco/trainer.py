@@ -1,0 +1,55 @@
+"""Selecting ECO for transformers' Trainer from TrainingArguments.
+
+transformers (checked on 5.17) has no way to register a new optimizer *name*: `TrainingArguments.__post_init__`
+converts `optim` with `OptimizerNames(self.optim)`, a closed enum that raises on unknown values, and
+`Trainer.get_optimizer_cls_and_kwargs` looks the name up in the private `trainer_optimizer._OPTIMIZER_HANDLERS`
+dict. hfq does not patch either. The public hook is `Trainer(optimizer_cls_and_kwargs=(cls, kwargs))`: Trainer then
+builds the optimizer itself, over its own parameter groups (weight decay `args.weight_decay` except biases and
+norms), at the usual time (after accelerate/DDP wrapping), and saves/restores its state in checkpoints. It does not
+add `args.learning_rate` or the Adam betas to those kwargs; `optimizer_cls_and_kwargs(args)` below does.
+"""
+from __future__ import annotations
+
+import torch
+
+from .optim import ECOAdamW, ECOSGD
+
+NAMES = {"eco_adamw": ECOAdamW, "eco_sgd": ECOSGD}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_OPTIM_ARGS = {"rule": str, "rounding": str, "state_dtype": _DTYPES.__getitem__, "state_bits": int, "seed": int,
+               "momentum": float, "fused": lambda v: v.lower() == "true", "check_finite": lambda v: v.lower() == "true"}
+
+
+def _parse_optim_args(text: str | None) -> dict:
+    """TrainingArguments.optim_args ("rounding=sr,state_dtype=bfloat16") -> ECO keyword arguments."""
+    out = {}
+    for item in (text or "").replace(" ", "").split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or key not in _OPTIM_ARGS:
+            raise ValueError(f"optim_args: expected key=value with key in {tuple(_OPTIM_ARGS)}, got {item!r}")
+        try:
+            out[key] = _OPTIM_ARGS[key](value)
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"optim_args: bad value for {key}: {value!r}") from e
+    return out
+
+
+def optimizer_cls_and_kwargs(args, name: str = "eco_adamw", **overrides) -> tuple[type, dict]:
+    """`(ECOAdamW | ECOSGD, kwargs)` for `Trainer(optimizer_cls_and_kwargs=...)`, filled from TrainingArguments.
+
+    lr = args.learning_rate; ECOAdamW also betas = (args.adam_beta1, args.adam_beta2), eps = args.adam_epsilon.
+    Weight decay comes from Trainer's parameter groups (args.weight_decay; 0 for biases and norms). ECO options
+    may be given in `args.optim_args` ("rounding=sr,state_dtype=bfloat16,rule=memory_free,state_bits=8,seed=0")
+    and/or as keyword overrides (which win). `args.optim` is not read: it cannot hold an ECO name (see above)."""
+    if name not in NAMES:
+        raise ValueError(f"name: unknown {name!r}; allowed {tuple(NAMES)}")
+    kwargs = {"lr": args.learning_rate}
+    if name == "eco_adamw":
+        kwargs.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    kwargs.update(_parse_optim_args(getattr(args, "optim_args", None)))
+    if name == "eco_adamw" and "momentum" in kwargs:
+        raise ValueError("optim_args: momentum is an eco_sgd option")
+    kwargs.update(overrides)
+    return NAMES[name], kwargs
