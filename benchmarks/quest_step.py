@@ -79,8 +79,8 @@ def bandwidth(rows=32768, cols=4096) -> list[dict]:
         ("copy (torch)", lambda: y.copy_(x), 4 * n),
         ("hadamard B=128", lambda: hadamard_triton(x, 128), 4 * n),
         ("hadamard B=64", lambda: hadamard_triton(x, 64), 4 * n),
-        ("quest_quantize W4 B=128 (2 reads + write + mask)", lambda: K.quest_quantize_triton(x, 4, False, 1.0, 128),
-         6 * n + n // 8 + 4 * rows),
+        ("quest_quantize W4 B=128 (read + write + mask)", lambda: K.quest_quantize_triton(x, 4, False, 1.0, 128),
+         4 * n + n // 8 + 4 * rows),
         ("quest_masked_ht B=128", lambda: K.quest_masked_ht_triton(x, mask, 128), 4 * n + n // 8),
     ]
     rows_out, copy_gbps = [], None

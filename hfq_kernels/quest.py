@@ -6,12 +6,22 @@ Ops (CPU = torch reference below, CUDA = Triton):
       mask bit is 1 where the gradient is trusted; element 8j+i is bit i of byte j.
   hfq::quest_masked_ht(g[R, K], mask, block) -> HT(g * mask)  (the inverse HT equals the HT).
 
-Forward kernel, one program per BM rows: pass 1 sums x^2 over the row (the block-orthogonal HT keeps
-row norms, so RMS(HT(x)) = RMS(x): no transform is needed for the scale); pass 2 reloads the row
-(usually from L2), transforms each B-wide block with one tensor-core dot, rounds, writes xq and one
-byte per 8 mask bits. Bytes moved: 2 reads + 1 write of x, plus K/8 mask bytes.
+Forward kernel (HT on, K <= MAX_ROW_TILE_K): one program holds BM whole rows in registers as one
+[BM * NB, B] tile (tile row = one B-wide block of one row, NB = next power of two of K/B, pad blocks
+masked off); it sums x^2 per row (the block-orthogonal HT keeps row norms, so RMS(HT(x)) = RMS(x)),
+transforms every block with one tensor-core dot, rounds, writes xq and one byte per 8 mask bits.
+Bytes moved: 1 read + 1 write of x, plus K/8 mask bytes. Wider rows and the no-HT ablation use the
+two-pass kernel (pass 2 re-reads the row, usually from L2).
+hfq::quest_quantize takes an optional out_dtype for xq (default x.dtype): the weight path quantizes
+the bf16 master weight directly (products with +-1 are exact, sums in fp32, as for an fp32 copy) and
+asks for the matmul dtype (training) or fp32 (code export).
+
+Masked inverse HT: one [BM, B] tile per program; the mask bit of element (r, c) is read as byte c // 8
+of row r (a broadcast load) and shifted by c % 8.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -46,11 +56,12 @@ def _grid_name(fp4: bool) -> str:
     return "fp4" if fp4 else "int"
 
 
-def quest_quantize_ref(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block: int):
-    """Torch reference of hfq::quest_quantize on a 2-D tensor."""
+def quest_quantize_ref(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block: int,
+                      out_dtype: torch.dtype | None = None):
+    """Torch reference of hfq::quest_quantize on a 2-D tensor (xq in out_dtype, default x.dtype)."""
     xh = fwht(x.float(), block) if block else x.float()  # transform kept in fp32, as the kernel
     xq, mask, unit = gaussian.quest_project(xh, bits, _grid_name(fp4), trust_scale, EPS)
-    return xq.to(x.dtype), pack_mask(mask), unit
+    return xq.to(out_dtype or x.dtype), pack_mask(mask), unit
 
 
 def quest_masked_ht_ref(g: torch.Tensor, mask: torch.Tensor | None, block: int) -> torch.Tensor:
@@ -139,9 +150,64 @@ def _quest_quantize_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K: tl.constexpr
 
 
 @triton.jit
+def _quest_quantize_rows_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K, KB, unit_rms, inv_sqrt_b,
+                                outer_trust, eps,
+                                NLEV: tl.constexpr, FP4: tl.constexpr, B: tl.constexpr, NB: tl.constexpr,
+                                BM: tl.constexpr, IEEE: tl.constexpr, PACK_DOT: tl.constexpr):
+    """HT on, whole rows in registers: tile row t is block t % NB of row pid * BM + t // NB."""
+    pid = tl.program_id(0)
+    t = tl.arange(0, BM * NB)
+    r = pid * BM + t // NB
+    j = t % NB
+    tval = (r < R) & (j < K // B)
+    ar = tl.arange(0, B)
+    m = tval[:, None] & (ar < B)[None, :]
+    offs = r.to(tl.int64)[:, None] * K + (j * B)[:, None] + ar[None, :]
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    ss = tl.sum(tl.reshape(tl.sum(xf * xf, axis=1), (BM, NB)), axis=1)  # [BM] sums of squares
+    unit_r = unit_rms * tl.maximum(tl.sqrt(ss / K), eps)
+    rows = pid * BM + tl.arange(0, BM)
+    tl.store(unit_ptr + rows, unit_r, mask=rows < R)
+    unit = tl.reshape(tl.broadcast_to(unit_r[:, None], (BM, NB)), (BM * NB,))
+    inv = 1.0 / unit
+    if IEEE:
+        xh = tl.dot(xf, hadamard_tile(B, tl.float32), input_precision="ieee")
+    else:
+        xh = tl.dot(x, hadamard_tile(B, x_ptr.dtype.element_ty))
+    tq = xh * inv_sqrt_b * inv[:, None]
+    if FP4:
+        lim = 6.0
+        level = _e2m1_level(tq)
+    else:
+        lim = NLEV - 1.0
+        k = tl.minimum(tl.maximum(tl.floor((tq + NLEV) * 0.5), 0.0), NLEV - 1.0)
+        level = 2.0 * k - (NLEV - 1.0)
+    xq = level * unit[:, None]
+    tl.store(xq_ptr + offs, xq.to(xq_ptr.dtype.element_ty), mask=m)
+    keep = tl.abs(level - tq) <= tl.where(tl.abs(tq) <= lim, 1.0, outer_trust)
+    if PACK_DOT:  # bytes = keep @ P, P[c, b] = 2^(c % 8) if c // 8 == b (exact: sums of distinct powers <= 255)
+        c = tl.arange(0, B)
+        pb = tl.arange(0, B // 8)
+        pw = tl.where((c // 8)[:, None] == pb[None, :], (1 << (c % 8))[:, None], 0).to(tl.float32)
+        if IEEE:
+            byte = tl.dot(keep.to(tl.float32), pw, input_precision="ieee")
+        else:
+            byte = tl.dot(keep.to(tl.bfloat16), pw.to(tl.bfloat16))
+        byte = byte.to(tl.int32).to(tl.uint8)
+    else:
+        w8 = (1 << tl.arange(0, 8)).to(tl.int32)
+        kb = tl.reshape(keep.to(tl.int32), (BM * NB, B // 8, 8))
+        byte = tl.sum(kb * w8[None, None, :], axis=2).to(tl.uint8)
+    bcols = (j * (B // 8))[:, None] + tl.arange(0, B // 8)[None, :]
+    tl.store(mask_ptr + r.to(tl.int64)[:, None] * KB + bcols, byte,
+             mask=tval[:, None] & (bcols < KB))
+
+
+@triton.jit
 def _quest_masked_ht_kernel(g_ptr, mask_ptr, out_ptr, R, K, KB, inv_sqrt_b,
                             HAS_MASK: tl.constexpr, HT: tl.constexpr, B: tl.constexpr,
-                            BM: tl.constexpr, IEEE: tl.constexpr):
+                            BM: tl.constexpr, IEEE: tl.constexpr, GATHER: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -151,11 +217,16 @@ def _quest_masked_ht_kernel(g_ptr, mask_ptr, out_ptr, R, K, KB, inv_sqrt_b,
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     g = tl.load(g_ptr + offs, mask=m, other=0.0)
     if HAS_MASK:
-        bcols = pid_k * (B // 8) + tl.arange(0, B // 8)
-        byte = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * KB + bcols[None, :],
-                       mask=rmask[:, None] & (bcols < KB)[None, :], other=0).to(tl.int32)
-        bit = (byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
-        keep = tl.reshape(bit, (BM, B))
+        if GATHER:  # byte c // 8 of the row, loaded per element (8 lanes share a byte), bit c % 8
+            byte = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * KB + (cols // 8)[None, :], mask=m,
+                           other=0).to(tl.int32)
+            keep = (byte >> (cols % 8)[None, :]) & 1
+        else:
+            bcols = pid_k * (B // 8) + tl.arange(0, B // 8)
+            byte = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * KB + bcols[None, :],
+                           mask=rmask[:, None] & (bcols < KB)[None, :], other=0).to(tl.int32)
+            bit = (byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+            keep = tl.reshape(bit, (BM, B))
         g = tl.where(keep != 0, g, 0.0).to(g.dtype)
     if HT:
         if IEEE:
@@ -184,26 +255,51 @@ def triton_supported(x: torch.Tensor, block: int) -> bool:
     return MIN_TRITON_BLOCK <= b <= MAX_TRITON_BLOCK
 
 
-def quest_quantize_triton(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block: int):
+# launch settings (module attributes so a benchmark can compare variants)
+ROW_TILE_ELEMS = 16384  # elements of the register tile [BM * NB, B] of the whole-row kernel
+ROW_KERNEL = True       # False: always the two-pass kernel
+PACK_DOT = False        # pack the mask bits with a tensor-core dot instead of a reshape + sum
+ROW_WARPS = 8
+MASKED_GATHER = True    # masked HT: per-element byte load instead of a byte tile + reshape
+MASKED_BM = 64          # masked HT rows per tile (16-bit inputs, B <= 128)
+
+
+def _row_tile(K: int, B: int) -> tuple[int, int] | None:
+    """(BM, NB) of the whole-row kernel for a row of K = nblk * B, or None when it does not fit."""
+    nb = triton.next_power_of_2(K // B)
+    tile_rows = max(16, ROW_TILE_ELEMS // B)  # tl.dot needs at least 16 rows
+    if nb > tile_rows:
+        return None
+    return tile_rows // nb, nb
+
+
+def quest_quantize_triton(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block: int,
+                          out_dtype: torch.dtype | None = None):
     """Host launcher of the fused forward (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
     gaussian.check_bits_grid(bits, _grid_name(fp4))
     if x.dim() != 2:
         raise ValueError(f"quest_quantize: x must be 2-D [rows, K], got shape {tuple(x.shape)}")
     if not triton_supported(x, block):
-        return quest_quantize_ref(x, bits, fp4, trust_scale, block)
+        return quest_quantize_ref(x, bits, fp4, trust_scale, block, out_dtype)
     x = x.contiguous()
     R, K = x.shape
     B, ht = _tile(block, K)
     KB = (K + 7) // 8
-    xq = torch.empty_like(x)
+    xq = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     mask = torch.empty((R, KB), dtype=torch.uint8, device=x.device)
     unit = torch.empty((R,), dtype=torch.float32, device=x.device)
-    bm = 16 if B <= 128 else 8
-    grid = (triton.cdiv(R, bm),)
-    _quest_quantize_kernel[grid](
-        x, xq, mask, unit, R, K, KB, gaussian.unit_rms(bits, _grid_name(fp4)), B ** -0.5,
-        float(trust_scale), EPS, NLEV=2**bits, FP4=fp4, HT=ht, B=B, BM=bm, IEEE=use_ieee(x),
-        num_warps=4)
+    args = (x, xq, mask, unit, R, K, KB, gaussian.unit_rms(bits, _grid_name(fp4)), B ** -0.5,
+            float(trust_scale), EPS)
+    rt = _row_tile(K, B) if (ht and ROW_KERNEL) else None
+    if rt is not None:
+        bm, nb = rt
+        _quest_quantize_rows_kernel[(triton.cdiv(R, bm),)](
+            *args, NLEV=2**bits, FP4=fp4, B=B, NB=nb, BM=bm, IEEE=use_ieee(x),
+            PACK_DOT=PACK_DOT and B >= 128, num_warps=ROW_WARPS)
+    else:
+        bm = 16 if B <= 128 else 8
+        _quest_quantize_kernel[(triton.cdiv(R, bm),)](
+            *args, NLEV=2**bits, FP4=fp4, HT=ht, B=B, BM=bm, IEEE=use_ieee(x), num_warps=4)
     return xq, mask, unit
 
 
@@ -217,27 +313,28 @@ def quest_masked_ht_triton(g: torch.Tensor, mask: torch.Tensor | None, block: in
     R, K = g.shape
     B, ht = _tile(block, K)
     out = torch.empty_like(g)
-    bm = 32 if (B <= 128 and g.dtype != torch.float32) else 16
+    bm = MASKED_BM if (B <= 128 and g.dtype != torch.float32) else 16
     grid = (triton.cdiv(R, bm), triton.cdiv(K, B))
     _quest_masked_ht_kernel[grid](
         g, mask if mask is not None else g, out, R, K, (K + 7) // 8, B ** -0.5,
-        HAS_MASK=mask is not None, HT=ht, B=B, BM=bm, IEEE=use_ieee(g), num_warps=4)
+        HAS_MASK=mask is not None, HT=ht, B=B, BM=bm, IEEE=use_ieee(g), GATHER=MASKED_GATHER,
+        num_warps=4)
     return out
 
 
 # ----------------------------------------------------------------------------- torch.library ops
 @torch.library.custom_op("hfq::quest_quantize", mutates_args=())
-def quest_quantize(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float,
-                   block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quest_quantize(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block: int,
+                   out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.is_cuda:
-        return quest_quantize_triton(x, bits, fp4, trust_scale, block)
-    return quest_quantize_ref(x, bits, fp4, trust_scale, block)
+        return quest_quantize_triton(x, bits, fp4, trust_scale, block, out_dtype)
+    return quest_quantize_ref(x, bits, fp4, trust_scale, block, out_dtype)
 
 
 @quest_quantize.register_fake
-def _(x, bits, fp4, trust_scale, block):
+def _(x, bits, fp4, trust_scale, block, out_dtype=None):
     R, K = x.shape
-    return (torch.empty_like(x), x.new_empty((R, (K + 7) // 8), dtype=torch.uint8),
+    return (x.new_empty((R, K), dtype=out_dtype or x.dtype), x.new_empty((R, (K + 7) // 8), dtype=torch.uint8),
             x.new_empty((R,), dtype=torch.float32))
 
 

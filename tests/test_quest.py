@@ -156,6 +156,47 @@ def test_weight_only_gradient():
     assert not bool(mw.all())
 
 
+def test_sibling_layers_share_input_quantization():
+    """Layers fed the same tensor (q/k/v) quantize it once: outputs and gradients equal the unshared
+    ones; an in-place change of the input (version counter) or other settings miss the cache."""
+    import hfq.quest.linear as QL
+
+    cfg = QuESTConfig(weight_bits=4, activation_bits=4, hadamard_block_size=16)
+    layers = [_layer(cfg, in_f=32, out_f=8, seed=s).float() for s in range(3)]
+    calls = []
+    orig = QL.quantize_input
+
+    def counting(x2, spec):
+        calls.append(1)
+        return orig(x2, spec)
+
+    res = {}
+    try:
+        QL.quantize_input = counting
+        for share in (False, True):
+            QuESTLinear.share_input_quantization = share
+            QL._INPUT_CACHE.clear()
+            calls.clear()
+            x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(7)).requires_grad_(True)
+            for m in layers:
+                m.zero_grad()
+            ys = [m(x) for m in layers]
+            sum((y * (i + 1)).sum() for i, y in enumerate(ys)).backward()
+            res[share] = ([y.detach() for y in ys], x.grad.clone(), [m.weight.grad.clone() for m in layers], len(calls))
+            if share:
+                with torch.no_grad():
+                    x.mul_(2.0)  # in place: the cached quantization is stale
+                layers[0](x)
+                assert len(calls) == 2
+    finally:
+        QL.quantize_input = orig
+        QuESTLinear.share_input_quantization = True
+        QL._INPUT_CACHE.clear()
+    assert res[False][3] == 3 and res[True][3] == 1
+    for a, b in zip(res[False][0] + [res[False][1]] + res[False][2], res[True][0] + [res[True][1]] + res[True][2]):
+        assert torch.equal(a, b)
+
+
 # ----------------------------------------------------------------------------- config / bad input
 @pytest.mark.parametrize("kw,field", [({"weight_bits": 0}, "weight_bits"), ({"activation_bits": 9}, "activation_bits"),
                                       ({"grid": "nf4"}, "grid"), ({"hadamard_block_size": 48}, "hadamard_block_size"),

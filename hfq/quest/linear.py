@@ -10,6 +10,8 @@ level * unit, computed with the same fp32 arithmetic as the QAT forward, so logi
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,19 +66,50 @@ class _Spec:
         self.trust = cfg.estimator == "trust"
 
 
-def quantize_weight_h(w: torch.Tensor, spec: _Spec):
-    """QuEST projection of the weight in the Hadamard domain, fp32: (w_h^, mask, unit)."""
-    return torch.ops.hfq.quest_quantize(w.detach().float(), spec.wbits, spec.fp4, spec.s_w, spec.block)
+def quantize_weight_h(w: torch.Tensor, spec: _Spec, out_dtype: torch.dtype = torch.float32):
+    """QuEST projection of the weight in the Hadamard domain: (w_h^ in out_dtype, mask, unit fp32).
+    The master weight is read in its own dtype (a bf16 weight times +-1 is exact; the HT sums and the
+    projection run in fp32 either way), so training (out_dtype = matmul dtype) and code export (fp32)
+    see the same levels."""
+    return torch.ops.hfq.quest_quantize(w.detach(), spec.wbits, spec.fp4, spec.s_w, spec.block, out_dtype)
+
+
+def quantize_input(x2: torch.Tensor, spec: _Spec):
+    """(x_h^, mask) of a 2-D activation."""
+    xq, mx, _ = torch.ops.hfq.quest_quantize(x2.detach(), spec.abits, spec.fp4, spec.s_a, spec.block)
+    return xq, mx
+
+
+class _InputCache:
+    """The last activation quantized, so that sibling layers fed the same tensor (q/k/v, gate/up) share
+    one quantization: hit only for the same tensor object (held by weak reference), unchanged since
+    (version counter), same dtype and same activation settings."""
+
+    def __init__(self):
+        self.ref, self.version, self.key, self.value = None, None, None, None
+
+    def get(self, x: torch.Tensor, key):
+        if self.ref is not None and self.ref() is x and self.version == x._version and self.key == key:
+            return self.value
+        return None
+
+    def put(self, x: torch.Tensor, key, value):
+        self.ref, self.version, self.key, self.value = weakref.ref(x), x._version, key, value
+
+    def clear(self):
+        self.ref, self.version, self.key, self.value = None, None, None, None
+
+
+_INPUT_CACHE = _InputCache()
 
 
 class QuESTMatmul(torch.autograd.Function):
-    """y = proj(HT(x)) proj(HT(w))^T + b with trust-masked gradients (Alg. 1 / Alg. 2)."""
+    """y = proj(HT(x)) proj(HT(w))^T + b with trust-masked gradients (Alg. 1 / Alg. 2); x_h^ and its
+    mask come in precomputed (quantize_input) so that layers sharing an input share them."""
 
     @staticmethod
-    def forward(ctx, x2, w, bias, spec):
-        xq, mx, _ = torch.ops.hfq.quest_quantize(x2, spec.abits, spec.fp4, spec.s_a, spec.block)
-        wq32, mw, _ = quantize_weight_h(w, spec)
-        wq = wq32.to(x2.dtype)
+    def forward(ctx, x2, xq, mx, w, bias, spec):
+        wq, mw, _ = quantize_weight_h(w, spec, x2.dtype)
         y = xq @ wq.t()
         if bias is not None:
             y = y + bias.to(y.dtype)
@@ -91,11 +124,11 @@ class QuESTMatmul(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = torch.ops.hfq.quest_masked_ht((dy @ wq).contiguous(), mx, spec.block)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[3]:
             dw = torch.ops.hfq.quest_masked_ht((dy.t() @ xq).contiguous(), mw, spec.block).to(ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.has_bias and ctx.needs_input_grad[4]:
             db = dy.sum(0)
-        return dx, dw, db, None
+        return dx, None, None, dw, db, None
 
 
 class QuESTWeight(torch.autograd.Function):
@@ -122,7 +155,11 @@ def weight_from_hadamard(wq32: torch.Tensor, block: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- module
 class QuESTLinear(nn.Module):
-    """Drop-in nn.Linear trained with QuEST; `packed=True` builds the inference form (codes + scales)."""
+    """Drop-in nn.Linear trained with QuEST; `packed=True` builds the inference form (codes + scales).
+    share_input_quantization: layers called on the very same input tensor (q/k/v, gate/up) quantize it
+    once (outside torch.compile); the result is identical, it only saves the kernel and the memory."""
+
+    share_input_quantization = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  config: QuESTConfig | None = None, packed: bool = False, name: str = "linear",
@@ -192,7 +229,16 @@ class QuESTLinear(nn.Module):
             return F.linear(x.to(cdt), w_eff.to(cdt), None if self.bias is None else self.bias.to(cdt))
         x2 = x.reshape(-1, shape[-1]).to(cdt).contiguous()
         with torch.autocast(dev, enabled=False):
-            y = QuESTMatmul.apply(x2, self.weight, self.bias, spec)
+            xqm = None
+            share = self.share_input_quantization and not torch.compiler.is_compiling()
+            if share:
+                key = (cdt, spec.abits, spec.fp4, spec.s_a, spec.block, spec.trust)
+                xqm = _INPUT_CACHE.get(x, key)
+            if xqm is None:
+                xqm = quantize_input(x2, spec)
+                if share:
+                    _INPUT_CACHE.put(x, key, xqm)
+            y = QuESTMatmul.apply(x2, *xqm, self.weight, self.bias, spec)
         return y.reshape(*shape[:-1], self.out_features)
 
     @torch.no_grad()
