@@ -21,10 +21,23 @@ _HERE = Path(__file__).resolve().parent
 
 def m_bucket(m: int) -> int:
     """Next power of two (1, 2, 4, ..., 4096), so nearby batch sizes share a tuned config."""
-    b = 1
-    while b < m and b < 4096:
-        b *= 2
-    return b
+    return 1 if m <= 1 else min(4096, 1 << (m - 1).bit_length())
+
+
+_DEVICE_NAMES: dict = {}  # (type, index) -> name: torch.cuda.get_device_name costs microseconds per call
+
+
+def device_name(device: torch.device) -> str:
+    """The name used in tuning keys ("cpu" for CPU tensors), cached per device."""
+    key = (device.type, device.index)
+    name = _DEVICE_NAMES.get(key)
+    if name is None:
+        if device.type != "cuda":
+            return device.type
+        if device.index is None:  # "cuda": the current device, which may change
+            return torch.cuda.get_device_name(device)
+        name = _DEVICE_NAMES[key] = torch.cuda.get_device_name(device)
+    return name
 
 
 def _capturing() -> bool:
@@ -58,6 +71,7 @@ class Tuner:
         self.op = op
         self.cache: dict[str, dict] = {}
         self.log: list[dict] = []  # every tuning run's timings, for reports
+        self._memo: dict = {}  # (m bucket, n, k, dtype, device type, index) -> (key, cache entry); see cached()
         shipped = _HERE / f"{op}_tuned.json"
         for path in (shipped, os.environ.get("HFQ_AUTOTUNE_CACHE")):
             if path and Path(path).is_file():
@@ -68,8 +82,21 @@ class Tuner:
 
     @staticmethod
     def key(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> str:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        return f"m{m_bucket(m)}|n{n}|k{k}|{str(dtype).replace('torch.', '')}|{name}"
+        return f"m{m_bucket(m)}|n{n}|k{k}|{str(dtype).replace('torch.', '')}|{device_name(device)}"
+
+    def cached(self, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict | None:
+        """The cached choice for this shape, else None (then call choose). Per-call fast path: a tuple-keyed memo in
+        front of the string-keyed cache, so a hit formats no key; a memo entry counts only while it is still the
+        cache's entry for its key (the cache may be edited directly)."""
+        fk = (m_bucket(m), n, k, dtype, device.type, device.index)
+        hit = self._memo.get(fk)
+        if hit is not None and self.cache.get(hit[0]) is hit[1]:
+            return hit[1]
+        key = self.key(m, n, k, dtype, device)
+        cfg = self.cache.get(key)
+        if cfg is not None and (device.index is not None or device.type != "cuda"):
+            self._memo[fk] = (key, cfg)
+        return cfg
 
     def choose(self, key: str, candidates: Sequence[dict], runner: Callable[[dict], Callable[[], Any]],
                default: dict) -> dict:

@@ -328,11 +328,13 @@ if HAS_TRITON:
     def _dec_step(acc, q, s, x_cols, xsc, k, K, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                   MASK_K: tl.constexpr, X_F16: tl.constexpr, F32_DOT: tl.constexpr):
         """acc[BN, BM] += W-tile @ x^T-tile for one K tile. q: int32 words [BN, BK/8] (8 codes each, code j of
-        word w is k = 8w + j), s: scale bytes [BN, BK/16]. The dot runs as 8 dots over the word axis, one per
-        code position j, so no nibble is ever moved across lanes; x is read with the matching stride 8."""
+        word w is k = 8w + j), s: scale bytes [BN, BK/8], one per word (word w's block w // 2: each scale byte is
+        loaded twice, see _dec_kernel). The dot runs as 8 dots over the word axis, one per code position j, so no
+        nibble is ever moved across lanes; x is read with the matching stride 8."""
         # E4M3 byte << 7 as fp16 bits = scale * 2^-8 (exact, subnormals included); * 256 restores it.
-        sh = ((s.to(tl.int32) & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
-        s2 = tl.reshape(tl.join(sh, sh), (BN, BK // 8))
+        # (Widening [BN, BK/16] scales with tl.reshape(tl.join(sh, sh), (BN, BK/8)) miscompiled on the H100 with
+        # Triton 3.6: see _dec_kernel.)
+        s2 = ((s.to(tl.int32) & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
         kw = tl.arange(0, BK // 8)
         xk = k + 8 * kw
         for j in tl.static_range(4):
@@ -388,7 +390,13 @@ if HAS_TRITON:
         k_lo = pid_k * chunks_per_split * BK
         KW = K // 8
         kw = tl.arange(0, BK // 8)
-        ks = tl.arange(0, BK // 16)
+        # one scale byte per weight word (word w of a tile uses block w // 2), so the per-word scale tile has the
+        # words' shape with no in-register widening. The former tl.reshape(tl.join(sh, sh)) of a [BN, BK/16] tile
+        # miscompiled on the H100 (Triton 3.6) when layout propagation moved the dot-operand layout (kWidth=8) back
+        # through the reshape/join: with BN=32 every output was wrong (relative error ~1) unless the scale tile was
+        # the prefetch loop's carried value (>= 2 K tiles per split with PREFETCH), which blocks that propagation;
+        # BN >= 64 got kWidth=2 and was right, as was the interpreter.
+        ks = tl.arange(0, BK // 8) // 2
         wq_rows = wq_ptr + rn_c[:, None] * KW
         ws_rows = ws_ptr + rn_c[:, None] * (K // 16)
         x_cols = x_ptr + rm_c[None, :] * stride_xm
@@ -705,13 +713,18 @@ def quantize(w: torch.Tensor):
 def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None):
     """Triton NVFP4 -> dtype, bit-identical to hfq.formats.fp4.nvfp4_dequantize."""
     _check_packed(packed, scale, global_scale)
+    return _dequant_raw(packed, scale, global_scale, dtype, out)
+
+
+def _dequant_raw(packed, scale, global_scale, dtype, out=None):
+    """dequantize() without the checks (callers have validated the tensors)."""
     r, c = packed.shape[0], packed.shape[1] * 2
     if out is None:
         out = torch.empty((r, c), dtype=dtype, device=packed.device)
-    br, bc = 16, 256
-    grid = (_cdiv(r, br), _cdiv(c, bc))
-    _dequantize_kernel[grid](packed, scale.view(torch.uint8), global_scale.float().reshape(1), out, r, c,
-                             BR=br, BC=bc, num_warps=4)
+    if global_scale.dtype != torch.float32:  # the kernel reads one fp32 (any shape with one element)
+        global_scale = global_scale.float()
+    _dequantize_kernel[(_cdiv(r, 16), _cdiv(c, 256))](packed, scale.view(torch.uint8), global_scale, out, r, c,
+                                                      BR=16, BC=256, num_warps=4)
     return out
 
 
@@ -1035,20 +1048,43 @@ def _checked_runner(x2, packed, scale, recip, bias, tol: float = 2e-2):
 
 def linear(x, packed, scale, global_scale, bias=None, config: dict | None = None, out=None):
     """y = x @ dequant(W)^T + bias on the GPU (Triton); `config` forces a kernel config (tests, sweeps)."""
-    x2, recip = _prep(x, packed, scale, global_scale, bias)
-    m, k = x2.shape
-    n = packed.shape[0]
+    _check_packed(packed, scale, global_scale)
+    _check_bias(bias, packed.shape[0])
+    return _linear_impl(x, packed, scale, global_scale, bias, config, out)
+
+
+def _check_bias(bias, n):
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"nvfp4_linear: bias must have shape ({n},), got {tuple(bias.shape)}")
+
+
+def _linear_impl(x, packed, scale, global_scale, bias=None, config: dict | None = None, out=None):
+    """linear() for a validated weight (x's width is still checked). Large M with a cached "dq" choice (the
+    training/prefill case) takes the shortest route: no reshapes, no key formatting, one dequantize launch + cuBLAS."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if x.shape[-1] != k:
+        raise ValueError(f"nvfp4_linear: x has in_features={x.shape[-1]} but the weight has {k}")
+    recip = global_scale if global_scale.dtype == torch.float32 else global_scale.float()
+    m = x.numel() // k
     if m == 0 or x.dtype not in _MM_DTYPES:
-        w = dequantize(packed, scale, recip, x.dtype)
-        return F.linear(x, w, bias)
+        return F.linear(x, _dequant_raw(packed, scale, recip, x.dtype), bias)
+    if config is None and m > 64:
+        config = _LINEAR_TUNER.cached(m, n, k, x.dtype, x.device)
+        if config is not None and config["kind"] == "dq" and out is None:
+            return F.linear(x, _dequant_raw(packed, scale, recip, x.dtype), bias)
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     if config is None and _g4_ok(x2):  # bf16 decode path: g4 kernel, shipped tuned choice else the heuristic
         config = g4_config(m, n, k, x.device)
+    if config is None:
+        config = _LINEAR_TUNER.cached(m, n, k, x.dtype, x.device)
     if config is None:
         key = Tuner.key(m, n, k, x.dtype, x.device)
         config = _LINEAR_TUNER.choose(key, _mm_candidates(m, n, k),
                                       _checked_runner(x2, packed, scale, recip, bias), _mm_default(m, n, k))
     if config["kind"] == "dq":
-        y = F.linear(x2, dequantize(packed, scale, recip, x.dtype), bias)
+        y = F.linear(x2, _dequant_raw(packed, scale, recip, x.dtype), bias)
         if out is not None:
             out.copy_(y)
             y = out
@@ -1074,23 +1110,33 @@ def _grad_candidates(m, n, k):
 def grad_input(g, packed, scale, global_scale, config: dict | None = None, out=None):
     """grad_x = g @ dequant(W) on the GPU: transposed-read kernel or dequantize + cuBLAS, per tuning."""
     _check_packed(packed, scale, global_scale)
+    return _grad_input_impl(g, packed, scale, global_scale, config, out)
+
+
+def _grad_input_impl(g, packed, scale, global_scale, config: dict | None = None, out=None):
+    """grad_input() for a validated weight (g's width is still checked); a cached "dq" choice goes straight to
+    dequantize + cuBLAS."""
     n, k = packed.shape[0], packed.shape[1] * 2
     if g.shape[-1] != n:
         raise ValueError(f"nvfp4_linear_grad_input: grad has {g.shape[-1]} features but the weight has {n} rows")
+    recip = global_scale if global_scale.dtype == torch.float32 else global_scale.float()
+    m = g.numel() // n
+    if m == 0 or g.dtype not in _MM_DTYPES:
+        return g @ _dequant_raw(packed, scale, recip, g.dtype)
+    if config is None:
+        config = _GRAD_TUNER.cached(m, n, k, g.dtype, g.device)
+        if config is not None and config["kind"] == "dq" and out is None:
+            return g @ _dequant_raw(packed, scale, recip, g.dtype)
     g2 = g.reshape(-1, n)
     if g2.stride(-1) != 1:
         g2 = g2.contiguous()
-    recip = global_scale.reshape(1).float()
-    m = g2.shape[0]
-    if m == 0 or g.dtype not in _MM_DTYPES:
-        return g @ dequantize(packed, scale, recip, g.dtype)
     if config is None:
         key = Tuner.key(m, n, k, g.dtype, g.device)
         config = _GRAD_TUNER.choose(key, _grad_candidates(m, n, k),
-                                    lambda c: (lambda: grad_input(g2, packed, scale, recip, config=c)),
+                                    lambda c: (lambda: _grad_input_impl(g2, packed, scale, recip, config=c)),
                                     _grad_default(m, n, k))
     if config["kind"] == "dq":
-        y = g2 @ dequantize(packed, scale, recip, g.dtype)
+        y = g2 @ _dequant_raw(packed, scale, recip, g.dtype)
         if out is not None:
             out.copy_(y)
             y = out
@@ -1100,9 +1146,63 @@ def grad_input(g, packed, scale, global_scale, config: dict | None = None, out=N
         grid = (_cdiv(m, bm), _cdiv(k, bko))
         _launch(_mm_grad_kernel, grid, bool(config.get("asm", True)) and _use_asm(g.device),
                 g2, packed, scale.view(torch.uint8), recip, y, m, n, k, g2.stride(0),
-                              BM=bm, BNR=bnr, BKO=bko, MASK_N=(n % bnr) != 0, F32_DOT=INTERPRET, num_warps=config.get("warps", 4),
-                              num_stages=config.get("stages", 3))
+                BM=bm, BNR=bnr, BKO=bko, MASK_N=(n % bnr) != 0, F32_DOT=INTERPRET, num_warps=config.get("warps", 4),
+                num_stages=config.get("stages", 3))
     return y.reshape(*g.shape[:-1], k)
+
+
+# ----------------------------------------------------------------------------------------------- eager fast path
+# torch.ops.hfq.nvfp4_linear costs ~0.1-0.2 ms of host time per call with autograd (the custom-op autograd
+# wrapper, two Python dispatches, then the grad-input op again in backward): at M = 768 that is more than the
+# GPU time of the smaller projections, so a training micro-batch became CPU-bound. In plain eager CUDA (no
+# torch.compile, no dispatch mode, no functorch transform, a plain tensor) NVFP4Linear therefore calls the same
+# host code through a torch.autograd.Function; everything else (compile, export, fake tensors, direct callers)
+# goes through the registered ops. HFQ_NVFP4_EAGER_FAST=0 turns the shortcut off.
+_EAGER_FAST = os.environ.get("HFQ_NVFP4_EAGER_FAST", "1") != "0"
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def eager_fast_ok(x: torch.Tensor) -> bool:
+    """True where linear_eager may replace torch.ops.hfq.nvfp4_linear for input x."""
+    return (_EAGER_FAST and HAS_TRITON and type(x) is torch.Tensor and x.is_cuda
+            and not torch.compiler.is_compiling()
+            and _dispatch_modes is not None and _dispatch_modes() == 0
+            and not (_functorch_active is not None and _functorch_active()))
+
+
+class _LinearFn(torch.autograd.Function):
+    """Autograd of hfq::nvfp4_linear (grads for x and bias) without the custom-op machinery."""
+
+    @staticmethod
+    def forward(ctx, x, packed, scale, global_scale, bias):
+        ctx.save_for_backward(packed, scale, global_scale)
+        ctx.has_bias = bias is not None
+        return _linear_impl(x, packed, scale, global_scale, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed, scale, global_scale = ctx.saved_tensors
+        gx = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = _grad_input_impl(grad, packed, scale, global_scale)
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            gb = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return gx, None, None, None, gb
+
+
+def linear_eager(x, packed, scale, global_scale, bias=None, checked: bool = False):
+    """torch.ops.hfq.nvfp4_linear(x, packed, scale, global_scale, bias): same values and gradients, with the
+    eager shortcut where eager_fast_ok(x). checked=True: the caller has already validated packed/scale/global_scale
+    (NVFP4Linear does once per buffer set); x's width and the bias shape are always checked."""
+    if not eager_fast_ok(x):
+        return torch.ops.hfq.nvfp4_linear(x, packed, scale, global_scale, bias)
+    if not checked:
+        _check_packed(packed, scale, global_scale)
+    _check_bias(bias, packed.shape[0])
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return _LinearFn.apply(x, packed, scale, global_scale, bias)
+    return _linear_impl(x, packed, scale, global_scale, bias)
 
 
 def _gpu_ok(t: torch.Tensor) -> bool:
@@ -1203,4 +1303,4 @@ def _linear_backward(ctx, grad):
 nvfp4_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 __all__ = ["nvfp4_quantize", "nvfp4_dequantize", "nvfp4_linear", "nvfp4_linear_grad_input",
-           "quantize", "dequantize", "linear", "grad_input", "m_bucket"]
+           "quantize", "dequantize", "linear", "grad_input", "linear_eager", "eager_fast_ok", "m_bucket"]

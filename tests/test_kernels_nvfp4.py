@@ -76,6 +76,7 @@ LINEAR_CASES = [
     (1, 96, 40, dict(kind="dec", BN=32, BM=16, BK=128, split=1, prefetch=True)),  # K < BK
     (3, 400, 48, dict(kind="dec", BN=32, BM=16, BK=128, split=2, prefetch=True)),  # K tail + uneven split
     (17, 528, 24, dict(kind="dec", BN=32, BM=16, BK=128, split=3, prefetch=False)),
+    (5, 256, 64, dict(kind="dec", BN=32, BM=16, BK=128, split=2, prefetch=True)),  # one K tile per split, no tail
 ]
 
 
@@ -230,6 +231,48 @@ def test_g4_repack_layout_matches_reference(n, k):
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
     ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
     assert _rel(K.g4_reference(x, wr, sr, n, k, r), ref) < 1e-6
+
+
+_DEC_SM90_IR = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hfq_kernels import nvfp4 as K
+
+prefetch, cps1 = sys.argv[1] == "1", sys.argv[2] == "1"
+sig = {"x_ptr": "*bf16", "wq_ptr": "*i32", "ws_ptr": "*u8", "recip_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*fp32",
+       "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32", "chunks_per_split": "i32"}
+consts = dict(BN=32, BM=16, BK=128, HAS_BIAS=False, PARTIAL=True, MASK_K=False, X_F16=False, PREFETCH=prefetch,
+              F32_DOT=False)
+if cps1:  # the launcher's chunks_per_split == 1 is specialised to a constant: no K loop
+    consts["chunks_per_split"] = 1
+k = triton.compile(ASTSource(fn=K._dec_kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4, "num_stages": 1})
+ir = k.asm["ttgir"]
+print("dot", "tt.dot" in ir, "reshape", "tt.reshape" in ir, "join", "tt.join" in ir)
+"""
+
+
+def test_dec_kernel_sm90_has_no_scale_reshape(prefetch=True, cps1=True):
+    """Regression guard for an H100 miscompile (Triton 3.6): widening the [BN, BK/16] scale tile with
+    tl.reshape(tl.join(...)) got the dot-operand layout (kWidth=8) pushed through it at BN=32 and every product
+    came out wrong; the kernel now loads one scale byte per weight word, so no join/reshape may reach the IR.
+    Compiled for sm_90 in a subprocess without TRITON_INTERPRET (no GPU needed), in the configuration that failed
+    (one K tile per split, so the scale tile is no loop-carried value)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _DEC_SM90_IR, str(int(prefetch)), str(int(cps1))], env=env,
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and "ptxas" in r.stderr.lower():  # no ptxas/backend on this machine
+        pytest.skip(r.stderr[-200:])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["dot", "True", "reshape", "False", "join", "False"]
 
 
 def test_g4_kernel_compiles_for_sm90_without_shared_memory():
