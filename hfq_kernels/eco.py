@@ -1,18 +1,36 @@
-"""Fused ECO-AdamW step for an fp8_e4m3_row QParam: dequantize, Adam moments, decoupled weight decay, new
-row scale, requantize (RTN or SR), inject the error into the first moment. One Triton program per row.
+"""Fused ECO-AdamW step for fp8_e4m3_row QParams: dequantize, Adam moments, decoupled weight decay, new row
+scale, requantize (RTN or SR), inject the error into the first moment. Multi-tensor: one launch updates a whole
+list of weights (as torch's fused AdamW does), so the host cost of a step does not grow with the number of
+parameters.
 
+  eco_adamw_fp8_multi_step_(codes[], scales[], grads[], exp_avgs[], exp_avg_sqs[], lr=..., step=..., ...)
   hfq::eco_adamw_fp8_step(codes f8e4m3[R,C], scales f32[R,1], grad[R,C], exp_avg[R,C], exp_avg_sq[R,C],
                           lr, beta1, beta2, eps, weight_decay, step, rounding, seed) -> None (all in place)
 
-CPU runs the torch reference (`eco_adamw_fp8_step_ref`, built from hfq.eco.functional + hfq.formats.fp8);
-CUDA runs the kernel. The kernel's arithmetic mirrors the reference: RTN rounds half-to-even on the E4M3
-grid; SR draws uniform numbers with Philox (tl.rand(seed, element index)), so its draws differ from torch's
-generator but have the same law. Rows up to 8192 wide are processed from registers in one pass over memory
-(codes 1 B + grad 2 B + two moments read and written once); wider rows take two passes.
+Layout. The launcher writes an int64 table (one record per tensor: the five data pointers, rows, cols, the
+tensor's random-stream id) and an int32 work list (tensor, first row) with one entry per program; a program
+updates ROWS rows of one tensor, each row held in registers as [W, 8] (column = 8*j + k), so a row's absmax and
+new scale come from one pass over memory: codes 1 B + grad + both moments read and written once. Rows wider
+than MAX_ONE_PASS (8192) take two passes (absmax, then update). Tensors are grouped per launch by block width
+and dtypes; the tables are cached by their contents, so a steady training loop uploads nothing.
+
+Arithmetic mirrors the torch reference op for op (`eco_adamw_fp8_step_ref`: hfq.eco.functional +
+hfq.formats.fp8, written with one rounding per op) and the kernel is compiled without FMA contraction
+(enable_fp_fusion=False), so RTN codes and scales are bit-identical to the reference under the CPU interpreter;
+on a GPU the reference's own kernels may round a last bit differently (see tests/test_eco_kernel.py).
+Divisions are IEEE (div_rn) where the reference divides (m/denom, tmp/scale, amax/448); the E4M3 grid step is a
+power of two and is applied by multiplication.
+
+SR: one Philox call (counter = column group, row, tensor stream; key = seed) gives four 32-bit words per thread
+and 8 consecutive elements, i.e. each element gets a 16-bit uniform u = (h + 1/2)/2^16. Rounding up when
+u < frac (frac = exact fractional distance to the lower grid point) happens with probability within 2^-17 of
+frac, so E[Q(x)] is unbiased to 2^-17 of a grid step (torch's reference uses 24-bit uniforms: same law up to
+that quantisation). Draws differ from the reference's generator.
 """
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 import torch
 
@@ -29,8 +47,31 @@ except ImportError:  # pragma: no cover
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ONE_PASS = 8192
+MIN_BLOCK = 64
+# block width -> (rows per program, num_warps); tuned on an H100 (benchmarks/eco.py --sweep), overridable
+LAUNCH = {64: (16, 4), 128: (16, 4), 256: (8, 4), 512: (4, 4), 1024: (2, 4), 2048: (1, 4), 4096: (1, 8),
+          8192: (1, 16)}
+
+_G_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_S_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _ptr(rec, i, CODE: tl.constexpr, ALIGNED: tl.constexpr):
+        """Record field i of the pointer table as a typed pointer (CODE: 0 fp32, 1 bf16, 2 fp16, 3 uint8)."""
+        a = tl.load(rec + i)
+        if CODE == 1:
+            p = a.to(tl.pointer_type(tl.bfloat16))
+        elif CODE == 2:
+            p = a.to(tl.pointer_type(tl.float16))
+        elif CODE == 3:
+            p = a.to(tl.pointer_type(tl.uint8))
+        else:
+            p = a.to(tl.pointer_type(tl.float32))
+        if ALIGNED:
+            p = tl.multiple_of(p, 16)
+        return p
 
     @triton.jit
     def _e4m3_decode(b):
@@ -45,18 +86,19 @@ if HAS_TRITON:
     def _e4m3_round(x, u, SR: tl.constexpr):
         """x in [-448, 448] (fp32) -> nearest-even (or stochastic with uniform u) E4M3 grid value (fp32)."""
         bits = x.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 255) - 127
-        e = tl.maximum(e, -6) - 3
-        ulp = ((e + 127) << 23).to(tl.float32, bitcast=True)
-        t = x / ulp  # exact: power of two
+        e = tl.maximum(((bits >> 23) & 255) - 127, -6)  # grid step 2^(e-3)
+        ulp = ((e + 124) << 23).to(tl.float32, bitcast=True)
+        inv_ulp = ((130 - e) << 23).to(tl.float32, bitcast=True)
+        t = x * inv_ulp  # exact: power of two
         lo = tl.floor(t)
         if SR:
             r = lo + (u < (t - lo)).to(tl.float32)
         else:
-            r = tl.floor(t + 0.5)
+            r = tl.floor(t + 0.5)  # t + 0.5 is exact: |t| < 16
             tie = (r - t) == 0.5
             odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
             r = tl.where(tie & odd, r - 1.0, r)
+            r = tl.where(r == 0.0, x * 0.0, r)  # keep the sign of a value rounded to zero, as torch's cast does
         q = r * ulp
         return tl.minimum(tl.maximum(q, -448.0), 448.0)
 
@@ -73,77 +115,128 @@ if HAS_TRITON:
         return code | sign
 
     @triton.jit
-    def _adam_tmp(cb, s_old, g, m, v, beta1, beta2, eps, lr, weight_decay, step_size, inv_sqrt_bc2):
+    def _to_state(x, p, INTERP: tl.constexpr):
+        """fp32 -> the state tensor's dtype, nearest-even. The interpreter's fp32->bf16 cast truncates, so there
+        the value is first rounded onto the bf16 grid by integer ops (then the cast is exact)."""
+        if INTERP:
+            if p.dtype.element_ty == tl.bfloat16:
+                b = x.to(tl.int32, bitcast=True)
+                b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+                x = b.to(tl.float32, bitcast=True)
+        return x.to(p.dtype.element_ty)
+
+    @triton.jit
+    def _uniform16(seed, rows, jg, stream):
+        """[ROWS, W, 8] uniforms in (0, 1) from one Philox call per (row, column group j): 4 words x 2 halves."""
+        c0 = (jg[None, :] + rows[:, None] * 0).to(tl.uint32)
+        c1 = (rows[:, None] + jg[None, :] * 0).to(tl.uint32)
+        c2 = c1 * 0 + stream.to(tl.uint32)
+        r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c2 * 0)
+        kk = tl.arange(0, 8)[None, None, :]
+        sel = kk & 3
+        r = tl.where(sel == 0, r0[:, :, None], tl.where(sel == 1, r1[:, :, None],
+                                                         tl.where(sel == 2, r2[:, :, None], r3[:, :, None])))
+        h = tl.where(kk < 4, r & 0xFFFF, r >> 16)
+        return (h.to(tl.float32) + 0.5) * 0.0000152587890625  # 2^-16
+
+    @triton.jit
+    def _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2):
+        # one rounding per op, in the reference's order (the kernel is compiled without FMA contraction)
         theta = _e4m3_decode(cb) * s_old
-        m = beta1 * m + (1.0 - beta1) * g
-        v = beta2 * v + (1.0 - beta2) * g * g
+        m = beta1 * m + g * omb1
+        v = beta2 * v + (g * g) * omb2
         denom = tl.sqrt_rn(v) * inv_sqrt_bc2 + eps
-        tmp = theta * (1.0 - lr * weight_decay) - step_size * tl.div_rn(m, denom)
+        tmp = theta * decay - step_size * tl.div_rn(m, denom)
         return tmp, m, v, denom
 
     @triton.jit
-    def _eco_adamw_fp8_kernel(codes_ptr, scales_ptr, g_ptr, m_ptr, v_ptr, n_cols,
-                              lr, beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, inj, seed,
-                              SR: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
-        row = tl.program_id(0)
-        base = row.to(tl.int64) * n_cols
-        s_old = tl.load(scales_ptr + row)
-        offs = tl.arange(0, BLOCK)
-        if NB == 1:
-            mask = offs < n_cols
-            cb = tl.load(codes_ptr + base + offs, mask=mask, other=0).to(tl.int32)
-            g = tl.load(g_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-            m = tl.load(m_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + base + offs, mask=mask, other=0.0).to(tl.float32)
-            tmp, m, v, denom = _adam_tmp(cb, s_old, g, m, v, beta1, beta2, eps, lr, weight_decay, step_size,
+    def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2,
+                              inj, seed, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
+                              SR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, TWO_PASS: tl.constexpr,
+                              ALIGNED: tl.constexpr, INTERP: tl.constexpr):
+        W: tl.constexpr = BLOCK // 8
+        pid = tl.program_id(0)
+        t = tl.load(work_ptr + 2 * pid).to(tl.int64)
+        row0 = tl.load(work_ptr + 2 * pid + 1)
+        rec = tab_ptr + t * 8
+        codes_ptr = _ptr(rec, 0, 3, ALIGNED)
+        scales_ptr = _ptr(rec, 1, 0, False)
+        g_ptr = _ptr(rec, 2, G_DT, ALIGNED)
+        m_ptr = _ptr(rec, 3, M_DT, ALIGNED)
+        v_ptr = _ptr(rec, 4, V_DT, ALIGNED)
+        n_rows = tl.load(rec + 5)
+        n_cols = tl.load(rec + 6)
+        if ALIGNED:
+            n_cols = tl.multiple_of(n_cols, 16)
+        stream = tl.load(rec + 7)
+
+        rows = row0 + tl.arange(0, ROWS)
+        rmask = rows < n_rows
+        base = (rows.to(tl.int64) * n_cols)[:, None, None]
+        jj = tl.arange(0, W)
+        cols0 = jj[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, W, 8]
+        s_old = tl.load(scales_ptr + rows, mask=rmask, other=1.0)[:, None, None]
+        if not TWO_PASS:
+            mask = rmask[:, None, None] & (cols0 < n_cols)
+            offs = base + cols0
+            cb = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            tmp, m, v, denom = _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size,
                                          inv_sqrt_bc2)
-            amax = tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=0)
+            amax = tl.max(tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=2), axis=1)
             s_new = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
-            x = tl.minimum(tl.maximum(tl.div_rn(tmp, s_new), -448.0), 448.0)
+            s3 = s_new[:, None, None]
+            x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
             if SR:
-                u = tl.rand(seed, (base + offs).to(tl.uint32))
+                u = _uniform16(seed, rows, jj, stream)
             else:
                 u = x
             q = _e4m3_round(x, u, SR)
-            e = tmp - q * s_new
-            m = m - inj * (e * denom)
-            tl.store(codes_ptr + base + offs, _e4m3_encode(q).to(tl.uint8), mask=mask)
-            tl.store(m_ptr + base + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_ptr + base + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+            e = tmp - q * s3
+            m = m - (e * denom) * inj
+            tl.store(codes_ptr + offs, _e4m3_encode(q).to(tl.uint8), mask=mask)
+            tl.store(m_ptr + offs, _to_state(m, m_ptr, INTERP), mask=mask)
+            tl.store(v_ptr + offs, _to_state(v, v_ptr, INTERP), mask=mask)
         else:
-            amax = 0.0
-            for b in range(NB):
-                cols = b * BLOCK + offs
-                mask = cols < n_cols
-                cb = tl.load(codes_ptr + base + cols, mask=mask, other=0).to(tl.int32)
-                g = tl.load(g_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-                m = tl.load(m_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-                v = tl.load(v_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-                tmp, m, v, denom = _adam_tmp(cb, s_old, g, m, v, beta1, beta2, eps, lr, weight_decay, step_size,
+            nb = tl.cdiv(n_cols, BLOCK)
+            amax = tl.zeros([ROWS], dtype=tl.float32)
+            for b in range(nb):
+                cols = b * BLOCK + cols0
+                mask = rmask[:, None, None] & (cols < n_cols)
+                offs = base + cols
+                cb = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                tmp, m, v, denom = _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size,
                                              inv_sqrt_bc2)
-                amax = tl.maximum(amax, tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=0))
+                amax = tl.maximum(amax, tl.max(tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=2), axis=1))
             s_new = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
-            for b in range(NB):
-                cols = b * BLOCK + offs
-                mask = cols < n_cols
-                cb = tl.load(codes_ptr + base + cols, mask=mask, other=0).to(tl.int32)
-                g = tl.load(g_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-                m = tl.load(m_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-                v = tl.load(v_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-                tmp, m, v, denom = _adam_tmp(cb, s_old, g, m, v, beta1, beta2, eps, lr, weight_decay, step_size,
+            s3 = s_new[:, None, None]
+            for b in range(nb):
+                cols = b * BLOCK + cols0
+                mask = rmask[:, None, None] & (cols < n_cols)
+                offs = base + cols
+                cb = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                tmp, m, v, denom = _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size,
                                              inv_sqrt_bc2)
-                x = tl.minimum(tl.maximum(tl.div_rn(tmp, s_new), -448.0), 448.0)
+                x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
                 if SR:
-                    u = tl.rand(seed, (base + cols).to(tl.uint32))
+                    u = _uniform16(seed, rows, b * W + jj, stream)
                 else:
                     u = x
                 q = _e4m3_round(x, u, SR)
-                e = tmp - q * s_new
-                m = m - inj * (e * denom)
-                tl.store(codes_ptr + base + cols, _e4m3_encode(q).to(tl.uint8), mask=mask)
-                tl.store(m_ptr + base + cols, m.to(m_ptr.dtype.element_ty), mask=mask)
-                tl.store(v_ptr + base + cols, v.to(v_ptr.dtype.element_ty), mask=mask)
-        tl.store(scales_ptr + row, s_new)
+                e = tmp - q * s3
+                m = m - (e * denom) * inj
+                tl.store(codes_ptr + offs, _e4m3_encode(q).to(tl.uint8), mask=mask)
+                tl.store(m_ptr + offs, _to_state(m, m_ptr, INTERP), mask=mask)
+                tl.store(v_ptr + offs, _to_state(v, v_ptr, INTERP), mask=mask)
+        tl.store(scales_ptr + rows, s_new, mask=rmask)
 
 
 def _check(codes, scales, grad, exp_avg, exp_avg_sq, rounding):
@@ -156,33 +249,135 @@ def _check(codes, scales, grad, exp_avg, exp_avg_sq, rounding):
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if tuple(t.shape) != (r, c):
             raise ValueError(f"{name}: expected shape {(r, c)}, got {tuple(t.shape)}")
+    for name, t in (("codes", codes), ("scales", scales), ("grad", grad), ("exp_avg", exp_avg),
+                    ("exp_avg_sq", exp_avg_sq)):
         if not t.is_contiguous():
             raise ValueError(f"{name}: must be contiguous")
 
 
-def _coeffs(lr, beta1, beta2, step):
+def _coeffs(lr, beta1, beta2, step, weight_decay):
+    """The reference's host scalars (Python doubles, rounded to fp32 at launch as torch rounds them)."""
     bc1 = 1 - beta1 ** step
     bc2 = 1 - beta2 ** step
     step_size = lr / bc1
-    return step_size, 1.0 / bc2 ** 0.5, (1 - beta1) / (beta1 * step_size)
+    return dict(decay=1 - lr * weight_decay, omb1=1 - beta1, omb2=1 - beta2, step_size=step_size,
+                inv_sqrt_bc2=1 / bc2 ** 0.5, inj=(1 - beta1) / (beta1 * step_size))
+
+
+def _block(c):
+    return max(MIN_BLOCK, min(triton.next_power_of_2(c), MAX_ONE_PASS))
+
+
+class _LRU(OrderedDict):
+    def __init__(self, size):
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key, make):
+        v = self.get(key)
+        if v is None:
+            v = self[key] = make()
+            if len(self) > self.size:
+                self.popitem(last=False)
+        else:
+            self.move_to_end(key)
+        return v
+
+
+_TABLES = _LRU(32)  # (device, pointer/shape records) -> int64 table on the device
+_WORK = _LRU(32)  # (device, rows per tensor, ROWS) -> int32 work list on the device
+
+
+def _work_list(device, n_rows, rows_per_prog):
+    def make():
+        parts = [torch.stack((torch.full(((r + rows_per_prog - 1) // rows_per_prog,), i, dtype=torch.int32),
+                              torch.arange(0, r, rows_per_prog, dtype=torch.int32)), 1)
+                 for i, r in enumerate(n_rows)]
+        return torch.cat(parts).contiguous().to(device)
+    return _WORK.get_or((str(device), n_rows, rows_per_prog), make)
+
+
+class _Plan:
+    """Validated launch buckets for one list of weights: device tables built (or found in the cache)."""
+
+    def __init__(self, device, buckets, moments):
+        self.device, self.buckets, self.moments = device, buckets, moments
+
+
+def eco_adamw_fp8_prepare(codes, scales, grads, exp_avgs, exp_avg_sqs, *, check=True) -> _Plan:
+    """Host half of a multi-tensor step: checks, buckets by (block width, dtypes), pointer tables and work lists
+    (cached by content: a steady training loop uploads nothing). The optimizer runs it while the GPU is still
+    busy with the gradients' finite check. The tensors must not be replaced before `eco_adamw_fp8_launch`."""
+    n = len(codes)
+    if not (len(scales) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
+        raise ValueError("eco_adamw_fp8: lists of different lengths")
+    buckets: dict = {}
+    device = codes[0].device if n else None
+    for i in range(n):
+        c, g, m, v = codes[i], grads[i], exp_avgs[i], exp_avg_sqs[i]
+        if check:
+            _check(c, scales[i], g, m, v, "rtn")
+            if any(t.device != device for t in (c, scales[i], g, m, v)):
+                raise ValueError("eco_adamw_fp8: all tensors must be on one device")
+        r, cols = c.shape
+        try:
+            dts = (_G_CODES[g.dtype], _S_CODES[m.dtype], _S_CODES[v.dtype])
+        except KeyError:
+            raise ValueError(f"unsupported dtypes grad {g.dtype}, exp_avg {m.dtype}, exp_avg_sq {v.dtype}") from None
+        ptrs = (c.data_ptr(), scales[i].data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr())
+        aligned = cols % 16 == 0 and all(p % 16 == 0 for p in ptrs)
+        block = _block(cols)
+        buckets.setdefault((block, cols > MAX_ONE_PASS, dts, aligned), []).append(ptrs + (r, cols, i))
+    out = []
+    for (block, two_pass, dts, aligned), recs in buckets.items():
+        rows_per_prog, warps = LAUNCH.get(block, (1, 4))
+        recs = tuple(recs)
+
+        def make(recs=recs):
+            t = torch.tensor(recs, dtype=torch.int64)
+            if device.type == "cuda":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t
+        tab = _TABLES.get_or((str(device), recs), make)
+        work = _work_list(device, tuple(rec[5] for rec in recs), rows_per_prog)
+        out.append((tab, work, block, two_pass, dts, aligned, rows_per_prog, warps))
+    return _Plan(device, out, (list(exp_avgs), list(exp_avg_sqs), list(grads)))
+
+
+def eco_adamw_fp8_launch(plan: _Plan, *, lr, beta1, beta2, eps, weight_decay, step, rounding="rtn", seed=0) -> None:
+    """Device half: one kernel launch per bucket of `plan`."""
+    _fp8.check_rounding(rounding)
+    if plan.device is None:
+        return
+    if lr == 0:  # master-weight semantics: moments move, the weight does not
+        for m, v, g in zip(*plan.moments):
+            Fn.adam_moments_(m, v, g.float(), beta1=beta1, beta2=beta2, step=step, eps=eps, lr=lr)
+        return
+    k = _coeffs(lr, beta1, beta2, step, weight_decay)
+    for tab, work, block, two_pass, (gd, md, vd), aligned, rows_per_prog, warps in plan.buckets:
+        _eco_adamw_fp8_kernel[(work.shape[0],)](
+            tab, work, k["decay"], beta1, k["omb1"], beta2, k["omb2"], eps, k["step_size"], k["inv_sqrt_bc2"],
+            k["inj"], int(seed), G_DT=gd, M_DT=md, V_DT=vd, SR=(rounding == "sr"), BLOCK=block, ROWS=rows_per_prog,
+            TWO_PASS=two_pass, ALIGNED=aligned, INTERP=plan.device.type == "cpu", num_warps=warps,
+            enable_fp_fusion=False)
+
+
+def eco_adamw_fp8_multi_step_(codes, scales, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,
+                              step, rounding="rtn", seed=0) -> None:
+    """In-place fused ECO-AdamW step (memory-free rule) over lists of fp8_e4m3_row weights that share the
+    hyper-parameters and step count; the i-th tensor draws its SR noise from stream i of `seed`. CUDA tensors,
+    or CPU tensors under TRITON_INTERPRET=1."""
+    _fp8.check_rounding(rounding)
+    plan = eco_adamw_fp8_prepare(codes, scales, grads, exp_avgs, exp_avg_sqs)
+    eco_adamw_fp8_launch(plan, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+                         rounding=rounding, seed=seed)
 
 
 def eco_adamw_fp8_step_triton(codes, scales, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay,
                               step, rounding="rtn", seed=0) -> None:
-    """Host launcher (also runs on CPU tensors under TRITON_INTERPRET=1)."""
-    _check(codes, scales, grad, exp_avg, exp_avg_sq, rounding)
-    if lr == 0:  # master-weight semantics: moments move, the weight does not
-        Fn.adam_moments_(exp_avg, exp_avg_sq, grad.float(), beta1=beta1, beta2=beta2, step=step, eps=eps, lr=lr)
-        return
-    r, c = codes.shape
-    step_size, inv_sqrt_bc2, inj = _coeffs(lr, beta1, beta2, step)
-    block = min(triton.next_power_of_2(c), MAX_ONE_PASS)
-    nb = triton.cdiv(c, block)
-    warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
-    _eco_adamw_fp8_kernel[(r,)](codes.view(torch.uint8), scales, grad, exp_avg, exp_avg_sq, c,
-                                float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                                float(step_size), float(inv_sqrt_bc2), float(inj), int(seed),
-                                SR=(rounding == "sr"), BLOCK=block, NB=nb, num_warps=warps)
+    """Host launcher for one weight (also runs on CPU tensors under TRITON_INTERPRET=1)."""
+    eco_adamw_fp8_multi_step_([codes], [scales], [grad], [exp_avg], [exp_avg_sq], lr=lr, beta1=beta1, beta2=beta2,
+                              eps=eps, weight_decay=weight_decay, step=step, rounding=rounding, seed=seed)
 
 
 def eco_adamw_fp8_step_ref(codes, scales, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay,
@@ -232,8 +427,8 @@ def _(codes, scales, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_de
 
 def eco_adamw_fp8_step(codes, scales, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
                        rounding="rtn", seed=0) -> None:
-    """In-place fused ECO-AdamW step (memory-free rule). CUDA: Triton; CPU: the Triton kernel under
-    TRITON_INTERPRET=1, else the torch reference."""
+    """In-place fused ECO-AdamW step (memory-free rule) for one weight, through the torch.library op. CUDA:
+    Triton; CPU: the Triton kernel under TRITON_INTERPRET=1, else the torch reference."""
     if codes.device.type == "cpu" and INTERPRET and HAS_TRITON:
         return eco_adamw_fp8_step_triton(codes, scales, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2,
                                          eps=eps, weight_decay=weight_decay, step=step, rounding=rounding, seed=seed)

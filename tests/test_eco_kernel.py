@@ -6,7 +6,8 @@ import torch
 
 import hfq_kernels.eco as K
 from hfq.eco import ECOAdamW
-from hfq.formats.fp8 import dequantize_fp8_row, quantize_fp8_row
+from hfq.eco import functional as Fn
+from hfq.formats.fp8 import dequantize_fp8_row, e4m3_ulp, quantize_fp8_row
 from hfq.qparam import QLinear
 
 KW = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)
@@ -28,6 +29,29 @@ def _clone(s):
     return [t.clone() for t in s]
 
 
+def _assert_step_matches(a, b):
+    """Fused result a vs torch reference b (lists codes, scales, grad, exp_avg, exp_avg_sq)."""
+    ca, cb = a[0].view(torch.uint8), b[0].view(torch.uint8)
+    if DEV == "cpu":  # the interpreter evaluates the reference's fp32 ops in the same order: bit-identical
+        assert torch.equal(ca, cb)
+        for x, y in zip(a[1:], b[1:]):
+            assert torch.equal(x, y)
+        return
+    # On a GPU the reference runs torch's own kernels; a last-bit difference in tmp = theta*decay - lr_t*m/denom
+    # (e.g. a multiply-add fused in one of them) moves the row absmax, hence the new scale, by an ulp, and can flip
+    # a value sitting on a rounding boundary to its neighbour code. Then that element's error feedback differs by
+    # a grid step, so its exp_avg is compared only where the codes agree.
+    torch.testing.assert_close(a[1], b[1], rtol=1e-6, atol=0)
+    diff = ca != cb
+    n = ca.numel()
+    assert int(diff.sum()) <= max(2, int(1e-3 * n)), f"{int(diff.sum())} of {n} codes differ"
+    qa, qb = a[0].float(), b[0].float()
+    step = e4m3_ulp(torch.maximum(qa.abs(), qb.abs()))
+    assert ((qa - qb).abs() <= step).all(), "a code differs by more than one E4M3 step"
+    torch.testing.assert_close(a[3][~diff], b[3][~diff], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a[4], b[4], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("shape,one_pass", [((5, 37), 8192), ((3, 300), 128), ((1, 64), 8192), ((4, 129), 64)])
 def test_rtn_matches_reference(shape, one_pass, monkeypatch):
     monkeypatch.setattr(K, "MAX_ONE_PASS", one_pass)
@@ -35,15 +59,58 @@ def test_rtn_matches_reference(shape, one_pass, monkeypatch):
     a, b = _clone(s), _clone(s)
     K.eco_adamw_fp8_step_triton(*a, rounding="rtn", **KW)
     K.eco_adamw_fp8_step_ref(*b, rounding="rtn", **KW)
-    wa, wb = dequantize_fp8_row(a[0], a[1]), dequantize_fp8_row(b[0], b[1])
-    if DEV == "cpu":  # the interpreter evaluates the same fp32 ops in the same order: bit-identical
-        assert torch.equal(wa, wb)
-    else:  # on the GPU, FMA contraction can flip a value sitting on a rounding boundary to its neighbour code
-        same = (wa == wb).float().mean().item()
-        assert same >= 0.999, same
-        assert torch.allclose(wa, wb, rtol=2 ** -3, atol=0), "a code differs by more than one E4M3 step"
-    torch.testing.assert_close(a[3], b[3], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(a[4], b[4], rtol=1e-5, atol=1e-7)
+    _assert_step_matches(a, b)
+
+
+def test_multi_tensor_step_matches_reference(monkeypatch):
+    """One multi-tensor call over mixed widths (one-pass, two-pass) and dtypes == the reference per tensor."""
+    monkeypatch.setattr(K, "MAX_ONE_PASS", 128)
+    specs = [((4, 64), torch.float32), ((9, 200), torch.bfloat16), ((3, 64), torch.float32), ((2, 130), torch.float32),
+             ((17, 16), torch.bfloat16)]
+    states = [_state(*shape, seed=i, state_dtype=dt) for i, (shape, dt) in enumerate(specs)]
+    states[3][2] = states[3][2].float()  # an fp32 gradient
+    a, b = [_clone(s) for s in states], [_clone(s) for s in states]
+    K.eco_adamw_fp8_multi_step_(*[list(x) for x in zip(*a)], rounding="rtn", **KW)
+    for x in b:
+        K.eco_adamw_fp8_step_ref(*x, rounding="rtn", **KW)
+    for x, y in zip(a, b):
+        _assert_step_matches(x, y)
+
+
+def test_sr_is_unbiased():
+    """Mean of SR results over seeds -> the unrounded target tmp (16-bit uniforms: bias < 2^-17 grid step)."""
+    s = _state(8, 128, seed=3)
+    tmp = {}
+
+    def capture(t):
+        tmp["t"] = t.clone()
+        c, sc = quantize_fp8_row(t)
+        tmp["s"] = sc
+        return t - dequantize_fp8_row(c, sc)
+
+    m, v = s[3].clone(), s[4].clone()
+    Fn.eco_adamw_(dequantize_fp8_row(s[0], s[1]), m, v, s[2].float(), requant=capture,
+                  **{k: KW[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay", "step")})
+    target, scale = tmp["t"], tmp["s"]
+    n = 48
+    acc = torch.zeros_like(target)
+    for seed in range(n):
+        a = _clone(s)
+        K.eco_adamw_fp8_step_triton(*a, rounding="sr", seed=seed, **KW)
+        torch.testing.assert_close(a[1], scale, rtol=1e-6, atol=0)  # the scale does not depend on the rounding
+        acc += dequantize_fp8_row(a[0], a[1])
+    step = e4m3_ulp(target / scale) * scale
+    z = ((acc / n - target) / step)  # per element: mean of n Bernoulli errors, sd <= 0.5/sqrt(n)
+    assert z.abs().max() < 5 * 0.5 / n ** 0.5 + 1e-3
+    assert abs(z.mean().item()) < 5 * 0.5 / (n * z.numel()) ** 0.5  # no systematic bias
+
+
+def test_sr_streams_differ_between_tensors():
+    s = _state(4, 256, seed=5)
+    a, b = _clone(s), _clone(s)
+    K.eco_adamw_fp8_multi_step_([a[0], b[0]], [a[1], b[1]], [a[2], b[2]], [a[3], b[3]], [a[4], b[4]], rounding="sr",
+                                seed=7, **KW)
+    assert not torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
 
 
 def test_sr_neighbours_and_unbiased():
@@ -92,3 +159,31 @@ def test_fused_optimizer_matches_reference_optimizer():
     torch.testing.assert_close(d0, d1, rtol=1e-5, atol=1e-3 * float(d1.abs().max()))
     torch.testing.assert_close(opts[0].state[nets[0].weight]["exp_avg"], opts[1].state[nets[1].weight]["exp_avg"],
                                rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_fused_optimizer_refuses_nonfinite_grad_untouched(first):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(QLinear.from_linear(torch.nn.Linear(32, 16)), QLinear.from_linear(torch.nn.Linear(16, 8)))
+    net = net.to(DEV)
+    opt = ECOAdamW(net.parameters(), lr=1e-2, rounding="sr", fused=True)
+    x = torch.randn(4, 32, device=DEV)
+    if not first:
+        net(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    net(x).pow(2).mean().backward()
+    net[1].weight.grad[0, 0] = float("inf")
+    codes = [m.weight.codes.clone() for m in net]
+    scales = [m.weight.scales.clone() for m in net]
+    sd = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.step()
+    for mod, c, sc in zip(net, codes, scales):
+        assert torch.equal(mod.weight.codes.view(torch.uint8), c.view(torch.uint8))
+        assert torch.equal(mod.weight.scales, sc)
+    sd2 = opt.state_dict()
+    assert sd2["state"].keys() == sd["state"].keys()
+    for k, st in sd["state"].items():
+        for name, t in st.items():
+            assert torch.equal(sd2["state"][k][name], t), (k, name)

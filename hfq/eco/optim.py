@@ -57,23 +57,32 @@ class _ECOBase(torch.optim.Optimizer):
         kind = f"QParam {p.fmt}" if isinstance(p, QParam) else "param"
         return f"param_groups[{gi}]['params'][{pi}] ({kind} {tuple(p.shape)})"
 
-    def _check_grads(self):
+    def _finite_check_launch(self):
+        """Queue the NaN/Inf check of every gradient (one multi-tensor max-norm per device and dtype, NaN/Inf
+        propagate); nothing waits for it yet, so the host can plan the step meanwhile."""
         items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
                  if p.grad is not None]
-        if not items:
-            return
         by_dev: dict = {}
         for i, (_, _, p) in enumerate(items):
             by_dev.setdefault((p.grad.device, p.grad.dtype), []).append(i)
-        flags = torch.ones(len(items), dtype=torch.bool)
-        for idx in by_dev.values():  # one multi-tensor max-norm (NaN/Inf propagate) + one blocking copy
+        pending = []
+        for idx in by_dev.values():
             norms = torch._foreach_norm([items[i][2].grad for i in idx], float("inf"))
-            flags[idx] = torch.isfinite(torch.stack(norms)).cpu()
-        if bool(flags.all()):
-            return
-        gi, pi, p = items[int((~flags).nonzero()[0])]
-        raise ValueError(f"non-finite gradient (NaN/Inf) in {self._param_name(gi, pi, p)}: step refused, "
-                         "no parameter was updated")
+            pending.append((idx, torch.isfinite(torch.stack(norms))))
+        return items, pending
+
+    def _finite_check_finish(self, checked):
+        """Wait for the check (one blocking copy per device and dtype); refuse the step on a bad gradient."""
+        items, pending = checked
+        for idx, ok in pending:
+            ok = ok.cpu()
+            if not bool(ok.all()):
+                gi, pi, p = items[idx[int((~ok).nonzero()[0])]]
+                raise ValueError(f"non-finite gradient (NaN/Inf) in {self._param_name(gi, pi, p)}: step refused, "
+                                 "no parameter was updated")
+
+    def _check_grads(self):
+        self._finite_check_finish(self._finite_check_launch())
 
     # ---- checkpointing -----------------------------------------------------------------------------
     def state_dict(self):
@@ -191,41 +200,75 @@ class ECOAdamW(_ECOBase):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.check_finite:
-            self._check_grads()
-        st = self._store
+        checked = self._finite_check_launch() if self.check_finite else None
+        # Plan while the GPU runs the check; nothing is modified before the check has passed. Fused QParams of
+        # the same hyper-parameters and step count share one multi-tensor launch (per block width and dtypes).
+        fused: dict = {}
+        plain = []
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    st.init(state, "exp_avg", p, True)
-                    st.init(state, "exp_avg_sq", p, False)
-                    if isinstance(p, QParam) and self.rule == "exact":
-                        state["residual"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                state["step"] += 1
-                step = int(state["step"].item())
-                if self._use_fused(p):
-                    from hfq_kernels.eco import eco_adamw_fp8_step
-                    seed = 0
-                    if self.rounding == "sr":
-                        seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=self._generator("cpu")))
-                    eco_adamw_fp8_step(p.codes, p.scales, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=lr,
-                                       beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step,
-                                       rounding=self.rounding, seed=seed)
+                if not self._use_fused(p):
+                    plain.append((group, p))
                     continue
-                m = st.load(state, "exp_avg", p.shape, True)
-                v = st.load(state, "exp_avg_sq", p.shape, False)
-                g = self._grad32(p)
-                if isinstance(p, QParam):
-                    Fn.eco_adamw_(p.dequantize(torch.float32), m, v, g, step=step, lr=lr, beta1=b1, beta2=b2,
-                                  eps=eps, weight_decay=wd, requant=self._requant(p), rule=self.rule,
-                                  residual=state.get("residual"))
-                else:
-                    Fn.adamw_(p, m, v, g, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
-                st.store(state, "exp_avg", m, True)
-                st.store(state, "exp_avg_sq", v, False)
+                state = self.state.get(p)
+                step = int(state["step"]) + 1 if state else 1
+                fused.setdefault((lr, b1, b2, eps, wd, step), []).append((p, state))
+        plans = []
+        if fused:
+            from hfq_kernels.eco import eco_adamw_fp8_prepare
+            for key, ps in fused.items():
+                ready = all(state for _, state in ps)
+                plans.append((key, ps, self._fused_plan(ps, eco_adamw_fp8_prepare) if ready else None))
+        if checked is not None:
+            self._finite_check_finish(checked)
+        if plans:
+            from hfq_kernels.eco import eco_adamw_fp8_launch, eco_adamw_fp8_prepare
+            for (lr, b1, b2, eps, wd, step), ps, plan in plans:
+                if plan is None:  # first step of some of them: make their states, then plan
+                    for p, state in ps:
+                        if not state:
+                            self._init_state(p, self.state[p])
+                    ps = [(p, self.state[p]) for p, _ in ps]
+                    plan = self._fused_plan(ps, eco_adamw_fp8_prepare)
+                seed = 0
+                if self.rounding == "sr":
+                    seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=self._generator("cpu")))
+                eco_adamw_fp8_launch(plan, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step,
+                                     rounding=self.rounding, seed=seed)
+                for p, state in ps:  # the GPU is busy meanwhile
+                    state["step"] += 1
+        st = self._store
+        for group, p in plain:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state)
+            state["step"] += 1
+            step = int(state["step"].item())
+            m = st.load(state, "exp_avg", p.shape, True)
+            v = st.load(state, "exp_avg_sq", p.shape, False)
+            g = self._grad32(p)
+            if isinstance(p, QParam):
+                Fn.eco_adamw_(p.dequantize(torch.float32), m, v, g, step=step, lr=lr, beta1=b1, beta2=b2,
+                              eps=eps, weight_decay=wd, requant=self._requant(p), rule=self.rule,
+                              residual=state.get("residual"))
+            else:
+                Fn.adamw_(p, m, v, g, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+            st.store(state, "exp_avg", m, True)
+            st.store(state, "exp_avg_sq", v, False)
         return loss
+
+    def _init_state(self, p, state):
+        state["step"] = torch.tensor(0.0)
+        self._store.init(state, "exp_avg", p, True)
+        self._store.init(state, "exp_avg_sq", p, False)
+        if isinstance(p, QParam) and self.rule == "exact":
+            state["residual"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+    @staticmethod
+    def _fused_plan(ps, prepare):
+        return prepare([p.codes for p, _ in ps], [p.scales for p, _ in ps], [p.grad for p, _ in ps],
+                       [state["exp_avg"] for _, state in ps], [state["exp_avg_sq"] for _, state in ps])

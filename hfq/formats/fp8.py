@@ -51,7 +51,8 @@ def round_e4m3(x: torch.Tensor, rounding: str = "rtn", generator: torch.Generato
 def fp8_row_scales(w: torch.Tensor) -> torch.Tensor:
     """float32 [rows, 1]: amax(row)/448; an all-zero row gets scale 1 (its codes are all 0)."""
     amax = w.float().abs().amax(dim=-1, keepdim=True)
-    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # tensor / tensor: an IEEE division on every device (CUDA turns `/ python_scalar` into a reciprocal multiply)
+    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
 
 
 def quantize_fp8_row(w: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None):
