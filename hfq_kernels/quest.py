@@ -6,18 +6,20 @@ Ops (CPU = torch reference below, CUDA = Triton):
       mask bit is 1 where the gradient is trusted; element 8j+i is bit i of byte j.
   hfq::quest_masked_ht(g[R, K], mask, block) -> HT(g * mask)  (the inverse HT equals the HT).
 
-Forward kernel (HT on, K <= MAX_ROW_TILE_K): one program holds BM whole rows in registers as one
-[BM * NB, B] tile (tile row = one B-wide block of one row, NB = next power of two of K/B, pad blocks
-masked off); it sums x^2 per row (the block-orthogonal HT keeps row norms, so RMS(HT(x)) = RMS(x)),
-transforms every block with one tensor-core dot, rounds, writes xq and one byte per 8 mask bits.
-Bytes moved: 1 read + 1 write of x, plus K/8 mask bytes. Wider rows and the no-HT ablation use the
-two-pass kernel (pass 2 re-reads the row, usually from L2).
+Forward kernels. The block-orthogonal HT keeps row norms, so RMS(HT(x)) = RMS(x): the scale needs
+no transform. Two-pass kernel, one program per BM = 16 rows: pass 1 sums x^2 over the row; pass 2
+reloads the row (usually from L2), transforms each B-wide block with one tensor-core dot, rounds,
+writes xq and one byte per 8 mask bits. Whole-row kernel (HT on): one program holds BM whole rows in
+registers as one [BM * NB, B] tile (tile row = one B-wide block of one row, NB = next power of two
+of K/B, pad blocks masked off), so x is read once. The two-pass kernel has only R/16 programs, each
+walking its rows serially: it is used where it still fills the GPU (activations, R = tokens), the
+whole-row kernel where it would not (weights, R = out_features).
 hfq::quest_quantize takes an optional out_dtype for xq (default x.dtype): the weight path quantizes
 the bf16 master weight directly (products with +-1 are exact, sums in fp32, as for an fp32 copy) and
 asks for the matmul dtype (training) or fp32 (code export).
 
-Masked inverse HT: one [BM, B] tile per program; the mask bit of element (r, c) is read as byte c // 8
-of row r (a broadcast load) and shifted by c % 8.
+Masked inverse HT: one [BM, B] tile per program; MASKED_MODE picks how the mask bytes are expanded
+to one bit per element (see the kernel).
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ def _e2m1_level(t):
 def _quest_quantize_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K: tl.constexpr, KB, unit_rms, inv_sqrt_b,
                            outer_trust, eps,
                            NLEV: tl.constexpr, FP4: tl.constexpr, HT: tl.constexpr, B: tl.constexpr,
-                           BM: tl.constexpr, IEEE: tl.constexpr):
+                           BM: tl.constexpr, IEEE: tl.constexpr, PACK_U8: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BM + tl.arange(0, BM)
     rmask = rows < R
@@ -142,7 +144,10 @@ def _quest_quantize_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K: tl.constexpr
         err = tl.abs(level - t)
         keep = (err <= tl.where(tl.abs(t) <= lim, 1.0, outer_trust)) & cmask
         tl.store(xq_ptr + base + cols[None, :], xq.to(xq_ptr.dtype.element_ty), mask=m)
-        kb = tl.reshape(keep.to(tl.int32), (BM, B // 8, 8))
+        if PACK_U8:  # regroup the bits as bytes, then widen (a 4x smaller layout change)
+            kb = tl.reshape(keep.to(tl.uint8), (BM, B // 8, 8)).to(tl.int32)
+        else:
+            kb = tl.reshape(keep.to(tl.int32), (BM, B // 8, 8))
         byte = tl.sum(kb * w8[None, None, :], axis=2).to(tl.uint8)
         bcols = k0 // 8 + bcol
         tl.store(mask_ptr + rows.to(tl.int64)[:, None] * KB + bcols[None, :], byte,
@@ -153,7 +158,7 @@ def _quest_quantize_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K: tl.constexpr
 def _quest_quantize_rows_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K, KB, unit_rms, inv_sqrt_b,
                                 outer_trust, eps,
                                 NLEV: tl.constexpr, FP4: tl.constexpr, B: tl.constexpr, NB: tl.constexpr,
-                                BM: tl.constexpr, IEEE: tl.constexpr, PACK_DOT: tl.constexpr):
+                                BM: tl.constexpr, IEEE: tl.constexpr, PACK_U8: tl.constexpr):
     """HT on, whole rows in registers: tile row t is block t % NB of row pid * BM + t // NB."""
     pid = tl.program_id(0)
     t = tl.arange(0, BM * NB)
@@ -186,19 +191,12 @@ def _quest_quantize_rows_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K, KB, uni
     xq = level * unit[:, None]
     tl.store(xq_ptr + offs, xq.to(xq_ptr.dtype.element_ty), mask=m)
     keep = tl.abs(level - tq) <= tl.where(tl.abs(tq) <= lim, 1.0, outer_trust)
-    if PACK_DOT:  # bytes = keep @ P, P[c, b] = 2^(c % 8) if c // 8 == b (exact: sums of distinct powers <= 255)
-        c = tl.arange(0, B)
-        pb = tl.arange(0, B // 8)
-        pw = tl.where((c // 8)[:, None] == pb[None, :], (1 << (c % 8))[:, None], 0).to(tl.float32)
-        if IEEE:
-            byte = tl.dot(keep.to(tl.float32), pw, input_precision="ieee")
-        else:
-            byte = tl.dot(keep.to(tl.bfloat16), pw.to(tl.bfloat16))
-        byte = byte.to(tl.int32).to(tl.uint8)
+    w8 = (1 << tl.arange(0, 8)).to(tl.int32)
+    if PACK_U8:
+        kb = tl.reshape(keep.to(tl.uint8), (BM * NB, B // 8, 8)).to(tl.int32)
     else:
-        w8 = (1 << tl.arange(0, 8)).to(tl.int32)
         kb = tl.reshape(keep.to(tl.int32), (BM * NB, B // 8, 8))
-        byte = tl.sum(kb * w8[None, None, :], axis=2).to(tl.uint8)
+    byte = tl.sum(kb * w8[None, None, :], axis=2).to(tl.uint8)
     bcols = (j * (B // 8))[:, None] + tl.arange(0, B // 8)[None, :]
     tl.store(mask_ptr + r.to(tl.int64)[:, None] * KB + bcols, byte,
              mask=tval[:, None] & (bcols < KB))
@@ -207,7 +205,9 @@ def _quest_quantize_rows_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K, KB, uni
 @triton.jit
 def _quest_masked_ht_kernel(g_ptr, mask_ptr, out_ptr, R, K, KB, inv_sqrt_b,
                             HAS_MASK: tl.constexpr, HT: tl.constexpr, B: tl.constexpr,
-                            BM: tl.constexpr, IEEE: tl.constexpr, GATHER: tl.constexpr):
+                            BM: tl.constexpr, IEEE: tl.constexpr, MODE: tl.constexpr):
+    """MODE 0: byte tile expanded by reshape; 1: per-element byte load; 2: g loaded as [BM, B/8, 8] so
+    the byte tile broadcasts over the last dim without a layout change."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -215,19 +215,33 @@ def _quest_masked_ht_kernel(g_ptr, mask_ptr, out_ptr, R, K, KB, inv_sqrt_b,
     rmask = rows < R
     m = rmask[:, None] & (cols < K)[None, :]
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    g = tl.load(g_ptr + offs, mask=m, other=0.0)
-    if HAS_MASK:
-        if GATHER:  # byte c // 8 of the row, loaded per element (8 lanes share a byte), bit c % 8
-            byte = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * KB + (cols // 8)[None, :], mask=m,
-                           other=0).to(tl.int32)
-            keep = (byte >> (cols % 8)[None, :]) & 1
-        else:
-            bcols = pid_k * (B // 8) + tl.arange(0, B // 8)
+    if MODE == 2:
+        c8 = tl.arange(0, B // 8)
+        i8 = tl.arange(0, 8)
+        cols3 = pid_k * B + c8[None, :, None] * 8 + i8[None, None, :]
+        m3 = rmask[:, None, None] & (cols3 < K)
+        g3 = tl.load(g_ptr + rows.to(tl.int64)[:, None, None] * K + cols3, mask=m3, other=0.0)
+        if HAS_MASK:
+            bcols = pid_k * (B // 8) + c8
             byte = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * KB + bcols[None, :],
                            mask=rmask[:, None] & (bcols < KB)[None, :], other=0).to(tl.int32)
-            bit = (byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
-            keep = tl.reshape(bit, (BM, B))
-        g = tl.where(keep != 0, g, 0.0).to(g.dtype)
+            keep3 = (byte[:, :, None] >> i8[None, None, :]) & 1
+            g3 = tl.where(keep3 != 0, g3, 0.0).to(g3.dtype)
+        g = tl.reshape(g3, (BM, B))
+    else:
+        g = tl.load(g_ptr + offs, mask=m, other=0.0)
+        if HAS_MASK:
+            if MODE == 1:  # byte c // 8 of the row, loaded per element (8 lanes share a byte), bit c % 8
+                byte = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * KB + (cols // 8)[None, :], mask=m,
+                               other=0).to(tl.int32)
+                keep = (byte >> (cols % 8)[None, :]) & 1
+            else:
+                bcols = pid_k * (B // 8) + tl.arange(0, B // 8)
+                byte = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * KB + bcols[None, :],
+                               mask=rmask[:, None] & (bcols < KB)[None, :], other=0).to(tl.int32)
+                bit = (byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+                keep = tl.reshape(bit, (BM, B))
+            g = tl.where(keep != 0, g, 0.0).to(g.dtype)
     if HT:
         if IEEE:
             out = tl.dot(g.to(tl.float32), hadamard_tile(B, tl.float32), input_precision="ieee")
@@ -255,13 +269,26 @@ def triton_supported(x: torch.Tensor, block: int) -> bool:
     return MIN_TRITON_BLOCK <= b <= MAX_TRITON_BLOCK
 
 
-# launch settings (module attributes so a benchmark can compare variants)
-ROW_TILE_ELEMS = 16384  # elements of the register tile [BM * NB, B] of the whole-row kernel
-ROW_KERNEL = True       # False: always the two-pass kernel
-PACK_DOT = False        # pack the mask bits with a tensor-core dot instead of a reshape + sum
-ROW_WARPS = 8
-MASKED_GATHER = True    # masked HT: per-element byte load instead of a byte tile + reshape
-MASKED_BM = 64          # masked HT rows per tile (16-bit inputs, B <= 128)
+# launch settings (module attributes so that a benchmark can compare variants; the plans cache keys on them)
+ROW_KERNEL = True        # whole-row kernel where the two-pass kernel would have too few programs
+TWO_PASS_MIN_WAVES = 3   # two-pass kernel when it has >= this many programs per SM (activations)
+ROW_TILE_ELEMS = 8192    # elements of the whole-row kernel's register tile [BM * NB, B]
+ROW_WARPS = 4
+PACK_U8 = False          # mask packing: regroup the keep bits as uint8 (not int32) before the reshape
+MASKED_MODE = 1          # masked HT mask expansion: 0 byte tile + reshape, 1 per-element load, 2 3-D tile
+MASKED_BM = 64           # masked HT rows per tile (16-bit inputs, B <= 128)
+
+_PLANS: dict = {}
+_SMS: dict = {}
+
+
+def _sm_count(x: torch.Tensor) -> int:
+    if not x.is_cuda:
+        return 132
+    n = _SMS.get(x.device.index)
+    if n is None:
+        n = _SMS[x.device.index] = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return n
 
 
 def _row_tile(K: int, B: int) -> tuple[int, int] | None:
@@ -273,33 +300,46 @@ def _row_tile(K: int, B: int) -> tuple[int, int] | None:
     return tile_rows // nb, nb
 
 
+def _quant_plan(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block: int):
+    """(kernel, grid, scalar args, meta) for quest_quantize on x, cached per shape and settings."""
+    R, K = x.shape
+    key = (R, K, x.dtype, x.device.type, x.device.index, bits, fp4, trust_scale, block, ROW_KERNEL,
+           TWO_PASS_MIN_WAVES, ROW_TILE_ELEMS, ROW_WARPS, PACK_U8)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    gaussian.check_bits_grid(bits, _grid_name(fp4))
+    B, ht = _tile(block, K)
+    scalars = (R, K, (K + 7) // 8, gaussian.unit_rms(bits, _grid_name(fp4)), B ** -0.5, float(trust_scale), EPS)
+    rt = _row_tile(K, B) if (ht and ROW_KERNEL) else None
+    if rt is not None and triton.cdiv(R, 16) < TWO_PASS_MIN_WAVES * _sm_count(x):
+        bm, nb = rt
+        plan = (_quest_quantize_rows_kernel, (triton.cdiv(R, bm),), scalars,
+                dict(NLEV=2**bits, FP4=fp4, B=B, NB=nb, BM=bm, IEEE=use_ieee(x), PACK_U8=PACK_U8,
+                     num_warps=ROW_WARPS))
+    else:
+        bm = 16 if B <= 128 else 8
+        plan = (_quest_quantize_kernel, (triton.cdiv(R, bm),), scalars,
+                dict(NLEV=2**bits, FP4=fp4, HT=ht, B=B, BM=bm, IEEE=use_ieee(x), PACK_U8=PACK_U8, num_warps=4))
+    _PLANS[key] = plan
+    return plan
+
+
 def quest_quantize_triton(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block: int,
                           out_dtype: torch.dtype | None = None):
     """Host launcher of the fused forward (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
-    gaussian.check_bits_grid(bits, _grid_name(fp4))
     if x.dim() != 2:
         raise ValueError(f"quest_quantize: x must be 2-D [rows, K], got shape {tuple(x.shape)}")
     if not triton_supported(x, block):
+        gaussian.check_bits_grid(bits, _grid_name(fp4))
         return quest_quantize_ref(x, bits, fp4, trust_scale, block, out_dtype)
     x = x.contiguous()
-    R, K = x.shape
-    B, ht = _tile(block, K)
-    KB = (K + 7) // 8
-    xq = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    kernel, grid, scalars, meta = _quant_plan(x, bits, fp4, trust_scale, block)
+    R, K, KB = scalars[0], scalars[1], scalars[2]
+    xq = torch.empty((R, K), dtype=out_dtype or x.dtype, device=x.device)
     mask = torch.empty((R, KB), dtype=torch.uint8, device=x.device)
     unit = torch.empty((R,), dtype=torch.float32, device=x.device)
-    args = (x, xq, mask, unit, R, K, KB, gaussian.unit_rms(bits, _grid_name(fp4)), B ** -0.5,
-            float(trust_scale), EPS)
-    rt = _row_tile(K, B) if (ht and ROW_KERNEL) else None
-    if rt is not None:
-        bm, nb = rt
-        _quest_quantize_rows_kernel[(triton.cdiv(R, bm),)](
-            *args, NLEV=2**bits, FP4=fp4, B=B, NB=nb, BM=bm, IEEE=use_ieee(x),
-            PACK_DOT=PACK_DOT and B >= 128, num_warps=ROW_WARPS)
-    else:
-        bm = 16 if B <= 128 else 8
-        _quest_quantize_kernel[(triton.cdiv(R, bm),)](
-            *args, NLEV=2**bits, FP4=fp4, HT=ht, B=B, BM=bm, IEEE=use_ieee(x), num_warps=4)
+    kernel[grid](x, xq, mask, unit, *scalars, **meta)
     return xq, mask, unit
 
 
@@ -311,14 +351,17 @@ def quest_masked_ht_triton(g: torch.Tensor, mask: torch.Tensor | None, block: in
         return quest_masked_ht_ref(g, mask, block)
     g = g.contiguous()
     R, K = g.shape
-    B, ht = _tile(block, K)
+    key = ("mht", R, K, g.dtype, block, mask is not None, g.is_cuda, MASKED_MODE, MASKED_BM)
+    plan = _PLANS.get(key)
+    if plan is None:
+        B, ht = _tile(block, K)
+        bm = MASKED_BM if (B <= 128 and g.dtype != torch.float32) else 16
+        plan = _PLANS[key] = ((triton.cdiv(R, bm), triton.cdiv(K, B)), (R, K, (K + 7) // 8, B ** -0.5),
+                              dict(HAS_MASK=mask is not None, HT=ht, B=B, BM=bm, IEEE=use_ieee(g),
+                                   MODE=MASKED_MODE if ht else 0, num_warps=4))
+    grid, scalars, meta = plan
     out = torch.empty_like(g)
-    bm = MASKED_BM if (B <= 128 and g.dtype != torch.float32) else 16
-    grid = (triton.cdiv(R, bm), triton.cdiv(K, B))
-    _quest_masked_ht_kernel[grid](
-        g, mask if mask is not None else g, out, R, K, (K + 7) // 8, B ** -0.5,
-        HAS_MASK=mask is not None, HT=ht, B=B, BM=bm, IEEE=use_ieee(g), GATHER=MASKED_GATHER,
-        num_warps=4)
+    _quest_masked_ht_kernel[grid](g, mask if mask is not None else g, out, *scalars, **meta)
     return out
 
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hfq_kernels.hadamard  # noqa: F401  registers hfq::hadamard
-import hfq_kernels.quest  # noqa: F401  registers hfq::quest_quantize / hfq::quest_masked_ht
+import hfq_kernels.quest as _qk  # registers hfq::quest_quantize / hfq::quest_masked_ht
 from hfq.formats import gaussian
 from hfq.formats.fp4 import check_finite
 from hfq.formats.hadamard import effective_block
@@ -66,17 +66,35 @@ class _Spec:
         self.trust = cfg.estimator == "trust"
 
 
+# Eager CUDA calls go straight to the Triton launchers (the torch.library dispatch of a Python custom op
+# costs tens of microseconds, and a step makes ~4 such calls per linear layer); under torch.compile, and
+# on CPU, the registered ops are called.
+EAGER_DIRECT = True
+
+
+def _quantize(x, bits, fp4, s, block, out_dtype=None):
+    if EAGER_DIRECT and x.is_cuda and not torch.compiler.is_compiling():
+        return _qk.quest_quantize_triton(x, bits, fp4, s, block, out_dtype)
+    return torch.ops.hfq.quest_quantize(x, bits, fp4, s, block, out_dtype)
+
+
+def _masked_ht(g, mask, block):
+    if EAGER_DIRECT and g.is_cuda and not torch.compiler.is_compiling():
+        return _qk.quest_masked_ht_triton(g, mask, block)
+    return torch.ops.hfq.quest_masked_ht(g, mask, block)
+
+
 def quantize_weight_h(w: torch.Tensor, spec: _Spec, out_dtype: torch.dtype = torch.float32):
     """QuEST projection of the weight in the Hadamard domain: (w_h^ in out_dtype, mask, unit fp32).
     The master weight is read in its own dtype (a bf16 weight times +-1 is exact; the HT sums and the
     projection run in fp32 either way), so training (out_dtype = matmul dtype) and code export (fp32)
     see the same levels."""
-    return torch.ops.hfq.quest_quantize(w.detach(), spec.wbits, spec.fp4, spec.s_w, spec.block, out_dtype)
+    return _quantize(w.detach(), spec.wbits, spec.fp4, spec.s_w, spec.block, out_dtype)
 
 
 def quantize_input(x2: torch.Tensor, spec: _Spec):
     """(x_h^, mask) of a 2-D activation."""
-    xq, mx, _ = torch.ops.hfq.quest_quantize(x2.detach(), spec.abits, spec.fp4, spec.s_a, spec.block)
+    xq, mx, _ = _quantize(x2.detach(), spec.abits, spec.fp4, spec.s_a, spec.block)
     return xq, mx
 
 
@@ -123,9 +141,9 @@ class QuESTMatmul(torch.autograd.Function):
         spec = ctx.spec
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.hfq.quest_masked_ht((dy @ wq).contiguous(), mx, spec.block)
+            dx = _masked_ht((dy @ wq).contiguous(), mx, spec.block)
         if ctx.needs_input_grad[3]:
-            dw = torch.ops.hfq.quest_masked_ht((dy.t() @ xq).contiguous(), mw, spec.block).to(ctx.w_dtype)
+            dw = _masked_ht((dy.t() @ xq).contiguous(), mw, spec.block).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[4]:
             db = dy.sum(0)
         return dx, None, None, dw, db, None
