@@ -15,6 +15,7 @@ _LAZY = {
     "NVFP4Linear": "hfq.nvfp4",
     "QuESTConfig": "hfq.quest",
     "QFTConfig": "hfq.qft",
+    "QLion": "hfq.qft",
     "ECOSGD": "hfq.eco",
     "ECOAdamW": "hfq.eco",
     "QeRLConfig": "hfq.qerl",

@@ -7,6 +7,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..formats.fp8 import ROUNDINGS
 from ..qparam import FORMATS, check_format
+from .linear import check_gradient_bits
 
 QUANT_METHOD = "hfq_qft"
 
@@ -19,14 +20,18 @@ class QFTConfig(QuantizationConfigMixin):
         "int4_tensor" or "int4_group" (ECO fine-tuning).
     group_size: int4_group's group (input elements per scale). outlier_fraction: int8_dense_sparse's tails.
     rounding: rounding of the initial quantization ("rtn" | "sr").
+    gradient_bits: None (default: weight gradients are ordinary bf16 `.grad`, for any optimizer) or 8 (QFT's INT8
+        gradients: each quantized linear stores dL/dW as INT8 codes + per-row scale/zero point instead of a `.grad`;
+        only hfq.qft.QLion reads that store; single process only; Trainer's max_grad_norm does not see it).
     modules_to_not_convert: module names (or name suffixes) kept in high precision.
-    Train with hfq.eco.ECOAdamW / ECOSGD (or QFT's Lion): plain torch optimizers are refused.
+    Train with hfq.qft.QLion (QFT) or hfq.eco.ECOAdamW / ECOSGD: plain torch optimizers are refused.
     """
 
     weight_format: str = "int8_dense_sparse"
     group_size: int = 128
     outlier_fraction: float = 0.01
     rounding: str = "rtn"
+    gradient_bits: int | None = None
     modules_to_not_convert: list[str] | None = field(default_factory=lambda: ["lm_head", "embed_tokens"])
     quant_method: str = QUANT_METHOD
 
@@ -38,6 +43,7 @@ class QFTConfig(QuantizationConfigMixin):
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding: unknown {self.rounding!r}; allowed {ROUNDINGS}")
         check_format(self.weight_format, None, self.format_options)
+        check_gradient_bits(self.gradient_bits)
         if self.modules_to_not_convert is not None:
             if isinstance(self.modules_to_not_convert, str) or not all(
                     isinstance(m, str) for m in self.modules_to_not_convert):

@@ -1,10 +1,89 @@
 """Module surgery: swap a model's decoder nn.Linear layers for QLinear (quantized now, or placeholders that a
-pre-quantized checkpoint fills)."""
+pre-quantized checkpoint fills); with `QFTConfig(gradient_bits=8)` for QFTLinear, whose weight gradient is stored
+as INT8 (QFT Algorithm 1) instead of a bf16 `.grad`."""
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..qparam import QLinear
+from ..qparam import QLinear, QParam
+from .int8 import accumulate_int8_grad_
+
+GRADIENT_BITS = (None, 8)
+
+
+class _QFTLinearFn(torch.autograd.Function):
+    """y = x W^T + b with W dequantized on the fly; backward quantizes dL/dW to INT8 into W's gradient store.
+
+    The float dL/dW exists only inside this backward (one layer at a time); autograd gets None for W, so no
+    full-size `.grad` is ever kept. Distributed all-reduce of the INT8 store is not implemented (refused)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, name):
+        ctx.w, ctx.name = w, name
+        ctx.has_b = b is not None
+        ctx.save_for_backward(x)
+        return F.linear(x, w.dequantize(x.dtype), b)
+
+    @staticmethod
+    def backward(ctx, gy):
+        (x,) = ctx.saved_tensors
+        w = ctx.w
+        gx = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = gy @ w.dequantize(gy.dtype)
+        if ctx.needs_input_grad[1]:
+            _refuse_distributed()
+            gw = gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(gy.dtype)
+            accumulate_int8_grad_(w, gw, ctx.name)
+            del gw
+        if ctx.has_b and ctx.needs_input_grad[2]:
+            gb = gy.reshape(-1, gy.shape[-1]).sum(0)
+        return gx, None, gb, None
+
+
+def _refuse_distributed():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise NotImplementedError("QFTConfig(gradient_bits=8): the INT8 gradient store is not all-reduced across "
+                                  "processes; use gradient_bits=None (bf16 .grad) for distributed training")
+
+
+class QFTLinear(QLinear):
+    """QLinear whose weight gradient goes to an INT8 store (read by hfq.qft.QLion) when gradient_bits == 8.
+
+    Same state_dict as QLinear (codes + scales); `qft_name` (the module path) names the weight in errors."""
+
+    def __init__(self, *args, gradient_bits: int | None = 8, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gradient_bits = check_gradient_bits(gradient_bits)
+        self.qft_name = None
+
+    @classmethod
+    def from_linear(cls, linear, weight_format="int8_dense_sparse", rounding="rtn", generator=None,
+                    gradient_bits: int | None = 8, **meta) -> "QFTLinear":
+        out = super().from_linear(linear, weight_format, rounding, generator, **meta)
+        out.gradient_bits = check_gradient_bits(gradient_bits)
+        out.qft_name = None
+        return out
+
+    def forward(self, x):
+        if self.gradient_bits == 8 and isinstance(self.weight, QParam) and torch.is_grad_enabled():
+            name = self.qft_name + ".weight" if self.qft_name else None
+            return _QFTLinearFn.apply(x, self.weight, self.bias, name)
+        return super().forward(x)
+
+    def extra_repr(self):
+        return super().extra_repr() + f", gradient_bits={self.gradient_bits}"
+
+
+def check_gradient_bits(bits):
+    """None (bf16 .grad, as autograd makes it) or 8 (INT8 store); anything else is a ValueError."""
+    if bits is not None and (isinstance(bits, bool) or bits not in (8,)):
+        raise ValueError(f"gradient_bits: expected one of {GRADIENT_BITS}, got {bits!r}")
+    return bits
 
 
 def is_skipped(name: str, skip) -> bool:
@@ -15,15 +94,20 @@ def is_skipped(name: str, skip) -> bool:
 def convert_linears_(model: nn.Module, config, placeholder: bool = False, generator=None) -> list[str]:
     """Replace eligible nn.Linear modules in place; returns the converted names."""
     done = []
+    bits = getattr(config, "gradient_bits", None)
+    cls, extra = (QLinear, {}) if bits is None else (QFTLinear, {"gradient_bits": bits})
     for name, mod in list(model.named_modules()):
         if type(mod) is not nn.Linear or is_skipped(name, config.modules_to_not_convert):
             continue
         if placeholder:
-            new = QLinear(mod.in_features, mod.out_features, mod.bias is not None, config.weight_format,
-                          device=mod.weight.device, dtype=mod.weight.dtype, placeholder=True,
-                          **config.format_options)
+            new = cls(mod.in_features, mod.out_features, mod.bias is not None, config.weight_format,
+                      device=mod.weight.device, dtype=mod.weight.dtype, placeholder=True,
+                      **extra, **config.format_options)
         else:
-            new = QLinear.from_linear(mod, config.weight_format, config.rounding, generator, **config.format_options)
+            new = cls.from_linear(mod, config.weight_format, config.rounding, generator, **extra,
+                                  **config.format_options)
+        if cls is QFTLinear:
+            new.qft_name = name
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         done.append(name)
