@@ -166,6 +166,7 @@ def write(rows, notes, out_dir):
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except Exception:  # noqa: BLE001
         commit = "unknown"
+    commit = os.environ.get("HFQ_COMMIT") or commit
     res = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(), commit=commit or "unknown",
                rows=rows, notes=notes)
     with open(os.path.join(out_dir, "qerl_step.json"), "w") as f:

@@ -1,0 +1,26 @@
+#!/bin/bash
+# One device call: GPU correctness of the kernel test files, then the benchmarks given as arguments
+# (eco, quest, decfix, qerl, qerl_profile), each under its own time limit. Results land in $OUT.
+# Usage (device tool): HFQ_COMMIT=<sha> bash benchmarks/gpu_session.sh tests eco quest
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python -m pip install -q --no-deps .whl/*.whl > "$OUT/pip.log" 2>&1
+[ -d .whl_bnb ] && python -m pip install -q --no-deps .whl_bnb/*.whl >> "$OUT/pip.log" 2>&1
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
+for part in "$@"; do
+  start=$(date +%s)
+  case $part in
+    tests) timeout 300 python -m pytest -q -p no:cacheprovider tests/test_kernels_nvfp4.py tests/test_eco_kernel.py \
+             tests/test_quest.py tests/test_eco.py tests/test_qparam.py tests/test_qft_lion.py tests/test_nvfp4_model.py \
+             > "$OUT/tests.txt" 2>&1 ;;
+    decfix) timeout 120 python benchmarks/dec_fix_timing.py "$OUT/decfix" > "$OUT/decfix.txt" 2>&1 ;;
+    eco) timeout 150 python benchmarks/eco.py --out "$OUT" > "$OUT/eco.txt" 2>&1 ;;
+    quest) timeout 150 python benchmarks/quest_step.py --out "$OUT" > "$OUT/quest.txt" 2>&1 ;;
+    qerl) timeout 420 python benchmarks/qerl_step.py --methods qerl,bf16_lora --out "$OUT" > "$OUT/qerl.txt" 2>&1 ;;
+    qerl_profile) timeout 240 python benchmarks/qerl_update_profile.py --out "$OUT" > "$OUT/qerl_profile.txt" 2>&1 ;;
+    *) echo "unknown part $part" ;;
+  esac
+  echo "$part rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/parts.txt"
+done
+tail -3 "$OUT/tests.txt" 2>/dev/null
