@@ -5,6 +5,7 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python -m pip install -q --no-deps .whl/*.whl > "$OUT/pip.log" 2>&1
 [ -d .whl_bnb ] && python -m pip install -q --no-deps .whl_bnb/*.whl >> "$OUT/pip.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
@@ -14,6 +15,7 @@ for part in "$@"; do
     tests) timeout 300 python -m pytest -q -p no:cacheprovider tests/test_kernels_nvfp4.py tests/test_eco_kernel.py \
              tests/test_quest.py tests/test_eco.py tests/test_qparam.py tests/test_qft_lion.py tests/test_nvfp4_model.py \
              > "$OUT/tests.txt" 2>&1 ;;
+    ecotest) timeout 120 python -m pytest -q -p no:cacheprovider tests/test_eco_kernel.py tests/test_eco.py > "$OUT/ecotest.txt" 2>&1 ;;
     decfix) timeout 120 python benchmarks/dec_fix_timing.py "$OUT/decfix" > "$OUT/decfix.txt" 2>&1 ;;
     eco) timeout 150 python benchmarks/eco.py --out "$OUT" > "$OUT/eco.txt" 2>&1 ;;
     quest) timeout 150 python benchmarks/quest_step.py --out "$OUT" > "$OUT/quest.txt" 2>&1 ;;

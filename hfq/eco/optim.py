@@ -192,7 +192,12 @@ class ECOAdamW(_ECOBase):
             return False
         if self.fused is None:
             return p.device.type == "cuda" and self.rule == "memory_free" and self._store.bits is None
-        return bool(self.fused)
+        if not self.fused:
+            return False
+        # fused=True: Triton on CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; elsewhere the torch
+        # reference of the same step (CPU tensors on a CUDA machine)
+        from hfq_kernels.eco import HAS_TRITON, INTERPRET
+        return HAS_TRITON and (p.device.type == "cuda" or INTERPRET)
 
     @torch.no_grad()
     def step(self, closure=None):
