@@ -26,3 +26,5 @@ for part in "$@"; do
   echo "$part rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/parts.txt"
 done
 tail -3 "$OUT/tests.txt" 2>/dev/null
+# the device returns at most 8 files: pack everything into one archive
+cd "$OUT" && tar czf /tmp/gpu_session.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_session.tgz .

@@ -21,11 +21,10 @@ on a GPU the reference's own kernels may round a last bit differently (see tests
 Divisions are IEEE (div_rn) where the reference divides (m/denom, tmp/scale, amax/448); the E4M3 grid step is a
 power of two and is applied by multiplication.
 
-SR: one Philox call (counter = column group, row, tensor stream; key = seed) gives four 32-bit words per thread
-and 8 consecutive elements, i.e. each element gets a 16-bit uniform u = (h + 1/2)/2^16. Rounding up when
-u < frac (frac = exact fractional distance to the lower grid point) happens with probability within 2^-17 of
-frac, so E[Q(x)] is unbiased to 2^-17 of a grid step (torch's reference uses 24-bit uniforms: same law up to
-that quantisation). Draws differ from the reference's generator.
+SR: one Philox call per element (counter = column, row, tensor stream; key = seed) gives a 24-bit uniform
+u = (h + 1/2)/2^24. Rounding up when u < frac (frac = exact fractional distance to the lower grid point) happens
+with probability within 2^-25 of frac, so E[Q(x)] is unbiased to that (torch's reference also draws 24-bit
+uniforms). Draws differ from the reference's generator.
 """
 from __future__ import annotations
 
@@ -126,18 +125,15 @@ if HAS_TRITON:
         return x.to(p.dtype.element_ty)
 
     @triton.jit
-    def _uniform16(seed, rows, jg, stream):
-        """[ROWS, W, 8] uniforms in (0, 1) from one Philox call per (row, column group j): 4 words x 2 halves."""
-        c0 = (jg[None, :] + rows[:, None] * 0).to(tl.uint32)
-        c1 = (rows[:, None] + jg[None, :] * 0).to(tl.uint32)
+    def _uniform24(seed, rows, cols, stream):
+        """[ROWS, W, 8] uniforms in (0, 1): one Philox call per element (counter = column, row, tensor stream;
+        key = seed), 24-bit. (Sharing one call among 8 elements and selecting words with tl.where spilled
+        registers on the H100: the SR step took 12x the RTN step.)"""
+        c0 = (cols + rows[:, None, None] * 0).to(tl.uint32)
+        c1 = (rows[:, None, None] + cols * 0).to(tl.uint32)
         c2 = c1 * 0 + stream.to(tl.uint32)
-        r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c2 * 0)
-        kk = tl.arange(0, 8)[None, None, :]
-        sel = kk & 3
-        r = tl.where(sel == 0, r0[:, :, None], tl.where(sel == 1, r1[:, :, None],
-                                                         tl.where(sel == 2, r2[:, :, None], r3[:, :, None])))
-        h = tl.where(kk < 4, r & 0xFFFF, r >> 16)
-        return (h.to(tl.float32) + 0.5) * 0.0000152587890625  # 2^-16
+        r0, _, _, _ = tl.philox(seed, c0, c1, c2, c2 * 0)
+        return ((r0 >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2^-24
 
     @triton.jit
     def _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2):
@@ -190,7 +186,7 @@ if HAS_TRITON:
             s3 = s_new[:, None, None]
             x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
             if SR:
-                u = _uniform16(seed, rows, jj, stream)
+                u = _uniform24(seed, rows, cols0, stream)
             else:
                 u = x
             q = _e4m3_round(x, u, SR)
@@ -227,7 +223,7 @@ if HAS_TRITON:
                                              inv_sqrt_bc2)
                 x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
                 if SR:
-                    u = _uniform16(seed, rows, b * W + jj, stream)
+                    u = _uniform24(seed, rows, cols, stream)
                 else:
                     u = x
                 q = _e4m3_round(x, u, SR)

@@ -78,7 +78,7 @@ def test_multi_tensor_step_matches_reference(monkeypatch):
 
 
 def test_sr_is_unbiased():
-    """Mean of SR results over seeds -> the unrounded target tmp (16-bit uniforms: bias < 2^-17 grid step)."""
+    """Mean of SR results over seeds -> the unrounded target tmp (24-bit uniforms: bias < 2^-25 grid step)."""
     s = _state(8, 128, seed=3)
     tmp = {}
 
