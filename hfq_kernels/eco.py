@@ -145,7 +145,8 @@ if HAS_TRITON:
         tmp = theta * decay - step_size * tl.div_rn(m, denom)
         return tmp, m, v, denom
 
-    @triton.jit
+    # seed changes every SR step: unspecialised, or each new value class (== 1, % 16 == 0) would compile anew
+    @triton.jit(do_not_specialize=["seed"])
     def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2,
                               inj, seed, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
                               SR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, TWO_PASS: tl.constexpr,
