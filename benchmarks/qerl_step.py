@@ -95,8 +95,15 @@ def build(method: str, size: str):
 
 
 def per_token_logps(model, ids, n_new):
-    logits = model(input_ids=ids).logits[:, -n_new - 1:-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, -n_new:, None]).squeeze(-1)
+    """Log-probs of the last n_new tokens, as TRL computes them: logits only for the completion
+    (logits_to_keep) and a row-by-row log-softmax, so no fp32 [batch, seq, vocab] tensor is ever held."""
+    logits = model(input_ids=ids, logits_to_keep=n_new + 1).logits[:, :-1]
+    tgt = ids[:, -n_new:]
+    rows = []
+    for lg, t in zip(logits, tgt):  # [n_new, vocab] at a time
+        lg = lg.float()
+        rows.append(lg.gather(-1, t[:, None]).squeeze(-1) - torch.logsumexp(lg, -1))
+    return torch.stack(rows)
 
 
 def step(method, size, batch, plen, new, warm=True):
@@ -137,8 +144,8 @@ def step(method, size, batch, plen, new, warm=True):
         adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
         t2 = sync_t()
         full = torch.cat([ids, comp.to(ids.device)], 1)
-        with torch.no_grad():
-            old = per_token_logps(model, full, new)
+        with torch.no_grad():  # old-policy log-probs one sequence at a time, as the update's micro-batches
+            old = torch.cat([per_token_logps(model, full[i:i + 1], new) for i in range(batch)])
         t3 = sync_t()
         model.train()
         for i in range(batch):  # one sequence per micro-batch (TRL's per-device batch 1 x grad accumulation)
