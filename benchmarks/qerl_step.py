@@ -114,7 +114,8 @@ def step(method, size, batch, plen, new, warm=True):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build(method, size)
-    log(f"{method} {size}: built, {torch.cuda.memory_allocated() / 2**30:.1f} GB allocated")
+    alloc = {"alloc_built_gb": round(torch.cuda.memory_allocated() / 2**30, 2)}
+    log(f"{method} {size}: built, {alloc['alloc_built_gb']} GB allocated")
     aqn = AdaptiveQuantizationNoise(model, seed=0) if method.startswith("qerl") else None
     sigma = AQNSchedule().stage_sigma(1)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -122,12 +123,22 @@ def step(method, size, batch, plen, new, warm=True):
     V = model.config.vocab_size
     ids = torch.randint(3, V, (batch, plen), generator=torch.Generator().manual_seed(0)).cuda()
     engine.warmup(batch, plen, new, temperature=1.0)
+    torch.cuda.synchronize()
+    alloc["alloc_after_warmup_gb"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     timings = {}
 
     def sync_t():
         torch.cuda.synchronize()
         return time.perf_counter()
 
+    peaks = {}
+
+    def phase_peak(name):  # peak allocated during the phase that just ended, then start the next phase's count
+        torch.cuda.synchronize()
+        peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+        torch.cuda.reset_peak_memory_stats()
+
+    phase_peak("build_and_warmup")
     for it in range(2 if warm else 1):  # the first step warms up kernels/allocator; the second is reported
         model.eval()
         t0 = sync_t()
@@ -137,6 +148,7 @@ def step(method, size, batch, plen, new, warm=True):
         if aqn is not None:
             aqn.restore()
         t1 = sync_t()
+        phase_peak("rollout")
         comp = out.completion_ids
         texts = ["<think>" + " ".join(map(str, r[:8].tolist())) + "</think><answer>1</answer>" for r in comp.cpu()]
         rewards = torch.tensor([a + f for a, f in zip(accuracy_reward(texts, answer=["1"] * batch),
@@ -144,9 +156,10 @@ def step(method, size, batch, plen, new, warm=True):
         adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
         t2 = sync_t()
         full = torch.cat([ids, comp.to(ids.device)], 1)
-        with torch.no_grad():  # old-policy log-probs one sequence at a time, as the update's micro-batches
-            old = torch.cat([per_token_logps(model, full[i:i + 1], new) for i in range(batch)])
+        with torch.no_grad():
+            old = per_token_logps(model, full, new)
         t3 = sync_t()
+        phase_peak("logprob")
         model.train()
         for i in range(batch):  # one sequence per micro-batch (TRL's per-device batch 1 x grad accumulation)
             lp = per_token_logps(model, full[i:i + 1], new)
@@ -156,11 +169,13 @@ def step(method, size, batch, plen, new, warm=True):
         opt.step()
         opt.zero_grad(set_to_none=True)
         t4 = sync_t()
+        phase_peak("update")
         timings = dict(rollout_s=t1 - t0, reward_s=t2 - t1, logprob_s=t3 - t2, update_s=t4 - t3, step_s=t4 - t0)
         log(f"{method} {size} step {it}: " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items()))
     row = dict(method=method, model=f"qwen2.5-{size}-shaped", batch=batch, prompt_len=plen, completion_len=new,
                **{k: round(v, 3) for k, v in timings.items()}, rollout_tok_s=round(batch * new / timings["rollout_s"], 1),
-               peak_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+               peak_gb=round(max(peaks.values()), 2), **alloc,
+               **{f"peak_{k}_gb": round(v, 2) for k, v in peaks.items()})
     del engine, model, opt, aqn
     gc.collect()
     torch.cuda.empty_cache()
@@ -195,6 +210,14 @@ def write(rows, notes, out_dir):
                      f"{r.get('step_s')} | {r.get('rollout_s')} | {r.get('reward_s')} | {r.get('logprob_s')} | "
                      f"{r.get('update_s')} | {r.get('rollout_tok_s')} | {r.get('peak_gb')} | {ratio(b, 'step_s')} | "
                      f"{ratio(b, 'rollout_s')} | {ratio(q, 'step_s')} | {ratio(b, 'peak_gb', inv=True)} |")
+    ph = [k for k in ("built", "after_warmup") if any(f"alloc_{k}_gb" in r for r in rows)]
+    pk = ["build_and_warmup", "rollout", "logprob", "update"]
+    lines += ["", "## Memory by phase (GB; allocated = held at that point, peak = max allocated during the phase)", "",
+              "| method | " + " | ".join(f"allocated {k}" for k in ph) + " | " + " | ".join(f"peak {k}" for k in pk) + " |",
+              "|" + "---|" * (1 + len(ph) + len(pk))]
+    for r in rows:
+        lines.append(f"| {r['method']} | " + " | ".join(str(r.get(f"alloc_{k}_gb", "")) for k in ph) + " | "
+                     + " | ".join(str(r.get(f"peak_{k}_gb", "")) for k in pk) + " |")
     lines += ["", "## Notes"] + [f"- {n}" for n in notes]
     with open(os.path.join(out_dir, "qerl_step.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
