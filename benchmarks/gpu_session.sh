@@ -16,6 +16,8 @@ for part in "$@"; do
              tests/test_quest.py tests/test_eco.py tests/test_qparam.py tests/test_qft_lion.py tests/test_nvfp4_model.py \
              > "$OUT/tests.txt" 2>&1 ;;
     ecotest) timeout 120 python -m pytest -q -p no:cacheprovider tests/test_eco_kernel.py tests/test_eco.py > "$OUT/ecotest.txt" 2>&1 ;;
+    ecosweep) timeout 300 python benchmarks/eco_sweep.py --out "$OUT" > "$OUT/ecosweep.txt" 2>&1 ;;
+    alltests) timeout 480 python -m pytest -q -p no:cacheprovider tests > "$OUT/alltests.txt" 2>&1 ;;
     decfix) timeout 120 python benchmarks/dec_fix_timing.py "$OUT/decfix" > "$OUT/decfix.txt" 2>&1 ;;
     eco) timeout 150 python benchmarks/eco.py --out "$OUT" > "$OUT/eco.txt" 2>&1 ;;
     quest) timeout 150 python benchmarks/quest_step.py --out "$OUT" > "$OUT/quest.txt" 2>&1 ;;

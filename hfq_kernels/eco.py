@@ -51,6 +51,10 @@ MIN_BLOCK = 64
 LAUNCH = {64: (16, 4), 128: (16, 4), 256: (8, 4), 512: (4, 4), 1024: (2, 4), 2048: (1, 4), 4096: (1, 8),
           8192: (1, 16)}
 
+# FMA contraction off keeps the kernel's fp32 arithmetic equal to the reference's op for op (benchmarks/eco_sweep.py
+# measures what turning it on would buy)
+FP_FUSION = False
+
 _G_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _S_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -356,7 +360,7 @@ def eco_adamw_fp8_launch(plan: _Plan, *, lr, beta1, beta2, eps, weight_decay, st
             tab, work, k["decay"], beta1, k["omb1"], beta2, k["omb2"], eps, k["step_size"], k["inv_sqrt_bc2"],
             k["inj"], int(seed), G_DT=gd, M_DT=md, V_DT=vd, SR=(rounding == "sr"), BLOCK=block, ROWS=rows_per_prog,
             TWO_PASS=two_pass, ALIGNED=aligned, INTERP=plan.device.type == "cpu", num_warps=warps,
-            enable_fp_fusion=False)
+            enable_fp_fusion=FP_FUSION)
 
 
 def eco_adamw_fp8_multi_step_(codes, scales, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,

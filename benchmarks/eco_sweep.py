@@ -1,0 +1,55 @@
+"""Launch-setting sweep of the fused ECO-AdamW step (device): rows per program / warps per block width, the one-pass
+limit, and FMA contraction, timed on the 1B-shaped weight set of benchmarks/eco.py (bf16 states; RTN and SR).
+Prints one JSON line per variant and writes OUT/eco_sweep.json.   python benchmarks/eco_sweep.py --out DIR"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from eco import make_params, shapes_1b, time_step  # noqa: E402
+
+import hfq_kernels.eco as K  # noqa: E402
+from hfq.eco import ECOAdamW  # noqa: E402
+
+BASE = dict(K.LAUNCH)
+
+
+def variants():
+    yield "default", {}, K.MAX_ONE_PASS, False
+    yield "fma", {}, K.MAX_ONE_PASS, True
+    for r, w in ((1, 8), (2, 4), (2, 8), (4, 8)):
+        yield f"2048:{r}x{w}", {2048: (r, w)}, K.MAX_ONE_PASS, False
+    for r, w in ((1, 8), (1, 32), (2, 16)):
+        yield f"8192:{r}x{w}", {8192: (r, w)}, K.MAX_ONE_PASS, False
+    yield "two-pass>2048", {}, 2048, False
+    yield "two-pass>4096", {}, 4096, False
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/eco_sweep")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    dev = torch.device("cuda")
+    params = make_params(shapes_1b(), dev, "fp8")
+    rows = []
+    for name, launch, one_pass, fma in variants():
+        K.LAUNCH = {**BASE, **launch}
+        K.MAX_ONE_PASS, K.FP_FUSION = one_pass, fma
+        for rounding in ("rtn", "sr"):
+            opt = ECOAdamW(params, lr=1e-4, rounding=rounding, state_dtype=torch.bfloat16, fused=True)
+            ms = time_step(opt, dev)
+            row = dict(variant=name, rounding=rounding, ms=round(ms, 3))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del opt
+            torch.cuda.empty_cache()
+    json.dump(dict(device=torch.cuda.get_device_name(0), commit=os.environ.get("HFQ_COMMIT", "unknown"), rows=rows),
+              open(os.path.join(a.out, "eco_sweep.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
