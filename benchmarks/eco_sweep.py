@@ -17,15 +17,15 @@ from hfq.eco import ECOAdamW  # noqa: E402
 BASE = dict(K.LAUNCH)
 
 
-def variants():
-    yield "default", {}, K.MAX_ONE_PASS, False
-    yield "fma", {}, K.MAX_ONE_PASS, True
-    for r, w in ((1, 8), (2, 4), (2, 8), (4, 8)):
-        yield f"2048:{r}x{w}", {2048: (r, w)}, K.MAX_ONE_PASS, False
-    for r, w in ((1, 8), (1, 32), (2, 16)):
-        yield f"8192:{r}x{w}", {8192: (r, w)}, K.MAX_ONE_PASS, False
-    yield "two-pass>2048", {}, 2048, False
-    yield "two-pass>4096", {}, 4096, False
+def variants():  # name, LAUNCH overrides, MAX_ONE_PASS, FP_FUSION, SR_SHARED
+    yield "default", {}, K.MAX_ONE_PASS, False, False
+    yield "sr-shared", {}, K.MAX_ONE_PASS, False, True
+    yield "fma", {}, K.MAX_ONE_PASS, True, False
+    yield "fma+sr-shared", {}, K.MAX_ONE_PASS, True, True
+    for r, w in ((1, 4), (1, 16)):
+        yield f"2048:{r}x{w}", {2048: (r, w)}, K.MAX_ONE_PASS, False, False
+    for r, w in ((1, 32),):
+        yield f"8192:{r}x{w}", {8192: (r, w)}, K.MAX_ONE_PASS, False, False
 
 
 def main():
@@ -36,9 +36,9 @@ def main():
     dev = torch.device("cuda")
     params = make_params(shapes_1b(), dev, "fp8")
     rows = []
-    for name, launch, one_pass, fma in variants():
+    for name, launch, one_pass, fma, shared in variants():
         K.LAUNCH = {**BASE, **launch}
-        K.MAX_ONE_PASS, K.FP_FUSION = one_pass, fma
+        K.MAX_ONE_PASS, K.FP_FUSION, K.SR_SHARED = one_pass, fma, shared
         for rounding in ("rtn", "sr"):
             opt = ECOAdamW(params, lr=1e-4, rounding=rounding, state_dtype=torch.bfloat16, fused=True)
             ms = time_step(opt, dev)

@@ -21,10 +21,10 @@ on a GPU the reference's own kernels may round a last bit differently (see tests
 Divisions are IEEE (div_rn) where the reference divides (m/denom, tmp/scale, amax/448); the E4M3 grid step is a
 power of two and is applied by multiplication.
 
-SR: one Philox call per element (counter = column, row, tensor stream; key = seed) gives a 24-bit uniform
-u = (h + 1/2)/2^24. Rounding up when u < frac (frac = exact fractional distance to the lower grid point) happens
-with probability within 2^-25 of frac, so E[Q(x)] is unbiased to that (torch's reference also draws 24-bit
-uniforms). Draws differ from the reference's generator.
+SR: Philox (counter = column, row, tensor stream; key = seed) gives each element a 24-bit uniform
+u = (h + 1/2)/2^24 (or, with SR_SHARED, one call serves 8 elements with 16-bit uniforms). Rounding up when
+u < frac (frac = exact fractional distance to the lower grid point) happens with probability within 2^-25 (2^-17)
+of frac, so E[Q(x)] is unbiased to that. Draws differ from the reference's generator.
 """
 from __future__ import annotations
 
@@ -48,12 +48,15 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ONE_PASS = 8192
 MIN_BLOCK = 64
 # block width -> (rows per program, num_warps); tuned on an H100 (benchmarks/eco.py --sweep), overridable
-LAUNCH = {64: (16, 4), 128: (16, 4), 256: (8, 4), 512: (4, 4), 1024: (2, 4), 2048: (1, 4), 4096: (1, 8),
+LAUNCH = {64: (16, 4), 128: (16, 4), 256: (8, 4), 512: (4, 4), 1024: (2, 4), 2048: (1, 8), 4096: (1, 8),
           8192: (1, 16)}
 
 # FMA contraction off keeps the kernel's fp32 arithmetic equal to the reference's op for op (benchmarks/eco_sweep.py
 # measures what turning it on would buy)
 FP_FUSION = False
+# SR uniforms: one Philox call per element (24-bit, False) or per 8 elements (16-bit, True; E[Q(x)] still within
+# 2^-17 of a grid step of x). benchmarks/eco_sweep.py times both.
+SR_SHARED = False
 
 _G_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _S_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -129,15 +132,28 @@ if HAS_TRITON:
         return x.to(p.dtype.element_ty)
 
     @triton.jit
-    def _uniform24(seed, rows, cols, stream):
-        """[ROWS, W, 8] uniforms in (0, 1): one Philox call per element (counter = column, row, tensor stream;
-        key = seed), 24-bit. (Sharing one call among 8 elements and selecting words with tl.where spilled
-        registers on the H100: the SR step took 12x the RTN step.)"""
-        c0 = (cols + rows[:, None, None] * 0).to(tl.uint32)
-        c1 = (rows[:, None, None] + cols * 0).to(tl.uint32)
-        c2 = c1 * 0 + stream.to(tl.uint32)
-        r0, _, _, _ = tl.philox(seed, c0, c1, c2, c2 * 0)
-        return ((r0 >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2^-24
+    def _uniform(seed, rows, cols, jg, stream, SHARED: tl.constexpr):
+        """[ROWS, W, 8] uniforms in (0, 1) for the SR step. SHARED: one Philox call per row and column group of 8
+        (4 words x 2 halves: 16-bit uniforms); else one call per element (24-bit uniforms). Counter = (column or
+        group, row, tensor stream, SHARED), key = seed."""
+        if SHARED:
+            c0 = (jg[None, :] + rows[:, None] * 0).to(tl.uint32)
+            c1 = (rows[:, None] + jg[None, :] * 0).to(tl.uint32)
+            c2 = c1 * 0 + stream.to(tl.uint32)
+            r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c2 * 0 + 1)
+            kk = tl.arange(0, 8)[None, None, :]
+            sel = kk & 3
+            r = tl.where(sel == 0, r0[:, :, None], tl.where(sel == 1, r1[:, :, None],
+                                                             tl.where(sel == 2, r2[:, :, None], r3[:, :, None])))
+            h = tl.where(kk < 4, r & 0xFFFF, r >> 16)
+            u = (h.to(tl.float32) + 0.5) * 0.0000152587890625  # 2^-16
+        else:
+            c0 = (cols + rows[:, None, None] * 0).to(tl.uint32)
+            c1 = (rows[:, None, None] + cols * 0).to(tl.uint32)
+            c2 = c1 * 0 + stream.to(tl.uint32)
+            r0, _, _, _ = tl.philox(seed, c0, c1, c2, c2 * 0)
+            u = ((r0 >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2^-24
+        return u
 
     @triton.jit
     def _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2):
@@ -153,7 +169,8 @@ if HAS_TRITON:
     @triton.jit(do_not_specialize=["seed"])
     def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2,
                               inj, seed, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
-                              SR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, TWO_PASS: tl.constexpr,
+                              SR: tl.constexpr, SR_SHARED: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                              TWO_PASS: tl.constexpr,
                               ALIGNED: tl.constexpr, INTERP: tl.constexpr):
         W: tl.constexpr = BLOCK // 8
         pid = tl.program_id(0)
@@ -191,7 +208,7 @@ if HAS_TRITON:
             s3 = s_new[:, None, None]
             x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
             if SR:
-                u = _uniform24(seed, rows, cols0, stream)
+                u = _uniform(seed, rows, cols0, jj, stream, SR_SHARED)
             else:
                 u = x
             q = _e4m3_round(x, u, SR)
@@ -228,7 +245,7 @@ if HAS_TRITON:
                                              inv_sqrt_bc2)
                 x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
                 if SR:
-                    u = _uniform24(seed, rows, cols, stream)
+                    u = _uniform(seed, rows, cols, b * W + jj, stream, SR_SHARED)
                 else:
                     u = x
                 q = _e4m3_round(x, u, SR)
@@ -358,7 +375,7 @@ def eco_adamw_fp8_launch(plan: _Plan, *, lr, beta1, beta2, eps, weight_decay, st
     for tab, work, block, two_pass, (gd, md, vd), aligned, rows_per_prog, warps in plan.buckets:
         _eco_adamw_fp8_kernel[(work.shape[0],)](
             tab, work, k["decay"], beta1, k["omb1"], beta2, k["omb2"], eps, k["step_size"], k["inv_sqrt_bc2"],
-            k["inj"], int(seed), G_DT=gd, M_DT=md, V_DT=vd, SR=(rounding == "sr"), BLOCK=block, ROWS=rows_per_prog,
+            k["inj"], int(seed), G_DT=gd, M_DT=md, V_DT=vd, SR=(rounding == "sr"), SR_SHARED=SR_SHARED, BLOCK=block, ROWS=rows_per_prog,
             TWO_PASS=two_pass, ALIGNED=aligned, INTERP=plan.device.type == "cpu", num_warps=warps,
             enable_fp_fusion=FP_FUSION)
 
