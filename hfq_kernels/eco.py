@@ -21,9 +21,9 @@ on a GPU the reference's own kernels may round a last bit differently (see tests
 Divisions are IEEE (div_rn) where the reference divides (m/denom, tmp/scale, amax/448); the E4M3 grid step is a
 power of two and is applied by multiplication.
 
-SR: Philox (counter = column, row, tensor stream; key = seed) gives each element a 24-bit uniform
-u = (h + 1/2)/2^24 (or, with SR_SHARED, one call serves 8 elements with 16-bit uniforms). Rounding up when
-u < frac (frac = exact fractional distance to the lower grid point) happens with probability within 2^-25 (2^-17)
+SR: Philox (counter = column group, row, tensor stream; key = seed): one call serves 8 elements with 16-bit uniforms
+u = (h + 1/2)/2^16 (SR_SHARED, default) or each element gets its own call and a 24-bit uniform. Rounding up when
+u < frac (frac = exact fractional distance to the lower grid point) happens with probability within 2^-17 (2^-25)
 of frac, so E[Q(x)] is unbiased to that. Draws differ from the reference's generator.
 """
 from __future__ import annotations
@@ -54,9 +54,10 @@ LAUNCH = {64: (16, 4), 128: (16, 4), 256: (8, 4), 512: (4, 4), 1024: (2, 4), 204
 # FMA contraction off keeps the kernel's fp32 arithmetic equal to the reference's op for op (benchmarks/eco_sweep.py
 # measures what turning it on would buy)
 FP_FUSION = False
-# SR uniforms: one Philox call per element (24-bit, False) or per 8 elements (16-bit, True; E[Q(x)] still within
-# 2^-17 of a grid step of x). benchmarks/eco_sweep.py times both.
-SR_SHARED = False
+# SR uniforms: one Philox call per 8 elements (16-bit, True: E[Q(x)] within 2^-17 of a grid step of x) or per
+# element (24-bit, False). On the H100 the shared form made the 1B-shaped SR step 7.2-7.5 ms instead of 9.3-11.6 ms
+# (benchmarks/eco_sweep.py).
+SR_SHARED = True
 
 _G_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _S_CODES = {torch.float32: 0, torch.bfloat16: 1}
