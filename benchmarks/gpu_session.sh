@@ -19,7 +19,7 @@ for part in "$@"; do
     ecosweep) timeout 300 python benchmarks/eco_sweep.py --out "$OUT" > "$OUT/ecosweep.txt" 2>&1 ;;
     alltests) timeout 480 python -m pytest -q -p no:cacheprovider tests > "$OUT/alltests.txt" 2>&1 ;;
     decfix) timeout 120 python benchmarks/dec_fix_timing.py "$OUT/decfix" > "$OUT/decfix.txt" 2>&1 ;;
-    eco) timeout 150 python benchmarks/eco.py --out "$OUT" > "$OUT/eco.txt" 2>&1 ;;
+    eco) timeout 150 python benchmarks/eco.py --iters ${ECO_ITERS:-10} --out "$OUT" > "$OUT/eco.txt" 2>&1 ;;
     quest) timeout 150 python benchmarks/quest_step.py --out "$OUT" > "$OUT/quest.txt" 2>&1 ;;
     qerl) timeout 420 python benchmarks/qerl_step.py --methods qerl,bf16_lora --out "$OUT" > "$OUT/qerl.txt" 2>&1 ;;
     qerl_all) timeout 500 python benchmarks/qerl_step.py --out "$OUT" > "$OUT/qerl.txt" 2>&1 ;;

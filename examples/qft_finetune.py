@@ -12,7 +12,7 @@ INT8 weight gradients and INT8-momentum Lion (QLion), against a bf16 AdamW basel
 3. Reports the final train/eval losses and the measured static memory (weights + gradients + optimizer state,
    bytes per parameter, from the tensors actually held after a backward), for the decoder linears and the model.
 
-Writes examples/results/qft_finetune.{json,md,png}.   python examples/qft_finetune.py   (~3 min on 2 CPU cores)
+Writes examples/results/qft_finetune.{json,md,png}.   python examples/qft_finetune.py   (~8 min on 2 CPU cores)
 """
 from __future__ import annotations
 
