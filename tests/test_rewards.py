@@ -36,7 +36,11 @@ def test_fallback_without_math_verify():
     assert R.answers_equal("1/2", "0.5", use_math_verify=False)
     assert R.answers_equal("\\boxed{12}", "12.", use_math_verify=False)
     assert R.answers_equal(" Paris ", "paris", use_math_verify=False)
-    assert not R.answers_equal("\\frac{1}{2}", "0.5", use_math_verify=False)  # LaTeX needs math-verify
+    assert R.answers_equal("\\frac{1}{2}", "0.5", use_math_verify=False)  # simple LaTeX numbers are exact values
+    assert R.answers_equal("-\\dfrac{6}{8}", "-3/4", use_math_verify=False)
+    assert R.answers_equal("\\sqrt{4}", "2", use_math_verify=False)
+    assert not R.answers_equal("\\sqrt{2}", "1.414", use_math_verify=False)  # irrational: no numeric value here
+    assert not R.answers_equal("\\frac{1}{0}", "1", use_math_verify=False)
     assert not R.answers_equal("3", "4", use_math_verify=False)
     assert not R.answers_equal("1/0", "1/0x", use_math_verify=False)
 

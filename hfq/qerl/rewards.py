@@ -3,13 +3,14 @@
 
 Equivalence uses `math-verify` when it imports; otherwise a numeric/string fallback: both sides are stripped of
 `$`, `\\boxed{}`, thousands separators and trailing punctuation, compared as exact fractions when both parse as
-numbers (`1/2`, `0.5`, `50%` is not a number here), else as lower-cased whitespace-free strings.
+numbers (`1/2`, `0.5`, `\\frac{1}{2}`, `\\sqrt{4}`; `50%` is not a number here), else as lower-cased whitespace-free strings.
 Reward functions never raise on malformed completions: they score 0.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 import threading
 from fractions import Fraction
@@ -85,8 +86,27 @@ def _normalize(s: str) -> str:
     return s
 
 
+_LATEX_FRAC = re.compile(r"(-?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}")
+_LATEX_SQRT = re.compile(r"(-?)\\sqrt\{([^{}]+)\}")
+
+
+def _exact_sqrt(x: Fraction) -> Fraction | None:
+    if x < 0:
+        return None
+    n, d = math.isqrt(x.numerator), math.isqrt(x.denominator)
+    return Fraction(n, d) if n * n == x.numerator and d * d == x.denominator else None
+
+
 def _as_number(s: str) -> Fraction | None:
+    """An exact value for a plain number, `a/b`, or the simple LaTeX forms `\\frac{a}{b}` and `\\sqrt{x}` (when
+    the root is rational); None otherwise."""
     t = s.replace(",", "").replace(" ", "")
+    for pat, fn in ((_LATEX_FRAC, lambda a, b: None if a is None or b is None or b == 0 else a / b),
+                    (_LATEX_SQRT, lambda a: None if a is None else _exact_sqrt(a))):
+        m = pat.fullmatch(t)
+        if m:
+            v = fn(*(_as_number(g) for g in m.groups()[1:]))
+            return None if v is None else (-v if m.group(1) else v)
     if not re.fullmatch(r"-?\d+(?:\.\d+)?(?:/\d+)?", t):
         return None
     try:
