@@ -106,7 +106,7 @@ def per_token_logps(model, ids, n_new):
     return torch.stack(rows)
 
 
-def step(method, size, batch, plen, new, warm=True):
+def step(method, size, batch, plen, new, warm=True, grad_ckpt=False):
     from hfq.qerl.aqn import AQNSchedule, AdaptiveQuantizationNoise
     from hfq.qerl.rewards import accuracy_reward, format_reward
     from hfq.rollout import RolloutEngine
@@ -114,6 +114,8 @@ def step(method, size, batch, plen, new, warm=True):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = build(method, size)
+    if grad_ckpt:  # as GRPOConfig(gradient_checkpointing=True) does; the rollout engine is unaffected
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     alloc = {"alloc_built_gb": round(torch.cuda.memory_allocated() / 2**30, 2)}
     log(f"{method} {size}: built, {alloc['alloc_built_gb']} GB allocated")
     aqn = AdaptiveQuantizationNoise(model, seed=0) if method.startswith("qerl") else None
@@ -182,7 +184,7 @@ def step(method, size, batch, plen, new, warm=True):
     return row
 
 
-def write(rows, notes, out_dir):
+def write(rows, notes, out_dir, name="qerl_step"):
     os.makedirs(out_dir, exist_ok=True)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -191,7 +193,7 @@ def write(rows, notes, out_dir):
     commit = os.environ.get("HFQ_COMMIT") or commit
     res = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(), commit=commit or "unknown",
                rows=rows, notes=notes)
-    with open(os.path.join(out_dir, "qerl_step.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(res, f, indent=1)
     base = {r["method"]: r for r in rows}
     lines = ["# QeRL GRPO step", "", f"device: {res['device']}  date: {res['date']}  commit: {res['commit']}", "",
@@ -219,7 +221,7 @@ def write(rows, notes, out_dir):
         lines.append(f"| {r['method']} | " + " | ".join(str(r.get(f"alloc_{k}_gb", "")) for k in ph) + " | "
                      + " | ".join(str(r.get(f"peak_{k}_gb", "")) for k in pk) + " |")
     lines += ["", "## Notes"] + [f"- {n}" for n in notes]
-    with open(os.path.join(out_dir, "qerl_step.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -230,12 +232,15 @@ def main():
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--methods", default="qerl,bf16_lora,qlora,qerl_32b")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the update (writes qerl_step_gc.*)")
     a = ap.parse_args()
     rows, notes = [], []
+    if a.grad_ckpt:
+        notes.append("gradient checkpointing on (non-reentrant) in the update and log-prob passes of every method")
     for m in a.methods.split(","):
         size = "32b" if m == "qerl_32b" else "7b"
         try:
-            rows.append(step(m, size, a.batch, a.prompt, a.new, warm=(size != "32b")))
+            rows.append(step(m, size, a.batch, a.prompt, a.new, warm=(size != "32b"), grad_ckpt=a.grad_ckpt))
         except Exception as e:  # noqa: BLE001 - record and go on: the other rows still count
             traceback.print_exc()
             notes.append(f"{m}: failed: {type(e).__name__}: {str(e)[:300]}")
@@ -244,7 +249,7 @@ def main():
                              update_s=None, rollout_tok_s=None, peak_gb=None))
             gc.collect()
             torch.cuda.empty_cache()
-        write(rows, notes, a.out)
+        write(rows, notes, a.out, "qerl_step_gc" if a.grad_ckpt else "qerl_step")
     log("done")
 
 
