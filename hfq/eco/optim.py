@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.fp8 import check_rounding
+from ..optim_base import SeededOptimizer
 from ..qparam import QParam
 from . import functional as Fn
 from .states import StateStore
@@ -27,7 +28,7 @@ def _check_beta(name, b):
         raise ValueError(f"{name} must be in (0, 1), got {b!r}")
 
 
-class _ECOBase(torch.optim.Optimizer):
+class _ECOBase(SeededOptimizer):
     def __init__(self, params, defaults, *, rule, rounding, state_dtype, state_bits, seed, check_finite):
         if rule not in Fn.RULES:
             raise ValueError(f"rule: unknown {rule!r}; allowed {Fn.RULES}")
@@ -36,18 +37,7 @@ class _ECOBase(torch.optim.Optimizer):
             raise ValueError(f"weight_decay must be >= 0, got {defaults['weight_decay']}")
         self.rule, self.rounding, self.check_finite = rule, rounding, check_finite
         self._store = StateStore(state_dtype, state_bits)
-        self._seed = int(seed)
-        self._generators: dict[str, torch.Generator] = {}
-        super().__init__(params, defaults)
-
-    # ---- randomness (SR) --------------------------------------------------------------------------
-    def _generator(self, device: torch.device) -> torch.Generator:
-        key = str(torch.device(device))
-        if key not in self._generators:
-            g = torch.Generator(device=device)
-            g.manual_seed(self._seed)
-            self._generators[key] = g
-        return self._generators[key]
+        super().__init__(params, defaults, seed=seed)
 
     # ---- safety -------------------------------------------------------------------------------------
     def _param_name(self, gi, pi, p):
@@ -83,26 +73,6 @@ class _ECOBase(torch.optim.Optimizer):
 
     def _check_grads(self):
         self._finite_check_finish(self._finite_check_launch())
-
-    # ---- checkpointing -----------------------------------------------------------------------------
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["hfq_generators"] = {k: g.get_state() for k, g in self._generators.items()}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        gens = state_dict.pop("hfq_generators", {})
-        saved = state_dict["state"]
-        super().load_state_dict(state_dict)
-        # torch casts floating state to the param dtype (bf16 for a QParam); restore the saved precision
-        params = [p for g in self.param_groups for p in g["params"]]
-        for idx, st in saved.items():
-            p = params[idx]
-            self.state[p] = {k: ((v.clone() if k == "step" else v.to(p.device, copy=True)) if torch.is_tensor(v)
-                                 else v) for k, v in st.items()}
-        for k, s in gens.items():
-            self._generator(k).set_state(s.cpu() if torch.is_tensor(s) else s)
 
     def _grad32(self, p):
         g = p.grad

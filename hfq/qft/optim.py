@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..formats.fp8 import check_rounding
+from ..optim_base import SeededOptimizer
 from ..qparam import QParam
 from .int8 import as_rows, dequantize_rows, int8_grad, pop_int8_grad, quantize_rows
 
@@ -44,7 +45,7 @@ def lion_direction(m: torch.Tensor, g: torch.Tensor, beta1: float) -> torch.Tens
     return torch.sign(m * beta1 + g * (1 - beta1))
 
 
-class QLion(torch.optim.Optimizer):
+class QLion(SeededOptimizer):
     """Lion with INT8 (channel-wise asymmetric) momentum; QParams updated through requantize_, no master weights.
 
     Args: lr (> 0), betas (beta1: interpolation for the update, beta2: momentum EMA; both in (0, 1)),
@@ -72,18 +73,7 @@ class QLion(torch.optim.Optimizer):
             raise ValueError(f"refresh_thresholds_every must be None or an int > 0, got {refresh_thresholds_every!r}")
         self.rounding, self.momentum_bits, self.check_finite = rounding, momentum_bits, check_finite
         self.refresh_thresholds_every = refresh_thresholds_every
-        self._seed = int(seed)
-        self._generators: dict[str, torch.Generator] = {}
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
-
-    # ---- randomness (SR) ----------------------------------------------------------------------------
-    def _generator(self, device) -> torch.Generator:
-        key = str(torch.device(device))
-        if key not in self._generators:
-            g = torch.Generator(device=device)
-            g.manual_seed(self._seed)
-            self._generators[key] = g
-        return self._generators[key]
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), seed=seed)
 
     # ---- safety ---------------------------------------------------------------------------------------
     def _param_name(self, gi, pi, p):
@@ -195,26 +185,6 @@ class QLion(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 pop_int8_grad(p)
-
-    # ---- checkpointing --------------------------------------------------------------------------------
-    def state_dict(self):
-        sd = super().state_dict()
-        sd["hfq_generators"] = {k: g.get_state() for k, g in self._generators.items()}
-        return sd
-
-    def load_state_dict(self, state_dict):
-        state_dict = dict(state_dict)
-        gens = state_dict.pop("hfq_generators", {})
-        saved = state_dict["state"]
-        super().load_state_dict(state_dict)
-        # torch casts floating state to the parameter's dtype (bf16 for a QParam): put back the saved tensors
-        params = [p for g in self.param_groups for p in g["params"]]
-        for idx, st in saved.items():
-            p = params[idx]
-            self.state[p] = {k: ((v.clone() if k == "step" else v.to(p.device, copy=True)) if torch.is_tensor(v)
-                                 else v) for k, v in st.items()}
-        for k, s in gens.items():
-            self._generator(k).set_state(s.cpu() if torch.is_tensor(s) else s)
 
     def state_bytes(self) -> int:
         """Bytes held in this optimizer's state tensors (momentum codes, scales, zero points, step counters)."""
