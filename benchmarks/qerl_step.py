@@ -106,7 +106,7 @@ def per_token_logps(model, ids, n_new):
     return torch.stack(rows)
 
 
-def step(method, size, batch, plen, new, warm=True, grad_ckpt=False):
+def step(method, size, batch, plen, new, warm=True, grad_ckpt=False, compile_layers=False):
     from hfq.qerl.aqn import AQNSchedule, AdaptiveQuantizationNoise
     from hfq.qerl.rewards import accuracy_reward, format_reward
     from hfq.rollout import RolloutEngine
@@ -116,6 +116,9 @@ def step(method, size, batch, plen, new, warm=True, grad_ckpt=False):
     model = build(method, size)
     if grad_ckpt:  # as GRPOConfig(gradient_checkpointing=True) does; the rollout engine is unaffected
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile_layers:  # regional compilation: each decoder layer (one graph serves all); the engine calls sub-modules
+        for layer in model.get_base_model().model.layers:
+            layer.compile()
     alloc = {"alloc_built_gb": round(torch.cuda.memory_allocated() / 2**30, 2)}
     log(f"{method} {size}: built, {alloc['alloc_built_gb']} GB allocated")
     aqn = AdaptiveQuantizationNoise(model, seed=0) if method.startswith("qerl") else None
@@ -233,14 +236,18 @@ def main():
     ap.add_argument("--methods", default="qerl,bf16_lora,qlora,qerl_32b")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the update (writes qerl_step_gc.*)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (writes qerl_step_compile.*)")
     a = ap.parse_args()
     rows, notes = [], []
     if a.grad_ckpt:
         notes.append("gradient checkpointing on (non-reentrant) in the update and log-prob passes of every method")
+    if a.compile:
+        notes.append("torch.compile on every decoder layer (regional; step 0 absorbs the compilation, step 1 reported)")
     for m in a.methods.split(","):
         size = "32b" if m == "qerl_32b" else "7b"
         try:
-            rows.append(step(m, size, a.batch, a.prompt, a.new, warm=(size != "32b"), grad_ckpt=a.grad_ckpt))
+            rows.append(step(m, size, a.batch, a.prompt, a.new, warm=(size != "32b"), grad_ckpt=a.grad_ckpt,
+                             compile_layers=a.compile))
         except Exception as e:  # noqa: BLE001 - record and go on: the other rows still count
             traceback.print_exc()
             notes.append(f"{m}: failed: {type(e).__name__}: {str(e)[:300]}")
@@ -249,7 +256,7 @@ def main():
                              update_s=None, rollout_tok_s=None, peak_gb=None))
             gc.collect()
             torch.cuda.empty_cache()
-        write(rows, notes, a.out, "qerl_step_gc" if a.grad_ckpt else "qerl_step")
+        write(rows, notes, a.out, "qerl_step" + ("_gc" if a.grad_ckpt else "") + ("_compile" if a.compile else ""))
     log("done")
 
 
