@@ -97,7 +97,7 @@ def build(method: str, size: str):
 def per_token_logps(model, ids, n_new):
     """Log-probs of the last n_new tokens, as TRL computes them: logits only for the completion
     (logits_to_keep) and a row-by-row log-softmax, so no fp32 [batch, seq, vocab] tensor is ever held."""
-    logits = model(input_ids=ids, logits_to_keep=n_new + 1).logits[:, :-1]
+    logits = model(input_ids=ids, logits_to_keep=n_new + 1, use_cache=False).logits[:, :-1]
     tgt = ids[:, -n_new:]
     rows = []
     for lg, t in zip(logits, tgt):  # [n_new, vocab] at a time
