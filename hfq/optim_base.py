@@ -6,6 +6,18 @@ from __future__ import annotations
 import torch
 
 
+def check_lr(lr) -> None:
+    """lr must be a real number > 0 (NaN and bools refused)."""
+    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
+        raise ValueError(f"lr must be a float > 0, got {lr!r}")
+
+
+def check_beta(name: str, b) -> None:
+    """A momentum coefficient must lie strictly inside (0, 1)."""
+    if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 < b < 1:
+        raise ValueError(f"{name} must be in (0, 1), got {b!r}")
+
+
 class SeededOptimizer(torch.optim.Optimizer):
     """torch.optim.Optimizer + one seeded generator per device (SR draws) saved in `state_dict()`."""
 

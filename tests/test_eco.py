@@ -199,6 +199,8 @@ def test_bad_args_and_nan_refusal():
     net = _net()
     with pytest.raises(ValueError, match="lr"):
         ECOAdamW(net.parameters(), lr=0)
+    with pytest.raises(ValueError, match="lr"):
+        ECOSGD(net.parameters(), lr=float("nan"))
     with pytest.raises(ValueError, match="betas"):
         ECOAdamW(net.parameters(), betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="momentum"):

@@ -12,20 +12,10 @@ from __future__ import annotations
 import torch
 
 from ..formats.fp8 import check_rounding
-from ..optim_base import SeededOptimizer
+from ..optim_base import SeededOptimizer, check_beta, check_lr
 from ..qparam import QParam
 from . import functional as Fn
 from .states import StateStore
-
-
-def _check_lr(lr):
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0:
-        raise ValueError(f"lr must be a float > 0, got {lr!r}")
-
-
-def _check_beta(name, b):
-    if not isinstance(b, (int, float)) or not 0 < b < 1:
-        raise ValueError(f"{name} must be in (0, 1), got {b!r}")
 
 
 class _ECOBase(SeededOptimizer):
@@ -94,8 +84,8 @@ class ECOSGD(_ECOBase):
     def __init__(self, params, lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0,
                  rule: str = "memory_free", rounding: str = "sr", state_dtype=torch.float32,
                  state_bits: int | None = None, seed: int = 0, check_finite: bool = True):
-        _check_lr(lr)
-        _check_beta("momentum", momentum)
+        check_lr(lr)
+        check_beta("momentum", momentum)
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), rule=rule,
                          rounding=rounding, state_dtype=state_dtype, state_bits=state_bits, seed=seed,
                          check_finite=check_finite)
@@ -143,11 +133,11 @@ class ECOAdamW(_ECOBase):
                  rule: str = "memory_free", rounding: str = "sr", state_dtype=torch.float32,
                  state_bits: int | None = None, seed: int = 0, fused: bool | None = None,
                  check_finite: bool = True):
-        _check_lr(lr)
+        check_lr(lr)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        _check_beta("betas[0]", betas[0])
-        _check_beta("betas[1]", betas[1])
+        check_beta("betas[0]", betas[0])
+        check_beta("betas[1]", betas[1])
         if eps <= 0:
             raise ValueError(f"eps must be > 0, got {eps}")
         self.fused = fused

@@ -23,21 +23,11 @@ from __future__ import annotations
 import torch
 
 from ..formats.fp8 import check_rounding
-from ..optim_base import SeededOptimizer
+from ..optim_base import SeededOptimizer, check_beta, check_lr
 from ..qparam import QParam
 from .int8 import as_rows, dequantize_rows, int8_grad, pop_int8_grad, quantize_rows
 
 MOMENTUM_BITS = (None, 8)
-
-
-def _check_lr(lr):
-    if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr > 0:
-        raise ValueError(f"lr must be a float > 0, got {lr!r}")
-
-
-def _check_beta(name, b):
-    if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 < b < 1:
-        raise ValueError(f"{name} must be in (0, 1), got {b!r}")
 
 
 def lion_direction(m: torch.Tensor, g: torch.Tensor, beta1: float) -> torch.Tensor:
@@ -58,11 +48,11 @@ class QLion(SeededOptimizer):
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,
                  rounding: str = "sr", momentum_bits: int | None = 8, seed: int = 0, check_finite: bool = True,
                  refresh_thresholds_every: int | None = None):
-        _check_lr(lr)
+        check_lr(lr)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        _check_beta("betas[0]", betas[0])
-        _check_beta("betas[1]", betas[1])
+        check_beta("betas[0]", betas[0])
+        check_beta("betas[1]", betas[1])
         if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
         check_rounding(rounding)
