@@ -166,6 +166,32 @@ if HAS_TRITON:
         tmp = theta * decay - step_size * tl.div_rn(m, denom)
         return tmp, m, v, denom
 
+    @triton.jit
+    def _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1, beta2, omb2, eps, step_size,
+                  inv_sqrt_bc2):
+        """Load one tile (codes, grad, moments) and run the Adam part of the step: (tmp, m, v, denom)."""
+        cb = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2)
+
+    @triton.jit
+    def _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows, cols, jg, stream,
+                       SR: tl.constexpr, SR_SHARED: tl.constexpr, INTERP: tl.constexpr):
+        """Requantize tmp with the new row scale s3 (RTN or SR), inject the error into m, store codes and moments."""
+        x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
+        if SR:
+            u = _uniform(seed, rows, cols, jg, stream, SR_SHARED)
+        else:
+            u = x
+        q = _e4m3_round(x, u, SR)
+        e = tmp - q * s3
+        m = m - (e * denom) * inj
+        tl.store(codes_ptr + offs, _e4m3_encode(q).to(tl.uint8), mask=mask)
+        tl.store(m_ptr + offs, _to_state(m, m_ptr, INTERP), mask=mask)
+        tl.store(v_ptr + offs, _to_state(v, v_ptr, INTERP), mask=mask)
+
     # seed changes every SR step: unspecialised, or each new value class (== 1, % 16 == 0) would compile anew
     @triton.jit(do_not_specialize=["seed"])
     def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2,
@@ -198,26 +224,13 @@ if HAS_TRITON:
         if not TWO_PASS:
             mask = rmask[:, None, None] & (cols0 < n_cols)
             offs = base + cols0
-            cb = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tmp, m, v, denom = _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size,
-                                         inv_sqrt_bc2)
+            tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1, beta2,
+                                         omb2, eps, step_size, inv_sqrt_bc2)
             amax = tl.max(tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=2), axis=1)
             s_new = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
             s3 = s_new[:, None, None]
-            x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
-            if SR:
-                u = _uniform(seed, rows, cols0, jj, stream, SR_SHARED)
-            else:
-                u = x
-            q = _e4m3_round(x, u, SR)
-            e = tmp - q * s3
-            m = m - (e * denom) * inj
-            tl.store(codes_ptr + offs, _e4m3_encode(q).to(tl.uint8), mask=mask)
-            tl.store(m_ptr + offs, _to_state(m, m_ptr, INTERP), mask=mask)
-            tl.store(v_ptr + offs, _to_state(v, v_ptr, INTERP), mask=mask)
+            _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows, cols0, jj,
+                           stream, SR, SR_SHARED, INTERP)
         else:
             nb = tl.cdiv(n_cols, BLOCK)
             amax = tl.zeros([ROWS], dtype=tl.float32)
@@ -225,12 +238,8 @@ if HAS_TRITON:
                 cols = b * BLOCK + cols0
                 mask = rmask[:, None, None] & (cols < n_cols)
                 offs = base + cols
-                cb = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
-                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                tmp, m, v, denom = _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size,
-                                             inv_sqrt_bc2)
+                tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1,
+                                             beta2, omb2, eps, step_size, inv_sqrt_bc2)
                 amax = tl.maximum(amax, tl.max(tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=2), axis=1))
             s_new = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
             s3 = s_new[:, None, None]
@@ -238,23 +247,10 @@ if HAS_TRITON:
                 cols = b * BLOCK + cols0
                 mask = rmask[:, None, None] & (cols < n_cols)
                 offs = base + cols
-                cb = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
-                g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                tmp, m, v, denom = _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size,
-                                             inv_sqrt_bc2)
-                x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
-                if SR:
-                    u = _uniform(seed, rows, cols, b * W + jj, stream, SR_SHARED)
-                else:
-                    u = x
-                q = _e4m3_round(x, u, SR)
-                e = tmp - q * s3
-                m = m - (e * denom) * inj
-                tl.store(codes_ptr + offs, _e4m3_encode(q).to(tl.uint8), mask=mask)
-                tl.store(m_ptr + offs, _to_state(m, m_ptr, INTERP), mask=mask)
-                tl.store(v_ptr + offs, _to_state(v, v_ptr, INTERP), mask=mask)
+                tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1,
+                                             beta2, omb2, eps, step_size, inv_sqrt_bc2)
+                _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows, cols,
+                               b * W + jj, stream, SR, SR_SHARED, INTERP)
         tl.store(scales_ptr + rows, s_new, mask=rmask)
 
 
