@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from hfq.formats import fp4
+from hfq_kernels.reference import fp4
 from hfq_kernels import nvfp4 as K
 
 rows = []

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from hfq.formats import fp4
+from hfq_kernels.reference import fp4
 from hfq_kernels import nvfp4 as K0
 
 OUT = sys.argv[1]

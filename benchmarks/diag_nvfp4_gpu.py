@@ -7,7 +7,7 @@ import tempfile
 import torch
 
 import hfq
-from hfq.formats import fp4
+from hfq_kernels.reference import fp4
 from hfq_kernels import nvfp4 as K
 
 out = {}

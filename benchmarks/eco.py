@@ -18,7 +18,7 @@ import time
 import torch
 
 from hfq.eco import ECOAdamW
-from hfq.formats.fp8 import quantize_fp8_row
+from hfq_kernels.reference.fp8 import quantize_fp8_row
 from hfq.qparam import QParam
 
 
@@ -79,7 +79,7 @@ def weight_bytes(params):
 def check_fused_matches_reference(dev):
     """GPU correctness in the same run: fused Triton vs torch reference (RTN) on a 1B-layer shape."""
     from hfq_kernels.eco import eco_adamw_fp8_step_ref, eco_adamw_fp8_step_triton
-    from hfq.formats.fp8 import dequantize_fp8_row
+    from hfq_kernels.reference.fp8 import dequantize_fp8_row
     g = torch.Generator(device=dev).manual_seed(1)
     out = {}
     for shape in ((2048, 8192), (8192, 2048), (300, 12289)):

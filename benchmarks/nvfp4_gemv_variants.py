@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hfq.formats import fp4  # noqa: E402
+from hfq_kernels.reference import fp4  # noqa: E402
 from hfq_kernels import nvfp4 as K  # noqa: E402
 from nvfp4_matmul import SHAPES, graph_us, make_weights, n_copies, nvfp4_bytes, rel_err  # noqa: E402
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hfq.formats import fp4  # noqa: E402
+from hfq_kernels.reference import fp4  # noqa: E402
 from hfq_kernels import nvfp4 as K  # noqa: E402
 
 SHAPES = [  # (K=in, N=out)

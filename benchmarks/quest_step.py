@@ -17,7 +17,7 @@ import subprocess
 import torch
 import triton
 
-from hfq.formats.hadamard import effective_block, fwht
+from hfq_kernels.reference.hadamard import effective_block, fwht
 from hfq.quest import QuESTConfig, QuESTLinear, quantize_model
 from hfq.quest.linear import _Spec
 from hfq_kernels import quest as K

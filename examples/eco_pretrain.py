@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from hfq.eco import ECOAdamW
-from hfq.formats.fp8 import dequantize_fp8_row, quantize_fp8_row
+from hfq_kernels.reference.fp8 import dequantize_fp8_row, quantize_fp8_row
 from hfq.qft import QFTConfig, quantize_model_
 from hfq.qparam import QParam
 from hfq.tiny import char_tokenizer, tiny_config

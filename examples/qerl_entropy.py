@@ -56,7 +56,7 @@ def load_models(path: str, gauss_seed: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     import hfq  # noqa: F401  (registers the quantizer)
-    from hfq.formats.fp4 import nvfp4_dequantize, nvfp4_quantize
+    from hfq_kernels.reference.fp4 import nvfp4_dequantize, nvfp4_quantize
     from hfq.nvfp4 import NVFP4Config
 
     def load(**kw):

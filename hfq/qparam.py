@@ -24,8 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
-from .formats import fp8 as _fp8
-from .formats import intq as _intq
+from hfq_kernels.reference import fp8 as _fp8
+from hfq_kernels.reference import intq as _intq
 
 FORMATS = ("fp8_e4m3_row", "int4_tensor", "int4_group", "int8_dense_sparse")
 _NAMES = {

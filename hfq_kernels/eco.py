@@ -15,7 +15,7 @@ than MAX_ONE_PASS (8192) take two passes (absmax, then update). Tensors are grou
 and dtypes; the tables are cached by their contents, so a steady training loop uploads nothing.
 
 Arithmetic mirrors the torch reference op for op (`eco_adamw_fp8_step_ref`: hfq.eco.functional +
-hfq.formats.fp8, written with one rounding per op) and the kernel is compiled without FMA contraction
+hfq_kernels.reference.fp8, written with one rounding per op) and the kernel is compiled without FMA contraction
 (enable_fp_fusion=False), so RTN codes and scales are bit-identical to the reference under the CPU interpreter;
 on a GPU the reference's own kernels may round a last bit differently (see tests/test_eco_kernel.py).
 Divisions are IEEE (div_rn) where the reference divides (m/denom, tmp/scale, amax/448); the E4M3 grid step is a
@@ -33,8 +33,8 @@ from collections import OrderedDict
 
 import torch
 
-from hfq.eco import functional as Fn
-from hfq.formats import fp8 as _fp8
+from hfq_kernels.reference import eco as Fn
+from hfq_kernels.reference import fp8 as _fp8
 
 try:
     import triton

@@ -5,7 +5,7 @@ is exact in bf16/fp16, products are exact, sums in fp32) and scales by 1/sqrt(B)
 that is 256 flop per element against 4 bytes moved (bf16), under the H100 ridge point, so the kernel
 is bandwidth-bound like a copy. The +-1 matrix is generated in registers from the parity of i & j.
 
-Op: hfq::hadamard(x[..., K], block) -> HT(x) (same dtype; CPU = hfq.formats.hadamard.fwht; the
+Op: hfq::hadamard(x[..., K], block) -> HT(x) (same dtype; CPU = hfq_kernels.reference.hadamard.fwht; the
 transform is its own inverse, so it is also its own backward).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hfq.formats.hadamard import DEFAULT_BLOCK, effective_block, fwht
+from hfq_kernels.reference.hadamard import DEFAULT_BLOCK, effective_block, fwht
 
 MIN_TRITON_BLOCK = 16  # tl.dot needs tiles of at least 16
 MAX_TRITON_BLOCK = 256

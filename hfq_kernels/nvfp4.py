@@ -1,6 +1,6 @@
 """NVFP4 ops: quantize, dequantize, W4A16 linear (+ its grad-input product). Registered with torch.library.
 
-CPU runs the torch reference (hfq.formats.fp4); CUDA runs the Triton kernels below.
+CPU runs the torch reference (hfq_kernels.reference.fp4); CUDA runs the Triton kernels below.
 Interface (the layouts are the canonical compressed-tensors ones, read directly by the kernels):
   hfq::nvfp4_quantize(w[out,in]) -> (packed u8[out,in/2], scale f8e4m3[out,in/16], global_recip f32[1])
   hfq::nvfp4_dequantize(packed, scale, global_recip, dtype) -> [out,in]
@@ -21,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from hfq.formats import fp4
+from hfq_kernels.reference import fp4
 from hfq_kernels._autotune import Tuner, m_bucket
 
 try:
@@ -695,7 +695,7 @@ def _launch(kernel, grid, use_asm: bool, *args, **kw):
 
 
 def quantize(w: torch.Tensor):
-    """Triton NVFP4 quantization, bit-identical to hfq.formats.fp4.nvfp4_quantize."""
+    """Triton NVFP4 quantization, bit-identical to hfq_kernels.reference.fp4.nvfp4_quantize."""
     fp4._check_2d(w, fp4.NVFP4_BLOCK, "weight")
     fp4.check_finite(w, "weight")
     w = w if w.stride(-1) == 1 else w.contiguous()
@@ -711,7 +711,7 @@ def quantize(w: torch.Tensor):
 
 
 def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None):
-    """Triton NVFP4 -> dtype, bit-identical to hfq.formats.fp4.nvfp4_dequantize."""
+    """Triton NVFP4 -> dtype, bit-identical to hfq_kernels.reference.fp4.nvfp4_dequantize."""
     _check_packed(packed, scale, global_scale)
     return _dequant_raw(packed, scale, global_scale, dtype, out)
 

@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hfq.formats import gaussian
-from hfq.formats.hadamard import effective_block, fwht
+from hfq_kernels.reference import gaussian
+from hfq_kernels.reference.hadamard import effective_block, fwht
 from hfq_kernels.hadamard import MAX_TRITON_BLOCK, MIN_TRITON_BLOCK, hadamard_tile, use_ieee
 
 NO_HT_CHUNK = 128  # column tile of the kernels when there is no transform
@@ -77,7 +77,7 @@ def quest_masked_ht_ref(g: torch.Tensor, mask: torch.Tensor | None, block: int) 
 # ----------------------------------------------------------------------------- Triton
 @triton.jit
 def _e2m1_level(t):
-    """Nearest signed E2M1 value of t (saturating at +-6, ties to the even code, as formats.fp4)."""
+    """Nearest signed E2M1 value of t (saturating at +-6, ties to the even code, as reference.fp4)."""
     a = tl.abs(t)
     idx = (a > 0.25).to(tl.int32)
     idx += ((a > 0.75) | (a == 0.75)).to(tl.int32)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hfq.eco import ECOAdamW, ECOSGD
-from hfq.eco.functional import adamw_, eco_adamw_, eco_sgdm_
+from hfq_kernels.reference.eco import adamw_, eco_adamw_, eco_sgdm_
 from hfq.eco.states import decode8, encode8
 from hfq.qparam import QLinear, QParam
 

@@ -187,7 +187,7 @@ def test_ddp_two_processes_eco_matches_single_process(tmp_path):
         _equal(s_ddp, s_ref)
     # one backward over the concatenated batch: the gradients differ by bf16 rounding (and Adam amplifies the
     # sign of near-zero ones, SR then draws differently), so compare the updates: within 10% of their size
-    from hfq.formats.fp8 import dequantize_fp8_row
+    from hfq_kernels.reference.fp8 import dequantize_fp8_row
 
     def value(snap, k):
         if k.endswith(".codes"):

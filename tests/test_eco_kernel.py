@@ -6,8 +6,8 @@ import torch
 
 import hfq_kernels.eco as K
 from hfq.eco import ECOAdamW
-from hfq.eco import functional as Fn
-from hfq.formats.fp8 import dequantize_fp8_row, e4m3_ulp, quantize_fp8_row
+from hfq_kernels.reference import eco as Fn
+from hfq_kernels.reference.fp8 import dequantize_fp8_row, e4m3_ulp, quantize_fp8_row
 from hfq.qparam import QLinear
 
 KW = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=3)

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hfq.formats import fp4
+from hfq_kernels.reference import fp4
 
 
 def test_all_16_codes_roundtrip():

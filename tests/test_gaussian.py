@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from hfq.formats import gaussian as g
+from hfq_kernels.reference import gaussian as g
 
 
 @pytest.mark.parametrize("bits", list(range(1, 9)))

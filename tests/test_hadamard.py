@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hfq.formats.hadamard import effective_block, fwht, hadamard_matrix
+from hfq_kernels.reference.hadamard import effective_block, fwht, hadamard_matrix
 from hfq_kernels.hadamard import hadamard_triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: device tensors on a GPU

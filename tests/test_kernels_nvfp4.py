@@ -1,4 +1,4 @@
-"""NVFP4 Triton kernels vs the torch oracle (hfq.formats.fp4).
+"""NVFP4 Triton kernels vs the torch oracle (hfq_kernels.reference.fp4).
 
 On CPU the kernels run under TRITON_INTERPRET=1 at small shapes (odd multiples of 16 included); with CUDA the
 same tests run on the GPU, plus full-shape checks. Outputs are poisoned with NaN before each run.
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfq.formats import fp4
+from hfq_kernels.reference import fp4
 from hfq_kernels import nvfp4 as K
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import hfq
-from hfq.formats import fp4
+from hfq_kernels.reference import fp4
 from hfq.nvfp4 import NVFP4Config, NVFP4Linear
 from hfq.tiny import save_tiny
 

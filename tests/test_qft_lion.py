@@ -11,7 +11,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, Trainer, TrainingAr
                           get_cosine_schedule_with_warmup)
 
 import hfq
-from hfq.formats.intq import quantize_int_asym
+from hfq_kernels.reference.intq import quantize_int_asym
 from hfq.qft import QFTConfig, QFTLinear, QLion, int8_grad, quantize_model_, quantize_rows, state_bytes
 from hfq.qft.int8 import dequantize_rows, max_error
 from hfq.qparam import QLinear, QParam

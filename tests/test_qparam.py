@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from hfq.formats.fp8 import dequantize_fp8_row, quantize_fp8_row, round_e4m3
+from hfq_kernels.reference.fp8 import dequantize_fp8_row, quantize_fp8_row, round_e4m3
 from hfq.qparam import FORMATS, QLinear, QParam
 
 META = {"int4_group": {"group_size": 16}}

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hfq  # noqa: F401  registers hfq_quest
-from hfq.formats import gaussian
-from hfq.formats.hadamard import fwht, hadamard_matrix
+from hfq_kernels.reference import gaussian
+from hfq_kernels.reference.hadamard import fwht, hadamard_matrix
 from hfq.quest import QuESTConfig, QuESTLinear, pack_codes, quantize_model, unpack_codes
 from hfq_kernels import quest as K
 

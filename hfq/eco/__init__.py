@@ -18,7 +18,7 @@ takes the same ECO step (SR draws from the optimizer's own seeded generator), so
 (tests/test_eco_ddp.py). Ranks must start from the same codes (same checkpoint or seed), or call
 `hfq.qparam.broadcast_qparams_(model)` before wrapping.
 """
-from .functional import RULES, eco_adamw_, eco_sgdm_
+from hfq_kernels.reference.eco import RULES, eco_adamw_, eco_sgdm_
 from .optim import ECOAdamW, ECOSGD
 from .trainer import optimizer_cls_and_kwargs
 

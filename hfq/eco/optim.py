@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.fp8 import check_rounding
+from hfq_kernels.reference.fp8 import check_rounding
 from ..optim_base import SeededOptimizer, check_beta, check_lr
 from ..qparam import QParam
-from . import functional as Fn
+from hfq_kernels.reference import eco as Fn
 from .states import StateStore
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hfq_kernels.nvfp4 as _K  # registers torch.ops.hfq.*
-from hfq.formats import fp4
+from hfq_kernels.reference import fp4
 
 _BLOCK = {"nvfp4": fp4.NVFP4_BLOCK, "mxfp4": fp4.MXFP4_BLOCK}
 

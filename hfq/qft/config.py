@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ..formats.fp8 import ROUNDINGS
+from hfq_kernels.reference.fp8 import ROUNDINGS
 from ..qparam import FORMATS, check_format
 from .linear import check_gradient_bits
 

@@ -4,7 +4,7 @@ Asymmetric min-max per row: s = (max - min) / 255, z = round(-min / s), code = c
 value = (code - z) * s; the range is widened to contain 0, so 0 is exact (a zero momentum stays zero).
 Codes are uint8 (the paper's INT8 with a zero point), one fp32 scale and one uint8 zero point per row.
 
-Same formulas as `hfq.formats.intq.quantize_int_asym` (the weights' dense part), but without its finiteness
+Same formulas as `hfq_kernels.reference.intq.quantize_int_asym` (the weights' dense part), but without its finiteness
 check: that check reads the tensor back to the host, once per layer per backward on a GPU; here non-finite
 inputs are reported through a device flag (`finite`) that the optimizer reads once per step.
 Rows: a tensor of shape [d0, d1, ...] uses d0 rows of prod(d1, ...) values; 0-D/1-D tensors are one row.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.intq import round_int
+from hfq_kernels.reference.intq import round_int
 
 QMAX = 255
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.fp8 import check_rounding
+from hfq_kernels.reference.fp8 import check_rounding
 from ..optim_base import SeededOptimizer, check_beta, check_lr
 from ..qparam import QParam
 from .int8 import as_rows, dequantize_rows, int8_grad, pop_int8_grad, quantize_rows

@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from hfq.formats import gaussian
-from hfq.formats.hadamard import DEFAULT_BLOCK, check_block_size
+from hfq_kernels.reference import gaussian
+from hfq_kernels.reference.hadamard import DEFAULT_BLOCK, check_block_size
 
 ESTIMATORS = ("trust", "ste")
 SAVE_FORMATS = ("codes", "master")

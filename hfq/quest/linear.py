@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 import hfq_kernels.hadamard  # noqa: F401  registers hfq::hadamard
 import hfq_kernels.quest as _qk  # registers hfq::quest_quantize / hfq::quest_masked_ht
-from hfq.formats import gaussian
-from hfq.formats.fp4 import check_finite
-from hfq.formats.hadamard import effective_block
+from hfq_kernels.reference import gaussian
+from hfq_kernels.reference.fp4 import check_finite
+from hfq_kernels.reference.hadamard import effective_block
 
 from .config import QuESTConfig
 

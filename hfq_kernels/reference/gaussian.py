@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from hfq.formats.fp4 import E2M1_VALUES, e2m1_decode, e2m1_encode
+from hfq_kernels.reference.fp4 import E2M1_VALUES, e2m1_decode, e2m1_encode
 
 GRIDS = ("int", "fp4")
 BITS = tuple(range(1, 9))
