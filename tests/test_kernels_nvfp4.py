@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from hfq_kernels.reference import fp4
 from hfq_kernels import nvfp4 as K
+from hfq_kernels import nvfp4_gluon as gluon
+from hfq_kernels import nvfp4_matmul as MM
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -64,19 +66,19 @@ def test_dequantize_bit_identical(out_dtype):
 
 LINEAR_CASES = [
     # (M, K, N, config): swap-AB decode tiles with/without split-K (even, uneven, K tail), large-M tiles
-    (1, 96, 40, dict(kind="mm", BN=32, BM=16, BK=32, split=1, warps=4, stages=2)),
+    (1, 96, 40, dict(kind="tile", BN=32, BM=16, BK=32, split=1, warps=4, stages=2)),
     (1, 96, 40, dict(kind="gemv", BN=16, BM=1, BK=32, split=1, warps=4, stages=2)),  # CUDA-core GEMV
     (3, 160, 24, dict(kind="gemv", BN=8, BM=4, BK=64, split=2, warps=4, stages=2)),  # K tail, uneven split
-    (3, 160, 48, dict(kind="mm", BN=16, BM=16, BK=64, split=2, warps=4, stages=2)),  # K tail + uneven split
-    (16, 256, 32, dict(kind="mm", BN=32, BM=16, BK=64, split=4, warps=4, stages=2)),
-    (17, 80, 24, dict(kind="mm", BN=16, BM=32, BK=32, split=1, warps=4, stages=2)),
-    (70, 128, 72, dict(kind="mm", BN=64, BM=32, BK=64, split=1, warps=4, stages=2)),
+    (3, 160, 48, dict(kind="tile", BN=16, BM=16, BK=64, split=2, warps=4, stages=2)),  # K tail + uneven split
+    (16, 256, 32, dict(kind="tile", BN=32, BM=16, BK=64, split=4, warps=4, stages=2)),
+    (17, 80, 24, dict(kind="tile", BN=16, BM=32, BK=32, split=1, warps=4, stages=2)),
+    (70, 128, 72, dict(kind="tile", BN=64, BM=32, BK=64, split=1, warps=4, stages=2)),
     # decode kernel: int32 word loads, fp16 decode, per-row x scaling; prefetch, split-K partials + reduce
     # (BK >= 128: each of the 8 per-code-position tensor-core dots needs K >= 16 on the GPU)
-    (1, 96, 40, dict(kind="dec", BN=32, BM=16, BK=128, split=1, prefetch=True)),  # K < BK
-    (3, 400, 48, dict(kind="dec", BN=32, BM=16, BK=128, split=2, prefetch=True)),  # K tail + uneven split
-    (17, 528, 24, dict(kind="dec", BN=32, BM=16, BK=128, split=3, prefetch=False)),
-    (5, 256, 64, dict(kind="dec", BN=32, BM=16, BK=128, split=2, prefetch=True)),  # one K tile per split, no tail
+    (1, 96, 40, dict(kind="words", BN=32, BM=16, BK=128, split=1, prefetch=True)),  # K < BK
+    (3, 400, 48, dict(kind="words", BN=32, BM=16, BK=128, split=2, prefetch=True)),  # K tail + uneven split
+    (17, 528, 24, dict(kind="words", BN=32, BM=16, BK=128, split=3, prefetch=False)),
+    (5, 256, 64, dict(kind="words", BN=32, BM=16, BK=128, split=2, prefetch=True)),  # one K tile per split, no tail
 ]
 
 
@@ -96,11 +98,11 @@ def test_linear_kernel_matches_float64(m, k, n, cfg, bias):
     assert _rel(y, ref) <= 1e-2
 
 
-def test_dec_kernel_wide_x_range_and_fp16():
+def test_words_kernel_wide_x_range_and_fp16():
     """Rows of x spanning 1e-4..1e3 (bf16: per-row power-of-two scaling into fp16) and an fp16 input."""
     p, s, r = K.quantize(_weight(40, 256, seed=11))
     wf = fp4.nvfp4_dequantize(p, s, r, torch.float32).double()
-    cfg = dict(kind="dec", BN=32, BM=16, BK=128, split=2, prefetch=True)
+    cfg = dict(kind="words", BN=32, BM=16, BK=128, split=2, prefetch=True)
     for dt, hi in ((torch.bfloat16, 3.0), (torch.float16, 1.0)):
         x = (torch.randn(5, 256) * torch.logspace(-4, hi, 5)[:, None]).to(dt).to(DEV)
         y = K.linear(x, p, s, r, config=cfg)
@@ -112,23 +114,35 @@ def test_dec_kernel_wide_x_range_and_fp16():
 def test_linear_fp16_and_batch_dims():
     p, s, r = K.quantize(_weight(24, 64, seed=5))
     x = torch.randn(2, 3, 64).to(torch.float16).to(DEV)
-    y = K.linear(x, p, s, r, config=dict(kind="mm", BN=16, BM=16, BK=32, split=2, warps=4, stages=2))
+    y = K.linear(x, p, s, r, config=dict(kind="tile", BN=16, BM=16, BK=32, split=2, warps=4, stages=2))
     ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
     assert y.shape == (2, 3, 24) and y.dtype == torch.float16
     assert _rel(y, ref) <= 1e-2
 
 
-@pytest.mark.parametrize("m,n,k,cfg", [
-    (5, 48, 64, dict(kind="t", BM=16, BNR=32, BKO=32, warps=4, stages=2)),  # N tail (48 % 32)
-    (33, 64, 96, dict(kind="t", BM=32, BNR=32, BKO=64, warps=4, stages=2)),  # K tail (96 % 64)
-])
-def test_grad_input_kernel(m, n, k, cfg):
+@pytest.mark.parametrize("m,n,k", [(5, 48, 64), (33, 64, 96)])
+def test_grad_input_matches_float64(m, n, k):
     p, s, r = K.quantize(_weight(n, k, seed=n))
     gy = torch.randn(m, n).to(torch.bfloat16).to(DEV)
     out = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device=DEV)
-    gx = K.grad_input(gy, p, s, r, config=cfg, out=out)
+    gx = K.grad_input(gy, p, s, r, out=out)
     ref = gy.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double()
+    assert gx.data_ptr() == out.data_ptr()
     assert torch.isfinite(gx).all() and _rel(gx, ref) <= 1e-2
+    assert _rel(K.grad_input(gy.view(1, m, n), p, s, r), ref) <= 1e-2
+
+
+def test_unknown_config_kind_raises():
+    p, s, r = K.quantize(_weight(16, 32))
+    x = torch.randn(2, 32).to(torch.bfloat16).to(DEV)
+    with pytest.raises(ValueError, match="unknown kind"):
+        K.linear(x, p, s, r, config=dict(kind="t"))
+
+
+def test_shipped_tables_name_known_kinds():
+    """Every shipped tuned entry names a kind that linear() can run."""
+    for key, cfg in MM.LINEAR_TUNER.cache.items():
+        assert cfg["kind"] in MM.KINDS, (key, cfg)
 
 
 def test_op_autograd_x_and_bias():
@@ -225,12 +239,12 @@ def test_g4_repack_layout_matches_reference(n, k):
     """repack_g4 + the g4 kernel's bit-level decode (emulated in torch) reproduce the canonical dequantized product."""
     w = _weight(n, k, seed=n + k).cpu()
     p, s, r = fp4.nvfp4_quantize(w)
-    wr, sr = K.repack_g4(p, s)
+    wr, sr = gluon.repack(p, s)
     assert wr.dtype == torch.int32 and wr.numel() == -(-n // 16) * 16 * -(-k // 64) * 64 // 8
     assert sr.dtype == torch.uint8 and sr.numel() == wr.numel() // 2
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
     ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
-    assert _rel(K.g4_reference(x, wr, sr, n, k, r), ref) < 1e-6
+    assert _rel(gluon.emulate(x, wr, sr, n, k, r), ref) < 1e-6
 
 
 _DEC_SM90_IR = """
@@ -239,6 +253,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hfq_kernels import nvfp4 as K
+from hfq_kernels import nvfp4_gluon as gluon
+from hfq_kernels import nvfp4_matmul as MM
 
 prefetch, cps1 = sys.argv[1] == "1", sys.argv[2] == "1"
 sig = {"x_ptr": "*bf16", "wq_ptr": "*i32", "ws_ptr": "*u8", "recip_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": "*fp32",
@@ -247,14 +263,14 @@ consts = dict(BN=32, BM=16, BK=128, HAS_BIAS=False, PARTIAL=True, MASK_K=False, 
               F32_DOT=False)
 if cps1:  # the launcher's chunks_per_split == 1 is specialised to a constant: no K loop
     consts["chunks_per_split"] = 1
-k = triton.compile(ASTSource(fn=K._dec_kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+k = triton.compile(ASTSource(fn=MM._words_kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4, "num_stages": 1})
 ir = k.asm["ttgir"]
 print("dot", "tt.dot" in ir, "reshape", "tt.reshape" in ir, "join", "tt.join" in ir)
 """
 
 
-def test_dec_kernel_sm90_has_no_scale_reshape(prefetch=True, cps1=True):
+def test_words_kernel_sm90_has_no_scale_reshape(prefetch=True, cps1=True):
     """Regression guard for an H100 miscompile (Triton 3.6): widening the [BN, BK/16] scale tile with
     tl.reshape(tl.join(...)) got the dot-operand layout (kWidth=8) pushed through it at BN=32 and every product
     came out wrong; the kernel now loads one scale byte per weight word, so no join/reshape may reach the IR.
@@ -277,7 +293,7 @@ def test_dec_kernel_sm90_has_no_scale_reshape(prefetch=True, cps1=True):
 
 def test_g4_kernel_compiles_for_sm90_without_shared_memory():
     """The g4 kernel's layout conversions are all register-only (assert_trivial) and it uses no shared memory."""
-    if not K.HAS_GLUON:
+    if not gluon.HAS_GLUON:
         pytest.skip("no gluon")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -286,7 +302,7 @@ def test_g4_kernel_compiles_for_sm90_without_shared_memory():
     sig = {"x_ptr": "*bf16", "wr_ptr": "*i32", "sr_ptr": "*u8", "recip_ptr": "*fp32", "b_ptr": "*bf16",
            "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "KC": "i32", "NT": "i32", "stride_xm": "i32",
            "stride_ym": "i32", "cps": "i32"}
-    src = GluonASTSource(fn=K._g4_kernel, signature=sig,
+    src = GluonASTSource(fn=gluon._g4_kernel, signature=sig,
                          constexprs=dict(BM=16, R=2, HAS_BIAS=False, PARTIAL=True, PREFETCH=True))
     try:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -302,10 +318,10 @@ def test_autotune_rejects_a_config_that_miscomputes(monkeypatch):
     """The tuner's runner checks each candidate against dequantize + F.linear before timing it."""
     p, s, r = K.quantize(_weight(48, 128, seed=4))
     x = torch.randn(3, 128).to(torch.bfloat16).to(DEV)
-    runner = K._checked_runner(x, p, s, r, None)
-    assert callable(runner(dict(kind="dq")))
-    real = K.linear
-    monkeypatch.setattr(K, "linear", lambda *a, config=None, **kw: real(*a, config=config, **kw) * 1.5
+    runner = MM.checked_runner(x, p, s, r, None)
+    assert callable(runner(dict(kind="dequant")))
+    real = MM.linear
+    monkeypatch.setattr(MM, "linear", lambda *a, config=None, **kw: real(*a, config=config, **kw) * 1.5
                         if config.get("bad") else real(*a, config=config, **kw))
     with pytest.raises(ValueError, match="relative error"):
-        runner(dict(kind="dq", bad=True))
+        runner(dict(kind="dequant", bad=True))

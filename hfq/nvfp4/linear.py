@@ -85,7 +85,7 @@ class NVFP4Linear(nn.Module):
             else:  # plain eager CUDA: same op without the custom-op dispatch (see hfq_kernels.nvfp4.linear_eager)
                 ids = (id(p), id(s), id(g), p.shape, s.shape)
                 if self.__dict__.get("_hfq_checked") != ids:  # validate each new set of buffers once
-                    _K._check_packed(p, s, g)
+                    _K.check_packed(p, s, g)
                     self.__dict__["_hfq_checked"] = ids
                 y = _K.linear_eager(x, p, s, g, bias, checked=True)
         else:

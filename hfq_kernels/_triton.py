@@ -1,0 +1,128 @@
+"""Triton availability, interpreter handling, device facts and the decode helpers every kernel family shares.
+
+Kernel modules import `triton` and `tl` from here. Without triton installed they get stand-ins: `@triton.jit`
+still decorates (the kernel raises when launched) and `available(device)` is False, so callers take the torch
+references and `import hfq_kernels.*` works on CPU-only installs.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU installs without triton keep the torch references
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# CPU tensors (the interpreter) plan launches as for this many SMs, an H100's count, so tests on CPU exercise
+# the same split-K / split-KV paths as the GPU.
+NOMINAL_SMS = 132
+
+
+class _NoTriton:
+    """Stand-in for the triton modules: decorators work, kernels raise when launched."""
+
+    def jit(self, fn=None, **_kw):
+        if fn is None:
+            return self.jit
+
+        def missing(*_a, **_k):
+            raise RuntimeError(f"{fn.__name__}: triton is not installed (pip install triton)")
+
+        missing.__name__ = fn.__name__
+        missing.fn = fn
+        return missing
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"triton.{name}: triton is not installed (pip install triton)")
+
+
+if not HAS_TRITON:
+    triton = tl = _NoTriton()
+
+if HAS_TRITON and INTERPRET:
+    # Triton 3.6's interpreter turns loop bounds into 1-element arrays and calls int() on them, which
+    # NumPy >= 2.3 refuses; wrap its patch so __index__ reads the single element instead.
+    import triton.runtime.interpreter as _interp
+
+    if not getattr(_interp._patch_lang_tensor, "_hfq_wrapped", False):
+        _orig_patch = _interp._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            _orig_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        _patch_lang_tensor._hfq_wrapped = True
+        _interp._patch_lang_tensor = _patch_lang_tensor
+
+
+def available(device: torch.device) -> bool:
+    """Whether Triton kernels can run on tensors of `device` (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    if not HAS_TRITON:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and INTERPRET)
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    """True for a CUDA tensor with triton installed (the ops' CUDA kernels use Triton only then)."""
+    return HAS_TRITON and t.is_cuda
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+_SMS: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (read once per device); NOMINAL_SMS for CPU tensors."""
+    if device.type != "cuda":
+        return NOMINAL_SMS
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _SMS.get(idx)
+    if n is None:
+        n = _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return n
+
+
+@triton.jit
+def e4m3_to_f32(b):
+    """E4M3 byte (int32 0..255) -> float32, exact (subnormals included)."""
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def e2m1_raw(c):
+    """4-bit E2M1 code (int32) -> float32 value * 2^-14 (the code's bits placed in an fp16; exact)."""
+    h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16)
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e2m1_to_f32(c):
+    """4-bit E2M1 code (int32) -> float32 (exact, 0.5 included)."""
+    return e2m1_raw(c) * 16384.0
+
+
+@triton.jit
+def f32_to_bf16_rne(v):
+    """fp32 -> bf16 with round-to-nearest-even on the bits (the interpreter's cast truncates)."""
+    b = v.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return b.to(tl.int16).to(tl.bfloat16, bitcast=True)

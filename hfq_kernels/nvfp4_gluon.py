@@ -1,0 +1,256 @@
+"""Gluon (explicit layouts) W4A16 decode kernel for bf16 activations, M <= 64, on a repacked copy of the weights.
+
+Repacked layout (built once per weight by `repack`, cached; state_dict/save keep the canonical layout):
+  rows in tiles of 16 (n = 16 rt + 8 hrow + g), K in chunks of 64 (k = 64 kc + 16 c + 8 wsub + 2 i + h), both
+  zero-padded. MMA lane (g, c) = 4 g + c owns rows g and g+8 of scale block c in every chunk: its 16 bytes are
+  words r = 2 hrow + wsub at int32 index ((rt*KC + kc)*32 + lane)*4 + r, one 16-byte load per thread.
+  In word r, the code of (i, h) has its 3 magnitude bits at 6+16h-SM[i] .. 8+16h-SM[i] and its sign at
+  15+16h-SS[i], with (SM, SS) = (0,0), (3,3), (-3,1), (6,2): so (w << SM[i]) & 0x01C001C0 | (w << SS[i]) & 0x80008000
+  is a pair of bf16 = e2m1 * 2^-126 (exact, 11 integer ops per 8 codes), which times the scale is the MMA's A
+  register for k-slab i directly (no layout conversion, no shared memory).
+  Scales: one byte per (row, block) at ((rt*KC + kc)*32 + lane)*2 + hrow, encoding bf16(scale * 2^112) as
+  (exponent - 230) << 3 | mantissa, so bf16x2(s, s) = byte * 0x00100010 + 0x73007300 (one IMAD); blocks whose
+  scale is 0 get zero codes. W = A * 2^14 / global_recip; x stays bf16 (the B operand, two 16-byte loads).
+"""
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+
+from hfq_kernels._triton import HAS_TRITON, INTERPRET, cdiv
+
+_G4_SM = (0, 3, -3, 6)
+_G4_SS = (0, 3, 1, 2)
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    HAS_GLUON = HAS_TRITON
+except Exception:  # pragma: no cover - older triton
+    HAS_GLUON = False
+
+if HAS_GLUON:
+    _G4_ASM = gl.constexpr("""
+    {
+    .reg .b32 t0, t1, t2, t3, t4, NZ;
+    mov.b32 NZ, 0x80008000;
+    and.b32 t0, $4, 0x81C081C0;
+    fma.rn.bf16x2 $0, t0, $5, NZ;
+    shl.b32 t1, $4, 3;
+    and.b32 t1, t1, 0x81C081C0;
+    fma.rn.bf16x2 $1, t1, $5, NZ;
+    shr.u32 t2, $4, 3;
+    shl.b32 t3, $4, 1;
+    and.b32 t2, t2, 0x01C001C0;
+    and.b32 t3, t3, 0x80008000;
+    or.b32 t2, t2, t3;
+    fma.rn.bf16x2 $2, t2, $5, NZ;
+    shl.b32 t3, $4, 6;
+    shl.b32 t4, $4, 2;
+    and.b32 t3, t3, 0x01C001C0;
+    and.b32 t4, t4, 0x80008000;
+    or.b32 t3, t3, t4;
+    fma.rn.bf16x2 $3, t3, $5, NZ;
+    }
+    """)
+
+    @gluon.constexpr_function
+    def _g4_x_layout(BM, W):
+        """x chunk [BM, 4, 16]: 16 contiguous k per thread (registers), lanes (c, g), rows g + 8t in registers."""
+        BM, W = int(BM), int(W)
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]] + [[8 << t, 0, 0] for t in range(BM.bit_length() - 4)],
+            lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            warp_bases=[[0, 0, 0]] * (W.bit_length() - 1), block_bases=[], shape=[BM, 4, 16])
+
+    @gluon.jit
+    def _g4_kernel(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, KC, NT, stride_xm, stride_ym, cps,
+                   BM: gl.constexpr, R: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+                   PREFETCH: gl.constexpr):
+        W: gl.constexpr = gl.num_warps()
+        RT: gl.constexpr = R * W
+        BN: gl.constexpr = RT * 16
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
+        a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
+        L4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2], [1, 32, 1, 1], [W, 1, 1, 1], [3, 2, 1, 0])
+        LS: gl.constexpr = gl.SliceLayout(3, L4)
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        kc0 = pid_k * cps
+        nch = gl.minimum(cps, KC - kc0)
+        # word offsets [RT, 32, 4]: ((rt*KC + kc)*32 + lane)*4 + r
+        rt3 = gl.arange(0, RT, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        ln3 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+        r3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+        rtg3 = gl.minimum(pid_n * RT + rt3, NT - 1)
+        woff = (gl.expand_dims(gl.expand_dims(rtg3 * (KC * 128), 1), 2) + gl.expand_dims(gl.expand_dims(ln3 * 4, 0), 2)
+                + gl.expand_dims(gl.expand_dims(r3, 0), 1)) + kc0 * 128
+        # scale offsets [RT, 32, 2] in LS: ((rt*KC + kc)*32 + lane)*2 + hrow
+        rts = gl.arange(0, RT, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS)))
+        lns = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
+        hs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
+        rtgs = gl.minimum(pid_n * RT + rts, NT - 1)
+        soff = (gl.expand_dims(gl.expand_dims(rtgs * (KC * 64), 1), 2) + gl.expand_dims(gl.expand_dims(lns * 2, 0), 2)
+                + gl.expand_dims(gl.expand_dims(hs, 0), 1)) + kc0 * 64
+        # x chunk [BM, 4 (c), 16 (j)]: thread (g, c) reads x[g (+8), 16c .. 16c+15] (two 16-byte loads);
+        # j = 8 wsub + 2 i + h is regrouped into the B operand's kappa = 16 i + 8 wsub + 2 c + h.
+        XL: gl.constexpr = _g4_x_layout(BM, W)
+        xm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
+        xc = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
+        xj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
+        xm3 = gl.expand_dims(gl.expand_dims(xm, 1), 2)
+        xc3 = gl.expand_dims(gl.expand_dims(xc * 16, 0), 2)
+        xptr = x_ptr + xm3.to(gl.int64) * stride_xm + xc3 + gl.expand_dims(gl.expand_dims(xj, 0), 1)
+        xmok = xm3 < M
+        acc = gl.zeros([BN, BM], gl.float32, layout=mma)
+        k0 = kc0 * 64
+        w = gl.load(wr_ptr + woff)
+        s = gl.load(sr_ptr + soff)
+        xt = gl.load(xptr + k0, mask=xmok & (k0 + xc3 < K), other=0.0)
+        for it in range(nch):
+            if PREFETCH:
+                nx = gl.minimum(it + 1, nch - 1)
+                wn = gl.load(wr_ptr + woff + nx * 128)
+                sn = gl.load(sr_ptr + soff + nx * 64)
+                kn = k0 + nx * 64
+                xn = gl.load(xptr + kn, mask=xmok & (kn + xc3 < K), other=0.0)
+            else:
+                kcur = k0 + it * 64
+                w = gl.load(wr_ptr + woff + it * 128)
+                s = gl.load(sr_ptr + soff + it * 64)
+                xt = gl.load(xptr + kcur, mask=xmok & (kcur + xc3 < K), other=0.0)
+            w4 = gl.convert_layout(gl.reshape(w, [RT, 32, 2, 2]), L4, assert_trivial=True)
+            s2 = s.to(gl.int32) * 0x00100010 + 0x73007300
+            s4 = gl.broadcast(gl.expand_dims(s2, 3), w4)[0]
+            o0, o1, o2, o3 = gl.inline_asm_elementwise(_G4_ASM, "=r,=r,=r,=r,r,r", [w4, s4],
+                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                       is_pure=True, pack=1)
+            o = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [RT, 32, hrow, wsub, i%2, i//2]
+            lo = o.to(gl.int16).to(gl.bfloat16, bitcast=True)
+            hi = (o >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+            v = gl.join(lo, hi)  # [..., h]
+            v = gl.reshape(v, [RT, 8, 4, 2, 2, 2, 2, 2])  # rt, g, c, hrow, wsub, i0, i1, h
+            v = gl.permute(v, [0, 3, 1, 6, 5, 4, 2, 7])  # rt, hrow, g, i1, i0, wsub, c, h
+            a = gl.convert_layout(gl.reshape(v, [BN, 64]), a_l, assert_trivial=True)
+            xb = gl.permute(gl.reshape(xt, [BM, 4, 2, 4, 2]), [3, 2, 1, 4, 0])  # i, wsub, c, h, m
+            b = gl.convert_layout(gl.reshape(xb, [64, BM]), b_l, assert_trivial=True)
+            acc = mma_v2(a, b, acc)
+            if PREFETCH:
+                w = wn
+                s = sn
+                xt = xn
+        rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        mo = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, mma))
+        ymask = gl.expand_dims(rn < N, 1) & gl.expand_dims(mo < M, 0)
+        acc = acc * (16384.0 / gl.load(recip_ptr))
+        if PARTIAL:
+            gl.store(y_ptr + (pid_k * M + gl.expand_dims(mo, 0)).to(gl.int64) * N + gl.expand_dims(rn, 1), acc, mask=ymask)
+        else:
+            if HAS_BIAS:
+                acc += gl.expand_dims(gl.load(b_ptr + rn, mask=rn < N, other=0.0).to(gl.float32), 1)
+            gl.store(y_ptr + gl.expand_dims(mo.to(gl.int64) * stride_ym, 0) + gl.expand_dims(rn, 1),
+                     acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical (packed u8[N, K/2], scale e4m3[N, K/16]) -> the g4 kernel's (words i32, scale bytes u8); see the module doc."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    nt, kc = cdiv(n, 16), cdiv(k, 64)
+    dev = packed.device
+    codes = torch.zeros((nt * 16, kc * 64), dtype=torch.int32, device=dev)
+    p = packed.to(torch.int32)
+    codes[:n, 0:k:2] = p & 15
+    codes[:n, 1:k:2] = p >> 4
+    sv = scale.float()
+    bl = torch.zeros((nt * 16, kc * 4), dtype=torch.float32, device=dev)
+    bl[:n, :k // 16] = sv
+    zero = bl == 0
+    codes.view(nt * 16, kc * 4, 16).masked_fill_(zero[:, :, None], 0)  # zero-scale blocks: zero codes (exact)
+    bits = (bl * 2.0 ** 112).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    sb = torch.where(zero, torch.zeros_like(bits), (((bits >> 7) - 230) << 3) | ((bits >> 4) & 7))
+    if bool(((sb < 0) | (sb > 255)).any()) or bool(((bits & 15) != 0).any()):
+        raise ValueError("nvfp4 gluon repack: scale outside the E4M3 range (negative, NaN or not E4M3)")
+    c = codes.view(nt, 2, 8, kc, 4, 2, 4, 2).to(torch.int64)  # rt, hrow, g, kc, c, wsub, i, h
+    word = torch.zeros((nt, 2, 8, kc, 4, 2), dtype=torch.int64, device=dev)
+    for i in range(4):
+        for h in range(2):
+            ci = c[..., i, h]
+            word |= (ci & 7) << (6 + 16 * h - _G4_SM[i])
+            word |= (ci >> 3) << (15 + 16 * h - _G4_SS[i])
+    word = word.permute(0, 3, 2, 4, 1, 5).reshape(-1)  # rt, kc, g, c, hrow, wsub
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+    sr = sb.view(nt, 2, 8, kc, 4).permute(0, 3, 2, 4, 1).reshape(-1).to(torch.uint8)  # rt, kc, g, c, hrow
+    return word.contiguous(), sr.contiguous()
+
+
+def emulate(x: torch.Tensor, wr: torch.Tensor, sr: torch.Tensor, n: int, k: int, recip) -> torch.Tensor:
+    """Torch emulation of _g4_kernel's arithmetic on the repacked layout (tests check repack + decode on CPU)."""
+    nt, kc = cdiv(n, 16), cdiv(k, 64)
+    w = wr.to(torch.int64) & 0xFFFFFFFF
+    w = w.view(nt, kc, 8, 4, 2, 2)  # rt, kc, g, c, hrow, wsub
+    sbits = (sr.to(torch.int32) << 4) + (230 << 7)
+    sval = (sbits.to(torch.int16).view(torch.bfloat16).float()).view(nt, kc, 8, 4, 2)
+    out = torch.zeros((nt, kc, 8, 4, 2, 2, 4, 2), dtype=torch.float32)  # ..., hrow, wsub, i, h
+    for i in range(4):
+        sm, ss = _G4_SM[i], _G4_SS[i]
+        sh = (lambda v, a: (v << a) if a >= 0 else (v >> -a))
+        o = ((sh(w, sm) & 0x01C001C0) | (sh(w, ss) & 0x80008000)) & 0xFFFFFFFF
+        for h in range(2):
+            half = ((o >> (16 * h)) & 0xFFFF).to(torch.int32)
+            half = torch.where(half >= 2 ** 15, half - 2 ** 16, half).to(torch.int16)
+            out[..., i, h] = half.view(torch.bfloat16).float() * sval[..., None]
+    wd = out.permute(0, 4, 2, 1, 3, 5, 6, 7).reshape(nt * 16, kc * 64)  # rt,hrow,g | kc,c,wsub,i,h
+    wd = wd[:n, :k].double() * (2.0 ** 14 / float(recip.reshape(-1)[0]))
+    return x.double() @ wd.T
+
+
+_CACHE: dict = {}
+
+
+def repacked(packed: torch.Tensor, scale: torch.Tensor):
+    """Lazily built repacked copy, cached per (packed, scale) tensor object and version (in-place updates rebuild)."""
+    key = (id(packed), id(scale))
+    ver = (packed._version, scale._version, packed.data_ptr(), scale.data_ptr())
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is packed and hit[1]() is scale and hit[2] == ver:
+        return hit[3]
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    rep = repack(packed, scale)
+    _CACHE[key] = (weakref.ref(packed), weakref.ref(scale), ver, rep)
+    weakref.finalize(packed, _CACHE.pop, key, None)
+    return rep
+
+
+def supported(x2: torch.Tensor) -> bool:
+    """Whether the Gluon kernel can take x2 (bf16, M <= 64, CUDA sm_80+, gluon available, HFQ_NVFP4_GLUON != 0)."""
+    return (HAS_GLUON and not INTERPRET and x2.is_cuda and x2.dtype == torch.bfloat16 and x2.shape[0] <= 64
+            and os.environ.get("HFQ_NVFP4_GLUON", "1") != "0" and torch.cuda.get_device_capability(x2.device) >= (8, 0))
+
+
+def default_config(m: int, n: int, k: int, sms: int) -> dict:
+    """Heuristic config: 2 row tiles per warp, 4 warps, split-K until ~2 programs per SM."""
+    bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
+    r, warps = 2, 4
+    tiles = cdiv(cdiv(n, 16), r * warps) * cdiv(m, bm)
+    kc = cdiv(k, 64)
+    split = max(1, min(kc, cdiv(2 * sms, tiles)))
+    return dict(kind="gluon", BM=bm, R=r, warps=warps, split=split)
+
+
+def launch(x2, wr, sr, recip, bias, dst, y_stride, n, cfg, split, cps):
+    """One launch of _g4_kernel on the repacked (wr, sr); split > 1 writes fp32 partials [split, M, N] to dst."""
+    m, k = x2.shape
+    nt, kc = cdiv(n, 16), cdiv(k, 64)
+    bm, r, warps = cfg["BM"], cfg["R"], cfg.get("warps", 4)
+    partial = split > 1
+    grid = (cdiv(nt, r * warps), cdiv(m, bm), split)
+    _g4_kernel[grid](x2, wr, sr, recip, bias if bias is not None else recip, dst, m, n, k, kc, nt,
+                     x2.stride(0), y_stride, cps, BM=bm, R=r, HAS_BIAS=bias is not None and not partial,
+                     PARTIAL=partial, PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps)
