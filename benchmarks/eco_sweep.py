@@ -1,5 +1,5 @@
-"""Launch-setting sweep of the fused ECO-AdamW step (device): rows per program / warps per block width, the one-pass
-limit, and FMA contraction, timed on the 1B-shaped weight set of benchmarks/eco.py (bf16 states; RTN and SR).
+"""Launch-setting sweep of the fused ECO-AdamW step (device): rows per program / warps per block width and the
+one-pass limit, timed on the 1B-shaped weight set of benchmarks/eco.py (bf16 states; RTN and SR).
 Prints one JSON line per variant and writes OUT/eco_sweep.json.   python benchmarks/eco_sweep.py --out DIR"""
 import argparse
 import json
@@ -17,15 +17,12 @@ from hfq.eco import ECOAdamW  # noqa: E402
 BASE = dict(K.LAUNCH)
 
 
-def variants():  # name, LAUNCH overrides, MAX_ONE_PASS, FP_FUSION, SR_SHARED
-    yield "default", {}, K.MAX_ONE_PASS, False, False
-    yield "sr-shared", {}, K.MAX_ONE_PASS, False, True
-    yield "fma", {}, K.MAX_ONE_PASS, True, False
-    yield "fma+sr-shared", {}, K.MAX_ONE_PASS, True, True
+def variants():  # name, LAUNCH overrides, MAX_ONE_PASS
+    yield "default", {}, K.MAX_ONE_PASS
     for r, w in ((1, 4), (1, 16)):
-        yield f"2048:{r}x{w}", {2048: (r, w)}, K.MAX_ONE_PASS, False, False
+        yield f"2048:{r}x{w}", {2048: (r, w)}, K.MAX_ONE_PASS
     for r, w in ((1, 32),):
-        yield f"8192:{r}x{w}", {8192: (r, w)}, K.MAX_ONE_PASS, False, False
+        yield f"8192:{r}x{w}", {8192: (r, w)}, K.MAX_ONE_PASS
 
 
 def main():
@@ -36,9 +33,9 @@ def main():
     dev = torch.device("cuda")
     params = make_params(shapes_1b(), dev, "fp8")
     rows = []
-    for name, launch, one_pass, fma, shared in variants():
+    for name, launch, one_pass in variants():
         K.LAUNCH = {**BASE, **launch}
-        K.MAX_ONE_PASS, K.FP_FUSION, K.SR_SHARED = one_pass, fma, shared
+        K.MAX_ONE_PASS = one_pass
         for rounding in ("rtn", "sr"):
             opt = ECOAdamW(params, lr=1e-4, rounding=rounding, state_dtype=torch.bfloat16, fused=True)
             ms = time_step(opt, dev)

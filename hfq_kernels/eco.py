@@ -22,236 +22,212 @@ Divisions are IEEE (div_rn) where the reference divides (m/denom, tmp/scale, ama
 power of two and is applied by multiplication.
 
 SR: Philox (counter = column group, row, tensor stream; key = seed): one call serves 8 elements with 16-bit uniforms
-u = (h + 1/2)/2^16 (SR_SHARED, default) or each element gets its own call and a 24-bit uniform. Rounding up when
-u < frac (frac = exact fractional distance to the lower grid point) happens with probability within 2^-17 (2^-25)
-of frac, so E[Q(x)] is unbiased to that. Draws differ from the reference's generator.
+u = (h + 1/2)/2^16. Rounding up when u < frac (frac = exact fractional distance to the lower grid point) happens
+with probability within 2^-17 of frac, so E[Q(x)] is unbiased to that. On the H100 one call per 8 elements made the
+1B-shaped SR step 7.2-7.5 ms against 9.3-11.6 ms for one call (24-bit uniform) per element
+(benchmarks/results/eco_sweep.md). Draws differ from the reference's generator.
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
 
+from hfq_kernels._triton import HAS_TRITON, INTERPRET, available, e4m3_to_f32, on_gpu, tl, triton  # noqa: F401
 from hfq_kernels.reference import eco as Fn
 from hfq_kernels.reference import fp8 as _fp8
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover
-    HAS_TRITON = False
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 MAX_ONE_PASS = 8192
 MIN_BLOCK = 64
 # block width -> (rows per program, num_warps); tuned on an H100 (benchmarks/eco.py --sweep), overridable
 LAUNCH = {64: (16, 4), 128: (16, 4), 256: (8, 4), 512: (4, 4), 1024: (2, 4), 2048: (1, 8), 4096: (1, 8),
           8192: (1, 16)}
 
-# FMA contraction off keeps the kernel's fp32 arithmetic equal to the reference's op for op (benchmarks/eco_sweep.py
-# measures what turning it on would buy)
-FP_FUSION = False
-# SR uniforms: one Philox call per 8 elements (16-bit, True: E[Q(x)] within 2^-17 of a grid step of x) or per
-# element (24-bit, False). On the H100 the shared form made the 1B-shaped SR step 7.2-7.5 ms instead of 9.3-11.6 ms
-# (benchmarks/eco_sweep.py).
-SR_SHARED = True
 
 _G_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _S_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
-if HAS_TRITON:
 
-    @triton.jit
-    def _ptr(rec, i, CODE: tl.constexpr, ALIGNED: tl.constexpr):
-        """Record field i of the pointer table as a typed pointer (CODE: 0 fp32, 1 bf16, 2 fp16, 3 uint8)."""
-        a = tl.load(rec + i)
-        if CODE == 1:
-            p = a.to(tl.pointer_type(tl.bfloat16))
-        elif CODE == 2:
-            p = a.to(tl.pointer_type(tl.float16))
-        elif CODE == 3:
-            p = a.to(tl.pointer_type(tl.uint8))
-        else:
-            p = a.to(tl.pointer_type(tl.float32))
-        if ALIGNED:
-            p = tl.multiple_of(p, 16)
-        return p
+@triton.jit
+def _ptr(rec, i, CODE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Record field i of the pointer table as a typed pointer (CODE: 0 fp32, 1 bf16, 2 fp16, 3 uint8)."""
+    a = tl.load(rec + i)
+    if CODE == 1:
+        p = a.to(tl.pointer_type(tl.bfloat16))
+    elif CODE == 2:
+        p = a.to(tl.pointer_type(tl.float16))
+    elif CODE == 3:
+        p = a.to(tl.pointer_type(tl.uint8))
+    else:
+        p = a.to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
 
-    @triton.jit
-    def _e4m3_decode(b):
-        """E4M3 byte (int32 0..255) -> float32 (exact)."""
-        e = (b >> 3) & 15
-        m = b & 7
-        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-        mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-        return tl.where((b & 128) != 0, -mag, mag)
 
-    @triton.jit
-    def _e4m3_round(x, u, SR: tl.constexpr):
-        """x in [-448, 448] (fp32) -> nearest-even (or stochastic with uniform u) E4M3 grid value (fp32)."""
-        bits = x.to(tl.int32, bitcast=True)
-        e = tl.maximum(((bits >> 23) & 255) - 127, -6)  # grid step 2^(e-3)
-        ulp = ((e + 124) << 23).to(tl.float32, bitcast=True)
-        inv_ulp = ((130 - e) << 23).to(tl.float32, bitcast=True)
-        t = x * inv_ulp  # exact: power of two
-        lo = tl.floor(t)
-        if SR:
-            r = lo + (u < (t - lo)).to(tl.float32)
-        else:
-            r = tl.floor(t + 0.5)  # t + 0.5 is exact: |t| < 16
-            tie = (r - t) == 0.5
-            odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-            r = tl.where(tie & odd, r - 1.0, r)
-            r = tl.where(r == 0.0, x * 0.0, r)  # keep the sign of a value rounded to zero, as torch's cast does
-        q = r * ulp
-        return tl.minimum(tl.maximum(q, -448.0), 448.0)
+@triton.jit
+def _e4m3_round(x, u, SR: tl.constexpr):
+    """x in [-448, 448] (fp32) -> nearest-even (or stochastic with uniform u) E4M3 grid value (fp32)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 255) - 127, -6)  # grid step 2^(e-3)
+    ulp = ((e + 124) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((130 - e) << 23).to(tl.float32, bitcast=True)
+    t = x * inv_ulp  # exact: power of two
+    lo = tl.floor(t)
+    if SR:
+        r = lo + (u < (t - lo)).to(tl.float32)
+    else:
+        r = tl.floor(t + 0.5)  # t + 0.5 is exact: |t| < 16
+        tie = (r - t) == 0.5
+        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+        r = tl.where(tie & odd, r - 1.0, r)
+        r = tl.where(r == 0.0, x * 0.0, r)  # keep the sign of a value rounded to zero, as torch's cast does
+    q = r * ulp
+    return tl.minimum(tl.maximum(q, -448.0), 448.0)
 
-    @triton.jit
-    def _e4m3_encode(q):
-        """Exact E4M3 value (fp32) -> its byte (int32)."""
-        bits = q.to(tl.int32, bitcast=True)
-        sign = (bits >> 24) & 128
-        a = tl.abs(q)
-        ab = a.to(tl.int32, bitcast=True)
-        normal = ((((ab >> 23) & 255) - 120) << 3) | ((ab >> 20) & 7)
-        sub = (a * 512.0).to(tl.int32)
-        code = tl.where(a < 0.015625, sub, normal)
-        return code | sign
 
-    @triton.jit
-    def _to_state(x, p, INTERP: tl.constexpr):
-        """fp32 -> the state tensor's dtype, nearest-even. The interpreter's fp32->bf16 cast truncates, so there
-        the value is first rounded onto the bf16 grid by integer ops (then the cast is exact)."""
-        if INTERP:
-            if p.dtype.element_ty == tl.bfloat16:
-                b = x.to(tl.int32, bitcast=True)
-                b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-                x = b.to(tl.float32, bitcast=True)
-        return x.to(p.dtype.element_ty)
+@triton.jit
+def _e4m3_encode(q):
+    """Exact E4M3 value (fp32) -> its byte (int32)."""
+    bits = q.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 128
+    a = tl.abs(q)
+    ab = a.to(tl.int32, bitcast=True)
+    normal = ((((ab >> 23) & 255) - 120) << 3) | ((ab >> 20) & 7)
+    sub = (a * 512.0).to(tl.int32)
+    code = tl.where(a < 0.015625, sub, normal)
+    return code | sign
 
-    @triton.jit
-    def _uniform(seed, rows, cols, jg, stream, SHARED: tl.constexpr):
-        """[ROWS, W, 8] uniforms in (0, 1) for the SR step. SHARED: one Philox call per row and column group of 8
-        (4 words x 2 halves: 16-bit uniforms); else one call per element (24-bit uniforms). Counter = (column or
-        group, row, tensor stream, SHARED), key = seed."""
-        if SHARED:
-            c0 = (jg[None, :] + rows[:, None] * 0).to(tl.uint32)
-            c1 = (rows[:, None] + jg[None, :] * 0).to(tl.uint32)
-            c2 = c1 * 0 + stream.to(tl.uint32)
-            r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c2 * 0 + 1)
-            kk = tl.arange(0, 8)[None, None, :]
-            sel = kk & 3
-            r = tl.where(sel == 0, r0[:, :, None], tl.where(sel == 1, r1[:, :, None],
-                                                             tl.where(sel == 2, r2[:, :, None], r3[:, :, None])))
-            h = tl.where(kk < 4, r & 0xFFFF, r >> 16)
-            u = (h.to(tl.float32) + 0.5) * 0.0000152587890625  # 2^-16
-        else:
-            c0 = (cols + rows[:, None, None] * 0).to(tl.uint32)
-            c1 = (rows[:, None, None] + cols * 0).to(tl.uint32)
-            c2 = c1 * 0 + stream.to(tl.uint32)
-            r0, _, _, _ = tl.philox(seed, c0, c1, c2, c2 * 0)
-            u = ((r0 >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2^-24
-        return u
 
-    @triton.jit
-    def _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2):
-        # one rounding per op, in the reference's order (the kernel is compiled without FMA contraction)
-        theta = _e4m3_decode(cb) * s_old
-        m = beta1 * m + g * omb1
-        v = beta2 * v + (g * g) * omb2
-        denom = tl.sqrt_rn(v) * inv_sqrt_bc2 + eps
-        tmp = theta * decay - step_size * tl.div_rn(m, denom)
-        return tmp, m, v, denom
+@triton.jit
+def _to_state(x, p, INTERP: tl.constexpr):
+    """fp32 -> the state tensor's dtype, nearest-even. The interpreter's fp32->bf16 cast truncates, so there
+    the value is first rounded onto the bf16 grid by integer ops (then the cast is exact)."""
+    if INTERP:
+        if p.dtype.element_ty == tl.bfloat16:
+            b = x.to(tl.int32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+            x = b.to(tl.float32, bitcast=True)
+    return x.to(p.dtype.element_ty)
 
-    @triton.jit
-    def _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1, beta2, omb2, eps, step_size,
-                  inv_sqrt_bc2):
-        """Load one tile (codes, grad, moments) and run the Adam part of the step: (tmp, m, v, denom)."""
-        cb = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        return _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2)
 
-    @triton.jit
-    def _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows, cols, jg, stream,
-                       SR: tl.constexpr, SR_SHARED: tl.constexpr, INTERP: tl.constexpr):
-        """Requantize tmp with the new row scale s3 (RTN or SR), inject the error into m, store codes and moments."""
-        x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
-        if SR:
-            u = _uniform(seed, rows, cols, jg, stream, SR_SHARED)
-        else:
-            u = x
-        q = _e4m3_round(x, u, SR)
-        e = tmp - q * s3
-        m = m - (e * denom) * inj
-        tl.store(codes_ptr + offs, _e4m3_encode(q).to(tl.uint8), mask=mask)
-        tl.store(m_ptr + offs, _to_state(m, m_ptr, INTERP), mask=mask)
-        tl.store(v_ptr + offs, _to_state(v, v_ptr, INTERP), mask=mask)
+@triton.jit
+def _uniform(seed, rows, jg, stream):
+    """[ROWS, W, 8] uniforms in (0, 1) for the SR step: one Philox call per row and column group of 8 (4 words x 2
+    halves: 16-bit uniforms). Counter = (group, row, tensor stream, 1), key = seed."""
+    c0 = (jg[None, :] + rows[:, None] * 0).to(tl.uint32)
+    c1 = (rows[:, None] + jg[None, :] * 0).to(tl.uint32)
+    c2 = c1 * 0 + stream.to(tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c2 * 0 + 1)
+    kk = tl.arange(0, 8)[None, None, :]
+    sel = kk & 3
+    r = tl.where(sel == 0, r0[:, :, None], tl.where(sel == 1, r1[:, :, None],
+                                                     tl.where(sel == 2, r2[:, :, None], r3[:, :, None])))
+    h = tl.where(kk < 4, r & 0xFFFF, r >> 16)
+    return (h.to(tl.float32) + 0.5) * 0.0000152587890625  # 2^-16
 
-    # seed changes every SR step: unspecialised, or each new value class (== 1, % 16 == 0) would compile anew
-    @triton.jit(do_not_specialize=["seed"])
-    def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2,
-                              inj, seed, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
-                              SR: tl.constexpr, SR_SHARED: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                              TWO_PASS: tl.constexpr,
-                              ALIGNED: tl.constexpr, INTERP: tl.constexpr):
-        W: tl.constexpr = BLOCK // 8
-        pid = tl.program_id(0)
-        t = tl.load(work_ptr + 2 * pid).to(tl.int64)
-        row0 = tl.load(work_ptr + 2 * pid + 1)
-        rec = tab_ptr + t * 8
-        codes_ptr = _ptr(rec, 0, 3, ALIGNED)
-        scales_ptr = _ptr(rec, 1, 0, False)
-        g_ptr = _ptr(rec, 2, G_DT, ALIGNED)
-        m_ptr = _ptr(rec, 3, M_DT, ALIGNED)
-        v_ptr = _ptr(rec, 4, V_DT, ALIGNED)
-        n_rows = tl.load(rec + 5)
-        n_cols = tl.load(rec + 6)
-        if ALIGNED:
-            n_cols = tl.multiple_of(n_cols, 16)
-        stream = tl.load(rec + 7)
 
-        rows = row0 + tl.arange(0, ROWS)
-        rmask = rows < n_rows
-        base = (rows.to(tl.int64) * n_cols)[:, None, None]
-        jj = tl.arange(0, W)
-        cols0 = jj[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, W, 8]
-        s_old = tl.load(scales_ptr + rows, mask=rmask, other=1.0)[:, None, None]
-        if not TWO_PASS:
-            mask = rmask[:, None, None] & (cols0 < n_cols)
-            offs = base + cols0
-            tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1, beta2,
-                                         omb2, eps, step_size, inv_sqrt_bc2)
-            amax = tl.max(tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=2), axis=1)
-            s_new = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
-            s3 = s_new[:, None, None]
-            _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows, cols0, jj,
-                           stream, SR, SR_SHARED, INTERP)
-        else:
-            nb = tl.cdiv(n_cols, BLOCK)
-            amax = tl.zeros([ROWS], dtype=tl.float32)
-            for b in range(nb):
-                cols = b * BLOCK + cols0
-                mask = rmask[:, None, None] & (cols < n_cols)
-                offs = base + cols
-                tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1,
-                                             beta2, omb2, eps, step_size, inv_sqrt_bc2)
-                amax = tl.maximum(amax, tl.max(tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=2), axis=1))
-            s_new = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
-            s3 = s_new[:, None, None]
-            for b in range(nb):
-                cols = b * BLOCK + cols0
-                mask = rmask[:, None, None] & (cols < n_cols)
-                offs = base + cols
-                tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1,
-                                             beta2, omb2, eps, step_size, inv_sqrt_bc2)
-                _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows, cols,
-                               b * W + jj, stream, SR, SR_SHARED, INTERP)
-        tl.store(scales_ptr + rows, s_new, mask=rmask)
+@triton.jit
+def _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2):
+    # one rounding per op, in the reference's order (the kernel is compiled without FMA contraction)
+    theta = e4m3_to_f32(cb) * s_old
+    m = beta1 * m + g * omb1
+    v = beta2 * v + (g * g) * omb2
+    denom = tl.sqrt_rn(v) * inv_sqrt_bc2 + eps
+    tmp = theta * decay - step_size * tl.div_rn(m, denom)
+    return tmp, m, v, denom
+
+
+@triton.jit
+def _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1, beta2, omb2, eps, step_size,
+              inv_sqrt_bc2):
+    """Load one tile (codes, grad, moments) and run the Adam part of the step: (tmp, m, v, denom)."""
+    cb = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return _adam_tmp(cb, s_old, g, m, v, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2)
+
+
+@triton.jit
+def _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows, jg, stream,
+                   SR: tl.constexpr, INTERP: tl.constexpr):
+    """Requantize tmp with the new row scale s3 (RTN or SR), inject the error into m, store codes and moments."""
+    x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
+    if SR:
+        u = _uniform(seed, rows, jg, stream)
+    else:
+        u = x
+    q = _e4m3_round(x, u, SR)
+    e = tmp - q * s3
+    m = m - (e * denom) * inj
+    tl.store(codes_ptr + offs, _e4m3_encode(q).to(tl.uint8), mask=mask)
+    tl.store(m_ptr + offs, _to_state(m, m_ptr, INTERP), mask=mask)
+    tl.store(v_ptr + offs, _to_state(v, v_ptr, INTERP), mask=mask)
+
+
+@triton.jit
+def _block_offs(b, cols0, rmask, base, n_cols, BLOCK: tl.constexpr):
+    """(mask, offsets) of column block b of the program's rows (two-pass path)."""
+    cols = b * BLOCK + cols0
+    return rmask[:, None, None] & (cols < n_cols), base + cols
+
+
+# seed changes every SR step: unspecialised, or each new value class (== 1, % 16 == 0) would compile anew
+@triton.jit(do_not_specialize=["seed"])
+def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2,
+                          inj, seed, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
+                          SR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                          TWO_PASS: tl.constexpr,
+                          ALIGNED: tl.constexpr, INTERP: tl.constexpr):
+    W: tl.constexpr = BLOCK // 8
+    pid = tl.program_id(0)
+    t = tl.load(work_ptr + 2 * pid).to(tl.int64)
+    row0 = tl.load(work_ptr + 2 * pid + 1)
+    rec = tab_ptr + t * 8
+    codes_ptr = _ptr(rec, 0, 3, ALIGNED)
+    scales_ptr = _ptr(rec, 1, 0, False)
+    g_ptr = _ptr(rec, 2, G_DT, ALIGNED)
+    m_ptr = _ptr(rec, 3, M_DT, ALIGNED)
+    v_ptr = _ptr(rec, 4, V_DT, ALIGNED)
+    n_rows = tl.load(rec + 5)
+    n_cols = tl.load(rec + 6)
+    if ALIGNED:
+        n_cols = tl.multiple_of(n_cols, 16)
+    stream = tl.load(rec + 7)
+
+    rows = row0 + tl.arange(0, ROWS)
+    rmask = rows < n_rows
+    base = (rows.to(tl.int64) * n_cols)[:, None, None]
+    jj = tl.arange(0, W)
+    cols0 = jj[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]  # [1, W, 8]
+    s_old = tl.load(scales_ptr + rows, mask=rmask, other=1.0)[:, None, None]
+    if not TWO_PASS:
+        mask = rmask[:, None, None] & (cols0 < n_cols)
+        offs = base + cols0
+        tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1, beta2,
+                                     omb2, eps, step_size, inv_sqrt_bc2)
+        amax = tl.max(tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=2), axis=1)
+        s_new = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+        s3 = s_new[:, None, None]
+        _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows, jj,
+                       stream, SR, INTERP)
+    else:
+        nb = tl.cdiv(n_cols, BLOCK)
+        amax = tl.zeros([ROWS], dtype=tl.float32)
+        for b in range(nb):
+            mask, offs = _block_offs(b, cols0, rmask, base, n_cols, BLOCK)
+            tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1,
+                                         beta2, omb2, eps, step_size, inv_sqrt_bc2)
+            amax = tl.maximum(amax, tl.max(tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=2), axis=1))
+        s_new = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+        s3 = s_new[:, None, None]
+        for b in range(nb):
+            mask, offs = _block_offs(b, cols0, rmask, base, n_cols, BLOCK)
+            tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1,
+                                         beta2, omb2, eps, step_size, inv_sqrt_bc2)
+            _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows,
+                           b * W + jj, stream, SR, INTERP)
+    tl.store(scales_ptr + rows, s_new, mask=rmask)
 
 
 def _check(codes, scales, grad, exp_avg, exp_avg_sq, rounding):
@@ -372,9 +348,9 @@ def eco_adamw_fp8_launch(plan: _Plan, *, lr, beta1, beta2, eps, weight_decay, st
     for tab, work, block, two_pass, (gd, md, vd), aligned, rows_per_prog, warps in plan.buckets:
         _eco_adamw_fp8_kernel[(work.shape[0],)](
             tab, work, k["decay"], beta1, k["omb1"], beta2, k["omb2"], eps, k["step_size"], k["inv_sqrt_bc2"],
-            k["inj"], int(seed), G_DT=gd, M_DT=md, V_DT=vd, SR=(rounding == "sr"), SR_SHARED=SR_SHARED, BLOCK=block, ROWS=rows_per_prog,
+            k["inj"], int(seed), G_DT=gd, M_DT=md, V_DT=vd, SR=(rounding == "sr"), BLOCK=block, ROWS=rows_per_prog,
             TWO_PASS=two_pass, ALIGNED=aligned, INTERP=plan.device.type == "cpu", num_warps=warps,
-            enable_fp_fusion=FP_FUSION)
+            enable_fp_fusion=False)  # no FMA contraction: the fp32 arithmetic equals the reference's op for op
 
 
 def eco_adamw_fp8_multi_step_(codes, scales, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,
@@ -430,7 +406,7 @@ def _eco_op(codes: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor, exp_a
 
 @_eco_op.register_kernel("cuda")
 def _(codes, scales, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, rounding, seed):
-    fn = eco_adamw_fp8_step_triton if HAS_TRITON else eco_adamw_fp8_step_ref
+    fn = eco_adamw_fp8_step_triton if on_gpu(codes) else eco_adamw_fp8_step_ref
     fn(codes, scales, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
        weight_decay=weight_decay, step=step, rounding=rounding, seed=seed)
 
@@ -444,7 +420,7 @@ def eco_adamw_fp8_step(codes, scales, grad, exp_avg, exp_avg_sq, *, lr, beta1, b
                        rounding="rtn", seed=0) -> None:
     """In-place fused ECO-AdamW step (memory-free rule) for one weight, through the torch.library op. CUDA:
     Triton; CPU: the Triton kernel under TRITON_INTERPRET=1, else the torch reference."""
-    if codes.device.type == "cpu" and INTERPRET and HAS_TRITON:
+    if codes.device.type == "cpu" and available(codes.device):
         return eco_adamw_fp8_step_triton(codes, scales, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2,
                                          eps=eps, weight_decay=weight_decay, step=step, rounding=rounding, seed=seed)
     torch.ops.hfq.eco_adamw_fp8_step(codes, scales, grad, exp_avg, exp_avg_sq, float(lr), float(beta1),

@@ -11,9 +11,8 @@ transform is its own inverse, so it is also its own backward).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from hfq_kernels._triton import on_gpu, tl, triton
 from hfq_kernels.reference.hadamard import DEFAULT_BLOCK, effective_block, fwht
 
 MIN_TRITON_BLOCK = 16  # tl.dot needs tiles of at least 16
@@ -80,7 +79,7 @@ def hadamard_triton(x: torch.Tensor, block: int = DEFAULT_BLOCK) -> torch.Tensor
 
 @torch.library.custom_op("hfq::hadamard", mutates_args=())
 def hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
-    if x.is_cuda:
+    if on_gpu(x):
         return hadamard_triton(x, block)
     return fwht(x, block)
 

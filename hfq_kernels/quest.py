@@ -18,20 +18,20 @@ hfq::quest_quantize takes an optional out_dtype for xq (default x.dtype): the we
 the bf16 master weight directly (products with +-1 are exact, sums in fp32, as for an fp32 copy) and
 asks for the matmul dtype (training) or fp32 (code export).
 
-Masked inverse HT: one [BM, B] tile per program; MASKED_MODE picks how the mask bytes are expanded
-to one bit per element (see the kernel).
+Masked inverse HT: one [BM, B] tile per program; with the transform each element loads its mask byte
+(8 lanes share one) and takes its bit, without it the byte tile is expanded by a reshape (the expansions
+the launcher used on the H100 runs of benchmarks/quest_step.py).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
 
+from hfq_kernels._triton import on_gpu, sm_count, tl, triton
+from hfq_kernels.hadamard import MAX_TRITON_BLOCK, MIN_TRITON_BLOCK, hadamard_tile, use_ieee
 from hfq_kernels.reference import gaussian
 from hfq_kernels.reference.hadamard import effective_block, fwht
-from hfq_kernels.hadamard import MAX_TRITON_BLOCK, MIN_TRITON_BLOCK, hadamard_tile, use_ieee
 
 NO_HT_CHUNK = 128  # column tile of the kernels when there is no transform
 EPS = 1e-12
@@ -95,7 +95,7 @@ def _e2m1_level(t):
 def _quest_quantize_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K: tl.constexpr, KB, unit_rms, inv_sqrt_b,
                            outer_trust, eps,
                            NLEV: tl.constexpr, FP4: tl.constexpr, HT: tl.constexpr, B: tl.constexpr,
-                           BM: tl.constexpr, IEEE: tl.constexpr, PACK_U8: tl.constexpr):
+                           BM: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BM + tl.arange(0, BM)
     rmask = rows < R
@@ -144,10 +144,7 @@ def _quest_quantize_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K: tl.constexpr
         err = tl.abs(level - t)
         keep = (err <= tl.where(tl.abs(t) <= lim, 1.0, outer_trust)) & cmask
         tl.store(xq_ptr + base + cols[None, :], xq.to(xq_ptr.dtype.element_ty), mask=m)
-        if PACK_U8:  # regroup the bits as bytes, then widen (a 4x smaller layout change)
-            kb = tl.reshape(keep.to(tl.uint8), (BM, B // 8, 8)).to(tl.int32)
-        else:
-            kb = tl.reshape(keep.to(tl.int32), (BM, B // 8, 8))
+        kb = tl.reshape(keep.to(tl.int32), (BM, B // 8, 8))
         byte = tl.sum(kb * w8[None, None, :], axis=2).to(tl.uint8)
         bcols = k0 // 8 + bcol
         tl.store(mask_ptr + rows.to(tl.int64)[:, None] * KB + bcols[None, :], byte,
@@ -158,7 +155,7 @@ def _quest_quantize_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K: tl.constexpr
 def _quest_quantize_rows_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K, KB, unit_rms, inv_sqrt_b,
                                 outer_trust, eps,
                                 NLEV: tl.constexpr, FP4: tl.constexpr, B: tl.constexpr, NB: tl.constexpr,
-                                BM: tl.constexpr, IEEE: tl.constexpr, PACK_U8: tl.constexpr):
+                                BM: tl.constexpr, IEEE: tl.constexpr):
     """HT on, whole rows in registers: tile row t is block t % NB of row pid * BM + t // NB."""
     pid = tl.program_id(0)
     t = tl.arange(0, BM * NB)
@@ -192,10 +189,7 @@ def _quest_quantize_rows_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K, KB, uni
     tl.store(xq_ptr + offs, xq.to(xq_ptr.dtype.element_ty), mask=m)
     keep = tl.abs(level - tq) <= tl.where(tl.abs(tq) <= lim, 1.0, outer_trust)
     w8 = (1 << tl.arange(0, 8)).to(tl.int32)
-    if PACK_U8:
-        kb = tl.reshape(keep.to(tl.uint8), (BM * NB, B // 8, 8)).to(tl.int32)
-    else:
-        kb = tl.reshape(keep.to(tl.int32), (BM * NB, B // 8, 8))
+    kb = tl.reshape(keep.to(tl.int32), (BM * NB, B // 8, 8))
     byte = tl.sum(kb * w8[None, None, :], axis=2).to(tl.uint8)
     bcols = (j * (B // 8))[:, None] + tl.arange(0, B // 8)[None, :]
     tl.store(mask_ptr + r.to(tl.int64)[:, None] * KB + bcols, byte,
@@ -205,9 +199,7 @@ def _quest_quantize_rows_kernel(x_ptr, xq_ptr, mask_ptr, unit_ptr, R, K, KB, uni
 @triton.jit
 def _quest_masked_ht_kernel(g_ptr, mask_ptr, out_ptr, R, K, KB, inv_sqrt_b,
                             HAS_MASK: tl.constexpr, HT: tl.constexpr, B: tl.constexpr,
-                            BM: tl.constexpr, IEEE: tl.constexpr, MODE: tl.constexpr):
-    """MODE 0: byte tile expanded by reshape; 1: per-element byte load; 2: g loaded as [BM, B/8, 8] so
-    the byte tile broadcasts over the last dim without a layout change."""
+                            BM: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -215,33 +207,19 @@ def _quest_masked_ht_kernel(g_ptr, mask_ptr, out_ptr, R, K, KB, inv_sqrt_b,
     rmask = rows < R
     m = rmask[:, None] & (cols < K)[None, :]
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    if MODE == 2:
-        c8 = tl.arange(0, B // 8)
-        i8 = tl.arange(0, 8)
-        cols3 = pid_k * B + c8[None, :, None] * 8 + i8[None, None, :]
-        m3 = rmask[:, None, None] & (cols3 < K)
-        g3 = tl.load(g_ptr + rows.to(tl.int64)[:, None, None] * K + cols3, mask=m3, other=0.0)
-        if HAS_MASK:
-            bcols = pid_k * (B // 8) + c8
+    g = tl.load(g_ptr + offs, mask=m, other=0.0)
+    if HAS_MASK:
+        if HT:  # byte c // 8 of the row, loaded per element (8 lanes share a byte), bit c % 8
+            byte = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * KB + (cols // 8)[None, :], mask=m,
+                           other=0).to(tl.int32)
+            keep = (byte >> (cols % 8)[None, :]) & 1
+        else:  # the row's [B/8] byte tile, expanded to bits by a reshape
+            bcols = pid_k * (B // 8) + tl.arange(0, B // 8)
             byte = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * KB + bcols[None, :],
                            mask=rmask[:, None] & (bcols < KB)[None, :], other=0).to(tl.int32)
-            keep3 = (byte[:, :, None] >> i8[None, None, :]) & 1
-            g3 = tl.where(keep3 != 0, g3, 0.0).to(g3.dtype)
-        g = tl.reshape(g3, (BM, B))
-    else:
-        g = tl.load(g_ptr + offs, mask=m, other=0.0)
-        if HAS_MASK:
-            if MODE == 1:  # byte c // 8 of the row, loaded per element (8 lanes share a byte), bit c % 8
-                byte = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * KB + (cols // 8)[None, :], mask=m,
-                               other=0).to(tl.int32)
-                keep = (byte >> (cols % 8)[None, :]) & 1
-            else:
-                bcols = pid_k * (B // 8) + tl.arange(0, B // 8)
-                byte = tl.load(mask_ptr + rows.to(tl.int64)[:, None] * KB + bcols[None, :],
-                               mask=rmask[:, None] & (bcols < KB)[None, :], other=0).to(tl.int32)
-                bit = (byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
-                keep = tl.reshape(bit, (BM, B))
-            g = tl.where(keep != 0, g, 0.0).to(g.dtype)
+            bit = (byte[:, :, None] >> tl.arange(0, 8)[None, None, :]) & 1
+            keep = tl.reshape(bit, (BM, B))
+        g = tl.where(keep != 0, g, 0.0).to(g.dtype)
     if HT:
         if IEEE:
             out = tl.dot(g.to(tl.float32), hadamard_tile(B, tl.float32), input_precision="ieee")
@@ -269,26 +247,14 @@ def triton_supported(x: torch.Tensor, block: int) -> bool:
     return MIN_TRITON_BLOCK <= b <= MAX_TRITON_BLOCK
 
 
-# launch settings (module attributes so that a benchmark can compare variants; the plans cache keys on them)
+# launch settings (the plans cache keys on them; tests set them to reach each kernel)
 ROW_KERNEL = True        # whole-row kernel where the two-pass kernel would have too few programs
 TWO_PASS_MIN_WAVES = 3   # two-pass kernel when it has >= this many programs per SM (activations)
 ROW_TILE_ELEMS = 8192    # elements of the whole-row kernel's register tile [BM * NB, B]
 ROW_WARPS = 4
-PACK_U8 = False          # mask packing: regroup the keep bits as uint8 (not int32) before the reshape
-MASKED_MODE = 1          # masked HT mask expansion: 0 byte tile + reshape, 1 per-element load, 2 3-D tile
 MASKED_BM = 64           # masked HT rows per tile (16-bit inputs, B <= 128)
 
 _PLANS: dict = {}
-_SMS: dict = {}
-
-
-def _sm_count(x: torch.Tensor) -> int:
-    if not x.is_cuda:
-        return 132
-    n = _SMS.get(x.device.index)
-    if n is None:
-        n = _SMS[x.device.index] = torch.cuda.get_device_properties(x.device).multi_processor_count
-    return n
 
 
 def _row_tile(K: int, B: int) -> tuple[int, int] | None:
@@ -304,7 +270,7 @@ def _quant_plan(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block
     """(kernel, grid, scalar args, meta) for quest_quantize on x, cached per shape and settings."""
     R, K = x.shape
     key = (R, K, x.dtype, x.device.type, x.device.index, bits, fp4, trust_scale, block, ROW_KERNEL,
-           TWO_PASS_MIN_WAVES, ROW_TILE_ELEMS, ROW_WARPS, PACK_U8)
+           TWO_PASS_MIN_WAVES, ROW_TILE_ELEMS, ROW_WARPS)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -312,15 +278,14 @@ def _quant_plan(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block
     B, ht = _tile(block, K)
     scalars = (R, K, (K + 7) // 8, gaussian.unit_rms(bits, _grid_name(fp4)), B ** -0.5, float(trust_scale), EPS)
     rt = _row_tile(K, B) if (ht and ROW_KERNEL) else None
-    if rt is not None and triton.cdiv(R, 16) < TWO_PASS_MIN_WAVES * _sm_count(x):
+    if rt is not None and triton.cdiv(R, 16) < TWO_PASS_MIN_WAVES * sm_count(x.device):
         bm, nb = rt
         plan = (_quest_quantize_rows_kernel, (triton.cdiv(R, bm),), scalars,
-                dict(NLEV=2**bits, FP4=fp4, B=B, NB=nb, BM=bm, IEEE=use_ieee(x), PACK_U8=PACK_U8,
-                     num_warps=ROW_WARPS))
+                dict(NLEV=2**bits, FP4=fp4, B=B, NB=nb, BM=bm, IEEE=use_ieee(x), num_warps=ROW_WARPS))
     else:
         bm = 16 if B <= 128 else 8
         plan = (_quest_quantize_kernel, (triton.cdiv(R, bm),), scalars,
-                dict(NLEV=2**bits, FP4=fp4, HT=ht, B=B, BM=bm, IEEE=use_ieee(x), PACK_U8=PACK_U8, num_warps=4))
+                dict(NLEV=2**bits, FP4=fp4, HT=ht, B=B, BM=bm, IEEE=use_ieee(x), num_warps=4))
     _PLANS[key] = plan
     return plan
 
@@ -351,14 +316,14 @@ def quest_masked_ht_triton(g: torch.Tensor, mask: torch.Tensor | None, block: in
         return quest_masked_ht_ref(g, mask, block)
     g = g.contiguous()
     R, K = g.shape
-    key = ("mht", R, K, g.dtype, block, mask is not None, g.is_cuda, MASKED_MODE, MASKED_BM)
+    key = ("mht", R, K, g.dtype, block, mask is not None, g.is_cuda, MASKED_BM)
     plan = _PLANS.get(key)
     if plan is None:
         B, ht = _tile(block, K)
         bm = MASKED_BM if (B <= 128 and g.dtype != torch.float32) else 16
         plan = _PLANS[key] = ((triton.cdiv(R, bm), triton.cdiv(K, B)), (R, K, (K + 7) // 8, B ** -0.5),
                               dict(HAS_MASK=mask is not None, HT=ht, B=B, BM=bm, IEEE=use_ieee(g),
-                                   MODE=MASKED_MODE if ht else 0, num_warps=4))
+                                   num_warps=4))
     grid, scalars, meta = plan
     out = torch.empty_like(g)
     _quest_masked_ht_kernel[grid](g, mask if mask is not None else g, out, *scalars, **meta)
@@ -369,7 +334,7 @@ def quest_masked_ht_triton(g: torch.Tensor, mask: torch.Tensor | None, block: in
 @torch.library.custom_op("hfq::quest_quantize", mutates_args=())
 def quest_quantize(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block: int,
                    out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if x.is_cuda:
+    if on_gpu(x):
         return quest_quantize_triton(x, bits, fp4, trust_scale, block, out_dtype)
     return quest_quantize_ref(x, bits, fp4, trust_scale, block, out_dtype)
 
@@ -383,7 +348,7 @@ def _(x, bits, fp4, trust_scale, block, out_dtype=None):
 
 @torch.library.custom_op("hfq::quest_masked_ht", mutates_args=())
 def quest_masked_ht(g: torch.Tensor, mask: torch.Tensor | None, block: int) -> torch.Tensor:
-    if g.is_cuda:
+    if on_gpu(g):
         return quest_masked_ht_triton(g, mask, block)
     return quest_masked_ht_ref(g, mask, block)
 

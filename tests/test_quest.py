@@ -62,10 +62,10 @@ def test_masked_ht_kernel_matches_reference(block, width, dtype):
                           K.quest_masked_ht_ref(g.float(), None, block), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("knobs", [dict(ROW_KERNEL=False), dict(TWO_PASS_MIN_WAVES=0, PACK_U8=True),
-                                   dict(ROW_KERNEL=True, TWO_PASS_MIN_WAVES=1000, PACK_U8=True, ROW_TILE_ELEMS=4096),
+@pytest.mark.parametrize("knobs", [dict(ROW_KERNEL=False), dict(TWO_PASS_MIN_WAVES=0),
+                                   dict(ROW_KERNEL=True, TWO_PASS_MIN_WAVES=1000, ROW_TILE_ELEMS=4096),
                                    dict(ROW_KERNEL=True, TWO_PASS_MIN_WAVES=1000, ROW_TILE_ELEMS=16384)],
-                         ids=["two-pass", "two-pass-u8", "rows-u8", "rows-16k"])
+                         ids=["two-pass", "two-pass-waves", "rows-4k", "rows-16k"])
 def test_quantize_kernel_variants_match_reference(monkeypatch, knobs):
     """Both forward kernels (two-pass, whole-row with padded block counts) and their launch settings."""
     for k, v in knobs.items():
@@ -81,19 +81,6 @@ def test_quantize_kernel_variants_match_reference(monkeypatch, knobs):
             off = (xq.float() - rq.float()).abs() > 1e-5 * rq.float().abs() + 1e-7
             assert off.float().mean() < 0.01
             assert (K.unpack_mask(m, width) != K.unpack_mask(rm, width)).float().mean() < 0.01
-
-
-@pytest.mark.parametrize("mode", [0, 1, 2])
-def test_masked_ht_modes(monkeypatch, mode):
-    monkeypatch.setattr(K, "MASKED_MODE", mode)
-    torch.manual_seed(mode)
-    for block, width, dtype in ((128, 384, torch.bfloat16), (32, 96, torch.float32)):
-        g = torch.randn(37, width).to(dtype)
-        mask = K.pack_mask(torch.rand(37, width) > 0.3)
-        out = K.quest_masked_ht_triton(g.to(DEV), mask.to(DEV), block).float().cpu()
-        ref = K.quest_masked_ht_ref(g.float(), mask, block)
-        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-        assert torch.allclose(out, ref, rtol=tol, atol=tol)
 
 
 def test_mask_and_code_packing_roundtrip():
