@@ -361,14 +361,15 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                                             "step_ms_measured": round(dt / new * 1000, 3),
                                             "fused": eng.adapter.fused}
                 log("split", results["split_bf16_b8"])
-                from hfq.rollout import gemm as _gemm
+                from hfq_kernels import skinny_gemm as _gemm
 
                 ids = prompts(b, plen, V).cuda()
                 results["split_bf16_b8"]["prefill_ms"] = round(1000 * min(
                     timed(lambda: eng.generate(ids, max_new_tokens=1, eos_token_ids=[], seed=1))[0]
                     for _ in range(3)), 2)
 
-                results["gemm_tuning_b8"] = {" ".join(str(x) for x in k): v for k, v in _gemm.TIMINGS.items()}
+                results["gemm_tuning_b8"] = {e["key"]: {"timings": e["timings"], "best": e["best"]}
+                                              for e in _gemm.TUNER.log + _gemm.GROUP_TUNER.log}
                 log("gemm tuning", results["gemm_tuning_b8"])
                 if eng.adapter.gemm:  # fused kernels, cuBLAS for every linear
                     eng.adapter.gemm = False

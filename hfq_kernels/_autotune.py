@@ -46,6 +46,11 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def enabled() -> bool:
+    """Whether a miss may be timed now (not during graph capture / compile, and HFQ_AUTOTUNE != 0)."""
+    return not _capturing() and os.environ.get("HFQ_AUTOTUNE", "1") != "0"
+
+
 def bench_ms(fn: Callable[[], Any], warmup: int = 3, rep: int = 15) -> float:
     """Median time of fn() in ms with CUDA events (one event pair per call)."""
     for _ in range(warmup):
@@ -99,22 +104,26 @@ class Tuner:
         return cfg
 
     def choose(self, key: str, candidates: Sequence[dict], runner: Callable[[dict], Callable[[], Any]],
-               default: dict) -> dict:
-        """Return the cached choice for key, else time `runner(c)()` for each candidate and keep the fastest."""
+               default: dict, bench: Callable[[Callable[[], Any]], float] = bench_ms, margin: float = 1.0) -> dict:
+        """Return the cached choice for key, else time `runner(c)()` for each candidate (with `bench`, in ms) and
+        keep the fastest; with margin < 1, candidates[0] (a baseline) is kept unless another takes < margin of its
+        time. A runner that raises (fails to build, or computes wrongly) is never chosen."""
         hit = self.cache.get(key)
         if hit is not None:
             return hit
-        if _capturing() or os.environ.get("HFQ_AUTOTUNE", "1") == "0":
+        if not enabled():
             return default
         timings = []
         for cand in candidates:
             try:
                 fn = runner(cand)
-                timings.append((bench_ms(fn), cand))
+                timings.append((bench(fn), cand))
             except Exception as e:  # a config that fails to compile/launch is simply not chosen
                 timings.append((float("inf"), {**cand, "error": f"{type(e).__name__}: {str(e)[:200]}"}))
         ok = [t for t in timings if t[0] != float("inf")]
         best = min(ok, key=lambda t: t[0])[1] if ok else default
+        if ok and timings[0][0] != float("inf") and not min(t[0] for t in ok) < margin * timings[0][0]:
+            best = timings[0][1]
         with _LOCK:
             self.cache[key] = best
             self.log.append({"key": key, "timings": [(t, c) for t, c in timings], "best": best})

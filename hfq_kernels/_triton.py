@@ -126,3 +126,28 @@ def f32_to_bf16_rne(v):
     b = v.to(tl.int32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
     return b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def group_of(pid, nb0, nb1):
+    """(member i, block within it) of program pid in a launch over up to 3 members of nb0, nb1, ... blocks."""
+    i = (pid >= nb0).to(tl.int32) + (pid >= nb0 + nb1).to(tl.int32)
+    return i, pid - tl.where(i == 0, 0, tl.where(i == 1, nb0, nb0 + nb1))
+
+
+@triton.jit
+def pick3(i, a, b, c):
+    """a, b or c for the scalar i = 0, 1, 2 (pointers included: a branch, not a select)."""
+    if i == 0:
+        r = a
+    elif i == 1:
+        r = b
+    else:
+        r = c
+    return r
+
+
+@triton.jit
+def sel3(i, a, b, c):
+    """a, b or c for i = 0, 1, 2 (scalars: a select)."""
+    return tl.where(i == 0, a, tl.where(i == 1, b, c))

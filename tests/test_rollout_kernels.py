@@ -1,10 +1,12 @@
-"""Fused rollout decode kernels (Triton; on CPU under TRITON_INTERPRET=1) against their torch references,
+"""Fused rollout decode kernels (hfq_kernels.rollout, .lora, .skinny_gemm) (Triton; on CPU under TRITON_INTERPRET=1) against their torch references,
 and the engine's fused decode path against transformers' generate."""
 import pytest
 import torch
 
 from hfq.rollout import RolloutEngine
-from hfq.rollout import kernels as K
+from hfq_kernels import lora
+from hfq_kernels import rollout as K
+from hfq_kernels import skinny_gemm as gemm
 from hfq.rollout.engine import RolloutEngine as _E
 from hfq.tiny import tiny_model
 
@@ -146,13 +148,11 @@ def test_fused_flag_validation():
 
 @pytest.mark.parametrize("want_lp", [False, True])
 def test_gumbel_sample_same_noise(want_lp):
-    from hfq.rollout.sampling import row_keys
-
     g = torch.Generator().manual_seed(4)
     b, V = 5, 3000
     logits = (torch.randn(b, V, generator=g) * 2).to(DEV)
     temp = torch.tensor([[1.0], [0.7], [1.3], [1.0], [0.5]], device=DEV)
-    keys = row_keys(torch.arange(b, dtype=torch.long) * 7919 + 3).to(DEV)
+    keys = K.row_keys(torch.arange(b, dtype=torch.long) * 7919 + 3).to(DEV)
     step = torch.tensor([11], device=DEV)
     tok, lp = K.gumbel_sample(logits, temp, keys, step, want_lp, block=256)
     ref_tok, ref_lp = K.gumbel_sample_ref(logits, temp, keys, step, torch.arange(V, device=DEV), want_lp)
@@ -166,8 +166,6 @@ def test_gumbel_sample_same_noise(want_lp):
 @pytest.mark.parametrize("cfg", [(32, 64, 1, 4, 2), (32, 64, 2, 4, 2)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_gemm(cfg, with_bias):
-    from hfq.rollout import gemm
-
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float16  # the interpreter's bf16 dot is not exact
     g = torch.Generator().manual_seed(5)
     x = torch.randn(5, 256, generator=g).to(DEV, dtype)
@@ -181,8 +179,6 @@ def test_skinny_gemm(cfg, with_bias):
 
 @pytest.mark.parametrize("rows,r,n_out", [(3, 4, 3), (8, 32, 2), (20, 8, 1)])
 def test_lora_add(rows, r, n_out):
-    from hfq.rollout import lora
-
     g = torch.Generator().manual_seed(6)
     K_ = 200
     x = torch.randn(rows, K_, generator=g).to(DEV)
@@ -197,8 +193,6 @@ def test_lora_add(rows, r, n_out):
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_skinny_gemm_group(with_bias):
-    from hfq.rollout import gemm
-
     dtype = torch.bfloat16 if DEV == "cuda" else torch.float16
     g = torch.Generator().manual_seed(7)
     x = torch.randn(6, 192, generator=g).to(DEV, dtype)

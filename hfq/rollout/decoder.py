@@ -6,9 +6,9 @@ changes (LoRA updates, AQN noise on norm weights) are used as they are; only att
 KV cache are ours, so a decode step has fixed shapes and no host synchronisation (graph-safe).
 
 With `fused=True` (CUDA, or CPU under TRITON_INTERPRET=1) a decode step runs the norms, RoPE + KV write,
-attention and SiLU*mul as the Triton kernels of `kernels.py`, reading the norm weights where they live,
-and applies unmerged LoRA with one shrink + one expand kernel per group of linears sharing an input
-(`lora.py`; q/k/v, gate/up, o, down); any module it does not
+attention and SiLU*mul as the Triton kernels of `hfq_kernels.rollout`, reading the norm weights where they
+live, and applies unmerged LoRA with one shrink + one expand kernel per group of linears sharing an input
+(`hfq_kernels.lora`; q/k/v, gate/up, o, down); any module it does not
 recognise (custom norms, hooks, DoRA, dropout in training, ...) is called as the model's own module.
 """
 from __future__ import annotations
@@ -16,20 +16,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import gemm as _gemm
-from . import kernels as K
-from . import lora as _lora
+from hfq_kernels import lora as _lora
+from hfq_kernels import rollout as K
+from hfq_kernels import skinny_gemm as _gemm
+from hfq_kernels.rollout import rope_ref as _rope
 
 SUPPORTED_ARCHS = ("qwen2", "qwen3", "llama", "mistral")
-
-
-def _rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
-def _rope(x, cos, sin):
-    return x * cos + _rotate_half(x) * sin
 
 
 def unwrap_causal_lm(model):

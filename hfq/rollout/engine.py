@@ -5,9 +5,10 @@ then replays a captured decode step (one graph per batch bucket x KV-length buck
 flags) until every row hit EOS / a stop string or `max_new_tokens`. Graphs read the model's
 parameters where they live, so in-place updates (optimizer steps on LoRA, AQN noise on norms)
 are seen by the next replay; if a parameter is *replaced* (new storage, `.to(dtype)`), the
-engine notices and re-captures. On CUDA a decode step uses the fused Triton kernels of `kernels.py`
+engine notices and re-captures. On CUDA a decode step uses the fused Triton kernels of `hfq_kernels.rollout`
 (norms, RoPE + KV write, split-KV attention, SiLU*mul, temperature sampling), grouped LoRA kernels
-(`lora.py`) and, for plain BF16/FP16 linears, a skinny GEMM where it timed faster than cuBLAS (`gemm.py`).
+(`hfq_kernels.lora`) and, for plain BF16/FP16 linears, a skinny GEMM where it timed faster than cuBLAS
+(`hfq_kernels.skinny_gemm`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels as _kernels
+from hfq_kernels import _triton
 from .decoder import DecoderAdapter
 from .sampling import SamplerFlags, row_keys, sample
 
@@ -64,11 +65,11 @@ class RolloutEngine:
         kv_cache_gb: alternatively, an absolute KV-cache budget in GiB.
         check_every: decode steps between host checks for "all rows finished" / stop strings.
         fused_kernels: "auto" (on CUDA when Triton is there), True or False: decode with the Triton kernels
-            of `hfq.rollout.kernels` (add+RMSNorm, RoPE+KV write, split-KV attention, SiLU*mul) and one
+            of `hfq_kernels.rollout` (add+RMSNorm, RoPE+KV write, split-KV attention, SiLU*mul) and one
             accumulating GEMM per unmerged LoRA, instead of the model's own norm / RoPE / MLP code.
             True on CPU needs TRITON_INTERPRET=1 (tests).
         skinny_gemm: with the fused kernels on CUDA, run plain BF16/FP16 linears of decode steps through
-            `hfq.rollout.gemm` where a one-time timing per shape found it faster than cuBLAS.
+            `hfq_kernels.skinny_gemm` where a one-time timing per shape found it faster than cuBLAS.
     """
 
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 2304, graph_mode: str = "auto",
@@ -99,7 +100,7 @@ class RolloutEngine:
         self.model = model
         self.adapter = DecoderAdapter(model, max_seq_len)
         self.device = self.adapter.embed.weight.device
-        can_fuse = _kernels.available(self.device)
+        can_fuse = _triton.available(self.device)
         if fused_kernels is True and not can_fuse:
             raise ValueError(f"fused_kernels=True: the Triton kernels cannot run on {self.device} (need CUDA and "
                              "triton, or TRITON_INTERPRET=1 on CPU)")

@@ -1,8 +1,8 @@
 """GPU sampling with counter-based noise: temperature, top-k, top-p, min-p, and the sampled token's log-prob.
 
-Noise comes from a hash of (row key, step, vocab index), not from torch's RNG, so sampling is
-reproducible for a seed, identical on CPU and GPU, independent of global RNG state, and safe
-to capture in a CUDA graph (the step counter lives on the device).
+Noise comes from a hash of (row key, step, vocab index) (`hfq_kernels.rollout.uniform_noise`), not from
+torch's RNG, so sampling is reproducible for a seed, identical on CPU and GPU, independent of global RNG
+state, and safe to capture in a CUDA graph (the step counter lives on the device).
 """
 from __future__ import annotations
 
@@ -10,35 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-_M32 = 0xFFFFFFFF
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer (lowbias32) on int64 tensors holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32  # the product may wrap past 2^63; only its low 32 bits are kept
-    return x ^ (x >> 16)
-
-
-def row_keys(seeds: torch.Tensor) -> torch.Tensor:
-    """Two independent 32-bit keys per row [B, 2] from int64 per-row seeds (row index already mixed in)."""
-    lo = seeds & _M32
-    hi = (seeds >> 32) & _M32
-    a = mix32(lo ^ mix32(hi + 0x9E3779B9))
-    b = mix32(a ^ 0x632BE5AB)
-    return torch.stack([a, b], dim=-1)
-
-
-def uniform_noise(keys: torch.Tensor, step: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """Uniform (0, 1) float32 noise [B, V] for `keys` [B, 2], a step counter [1] and vocab ids [V]."""
-    s = mix32((step & _M32) ^ 0x2545F491)
-    ka = mix32(keys[:, :1] ^ s)
-    kb = mix32((keys[:, 1:] + s) & _M32)
-    h = mix32(mix32(vocab_ids[None, :] ^ ka) ^ kb)
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-
+from hfq_kernels.rollout import gumbel_sample, mix32, row_keys, uniform_noise  # noqa: F401  (re-exported)
 
 @dataclass(frozen=True)
 class SamplerFlags:
@@ -92,10 +64,8 @@ def sample(logits: torch.Tensor, flags: SamplerFlags, temperature: torch.Tensor,
     (after temperature and filtering, what vLLM calls processed logprobs; raw log-softmax when greedy).
 
     fused: plain temperature sampling (no top-k/top-p/min-p) as one Triton pass over the logits with the
-    same noise bits (`kernels.gumbel_sample`) instead of ~40 elementwise kernels."""
+    same noise bits (`hfq_kernels.rollout.gumbel_sample`) instead of ~40 elementwise kernels."""
     if fused and not (flags.greedy or flags.top_k or flags.top_p or flags.min_p) and logits.stride(-1) == 1:
-        from .kernels import gumbel_sample
-
         return gumbel_sample(logits, temperature, keys, step, flags.logprobs)
     x = process_logits(logits.float(), flags, temperature, top_k, top_p, min_p)
     if flags.greedy:
