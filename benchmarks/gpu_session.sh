@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call: GPU correctness of the kernel test files, then the benchmarks given as arguments
-# (eco, quest, decfix, qerl, qerl_profile), each under its own time limit. Results land in $OUT.
+# (eco, quest, nvfp4, rollout, qerl, qerl_profile, ...), each under its own time limit. Results land in $OUT.
 # Usage (device tool): HFQ_COMMIT=<sha> bash benchmarks/gpu_session.sh tests eco quest
 set -u
 OUT=${OUT:-/tmp/out}
@@ -14,11 +14,12 @@ for part in "$@"; do
   case $part in
     tests) timeout 300 python -m pytest -q -p no:cacheprovider tests/test_kernels_nvfp4.py tests/test_eco_kernel.py \
              tests/test_quest.py tests/test_eco.py tests/test_qparam.py tests/test_qft_lion.py tests/test_nvfp4_model.py \
-             > "$OUT/tests.txt" 2>&1 ;;
+             tests/test_rollout_kernels.py tests/test_hadamard.py > "$OUT/tests.txt" 2>&1 ;;
     ecotest) timeout 120 python -m pytest -q -p no:cacheprovider tests/test_eco_kernel.py tests/test_eco.py > "$OUT/ecotest.txt" 2>&1 ;;
     ecosweep) timeout 300 python benchmarks/eco_sweep.py --out "$OUT" > "$OUT/ecosweep.txt" 2>&1 ;;
     alltests) timeout 480 python -m pytest -q -p no:cacheprovider tests > "$OUT/alltests.txt" 2>&1 ;;
-    decfix) timeout 120 python benchmarks/dec_fix_timing.py "$OUT/decfix" > "$OUT/decfix.txt" 2>&1 ;;
+    nvfp4) timeout 400 python benchmarks/nvfp4_matmul.py --out "$OUT" > "$OUT/nvfp4.txt" 2>&1 ;;
+    rollout) timeout 580 python benchmarks/rollout.py --out "$OUT" > "$OUT/rollout.txt" 2>&1 ;;
     eco) timeout 150 python benchmarks/eco.py --iters ${ECO_ITERS:-10} --out "$OUT" > "$OUT/eco.txt" 2>&1 ;;
     quest) timeout 150 python benchmarks/quest_step.py --out "$OUT" > "$OUT/quest.txt" 2>&1 ;;
     qerl) timeout 420 python benchmarks/qerl_step.py --methods qerl,bf16_lora --out "$OUT" > "$OUT/qerl.txt" 2>&1 ;;

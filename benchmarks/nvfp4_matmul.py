@@ -26,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hfq_kernels.reference import fp4  # noqa: E402
 from hfq_kernels import nvfp4 as K  # noqa: E402
+from hfq_kernels import nvfp4_gluon as gluon  # noqa: E402
+from hfq_kernels import nvfp4_matmul as MM  # noqa: E402
+from hfq_kernels._triton import sm_count  # noqa: E402
 
 SHAPES = [  # (K=in, N=out)
     (3584, 3584), (3584, 512), (3584, 18944), (18944, 3584),  # Qwen2.5-7B
@@ -113,7 +116,7 @@ def make_weights(k, n, copies, gen):
 def sweep(out_dir: Path, quick: bool):
     dev = torch.device("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    log = {"device": torch.cuda.get_device_name(), "checks": [], "tuning": [], "grad": [], "quantize": []}
+    log = {"device": torch.cuda.get_device_name(), "checks": [], "tuning": [], "quantize": []}
     fails = []
 
     def check(name, ok, **info):
@@ -170,9 +173,10 @@ def sweep(out_dir: Path, quick: bool):
         for m in (1, 3, 16, 17, 128, 1000):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = x.double() @ wf.T
-            cfgs = [K._mm_default(m, n, k)] + ([dict(K._mm_default(m, n, k), asm=False)] if m in (1, 128) else [])
+            dflt = MM.default_config(m, n, k, sm_count(dev))
+            cfgs = [dflt] + ([dict(dflt, asm=False)] if m in (1, 128) else [])
             if m <= 16:
-                cfgs.append(dict(K._mm_default(m, n, k), split=1))
+                cfgs.append(dict(dflt, split=1))
             for cfg in cfgs:
                 out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
                 try:
@@ -182,22 +186,20 @@ def sweep(out_dir: Path, quick: bool):
                     continue
                 e = rel_err(y, ref)
                 check(f"linear K{k} N{n} M{m} {cfg}", e <= 1e-2 and torch.isfinite(y).all().item(), err=e,
-                      asm_failed=len(K._ASM_FAILED))
+                      asm_failed=len(MM._ASM_FAILED))
             if m in (3, 128):
-                yb = K.linear(x, p, s, r, bias, config=K._mm_default(m, n, k))
+                yb = K.linear(x, p, s, r, bias, config=dflt)
                 e = rel_err(yb, ref + bias.double())
                 check(f"linear+bias K{k} N{n} M{m}", e <= 1e-2, err=e)
-                yh = K.linear(x.half(), p, s, r, config=K._mm_default(m, n, k))
+                yh = K.linear(x.half(), p, s, r, config=dflt)
                 e = rel_err(yh, x.half().double() @ wf.T)
                 check(f"linear fp16 K{k} N{n} M{m}", e <= 1e-2, err=e)
             if m in (17, 1000):
                 g = torch.randn(m, n, device=dev, dtype=torch.bfloat16, generator=gen)
-                gref = g.double() @ wf
-                for cfg in K._grad_candidates(m, n, k):
-                    out = torch.full((m, k), float("nan"), device=dev, dtype=torch.bfloat16)
-                    gi = K.grad_input(g, p, s, r, config=cfg, out=out)
-                    e = rel_err(gi, gref)
-                    check(f"grad_input K{k} N{n} M{m} {cfg}", e <= 1e-2 and torch.isfinite(gi).all().item(), err=e)
+                out = torch.full((m, k), float("nan"), device=dev, dtype=torch.bfloat16)
+                gi = K.grad_input(g, p, s, r, out=out)
+                e = rel_err(gi, g.double() @ wf)
+                check(f"grad_input K{k} N{n} M{m}", e <= 1e-2 and torch.isfinite(gi).all().item(), err=e)
         print(f"checked K{k} N{n}: {len(fails)} failures so far", flush=True)
 
     # 3. tuning with rotated weights; writes the tuned table
@@ -210,8 +212,8 @@ def sweep(out_dir: Path, quick: bool):
         for m in MS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
             res = []
-            cands = K._mm_candidates(m, n, k)
-            cands += [dict(c, asm=False) for c in cands[:2] if c["kind"] == "mm"]
+            cands = MM.candidates(m, n, k, sm_count(dev))
+            cands += [dict(c, asm=False) for c in cands[:2] if c["kind"] == "tile"]
             for cfg in cands:
                 try:
                     us, _ = time_us(lambda i: K.linear(x, *copies[i], config=cfg), len(copies))
@@ -233,34 +235,9 @@ def sweep(out_dir: Path, quick: bool):
         del copies, wb
         torch.cuda.empty_cache()
 
-    # 4. grad-input: transposed kernel vs dequant + cuBLAS
-    tuned_g = {}
-    for k, n in tshapes:
-        copies = make_weights(k, n, 2, gen)
-        wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
-        for m in (256, 1024, 4096):
-            g = torch.randn(m, n, device=dev, dtype=torch.bfloat16, generator=gen)
-            res = []
-            for cfg in K._grad_candidates(m, n, k):
-                try:
-                    us = time_us(lambda i: K.grad_input(g, *copies[i], config=cfg), 2)[0]
-                except Exception as e:
-                    us, cfg = float("inf"), dict(cfg, error=f"{type(e).__name__}: {str(e)[:300]}")
-                res.append((us, cfg))
-            bf = time_us(lambda i: g @ wb[i], 2)[0]
-            res.sort(key=lambda t: t[0])
-            tuned_g[K.Tuner.key(m, n, k, torch.bfloat16, dev)] = res[0][1]
-            tuned_g[K.Tuner.key(m, n, k, torch.float16, dev)] = res[0][1]
-            log["grad"].append({"M": m, "K": k, "N": n, "bf16_us": bf, "results": [{"us": u, "cfg": c} for u, c in res]})
-            print(f"grad K{k} N{n} M{m}: best {res[0][0]:.1f}us {res[0][1]} (dq {[u for u, c in res if c['kind'] == 'dq'][0]:.1f}) "
-                  f"bf16 {bf:.1f}us", flush=True)
-        del copies, wb
-
     (out_dir / "nvfp4_linear_tuned.json").write_text(json.dumps({"nvfp4_linear": tuned}, indent=1, sort_keys=True))
-    (out_dir / "nvfp4_grad_input_tuned.json").write_text(
-        json.dumps({"nvfp4_grad_input": tuned_g}, indent=1, sort_keys=True))
     log["fails"] = fails
-    log["asm_failed"] = {str(a): b for a, b in K._ASM_FAILED.items()}
+    log["asm_failed"] = {str(a): b for a, b in MM._ASM_FAILED.items()}
     (out_dir / "sweep.json").write_text(json.dumps(log, indent=1, default=str))
     print(f"SWEEP DONE: {len(log['checks'])} checks, {len(fails)} failures: {fails[:10]}", flush=True)
 
@@ -350,7 +327,7 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
                 nf4.append((qw, qs))
         if getattr(K, "HAS_GLUON", False):
             for c in copies:  # the g4 kernel's repacked copies are built lazily; build them outside the graphs
-                K._g4_repacked(c[0], c[1])
+                gluon.repacked(c[0], c[1])
         for m in MS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
             K.linear(x, *copies[0])  # tuned choice (shipped table) / autotune outside the graph
@@ -361,10 +338,10 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
                 nf, nmode = time_us(lambda i: bnb.matmul_4bit(x, nf4[i][0].t(), quant_state=nf4[i][1]), len(nf4))
             elif prev_nf4.get((k, n, m)) is not None:
                 nf, nmode = prev_nf4[(k, n, m)], f"reused from commit {prev_commit} (bitsandbytes not installed)"
-            if getattr(K, "HAS_GLUON", False) and K._g4_ok(x):
-                cfg = K.g4_config(m, n, k, dev)
+            if gluon.supported(x):
+                cfg = MM.gluon_config(m, n, k, dev)
             else:
-                cfg = K._LINEAR_TUNER.cache.get(K.Tuner.key(m, n, k, x.dtype, dev), {"default": True})
+                cfg = MM.LINEAR_TUNER.cache.get(K.Tuner.key(m, n, k, x.dtype, dev), {"default": True})
             row = {"M": m, "K": k, "N": n, "ours_us": round(ours, 3), "bf16_us": round(bf, 3),
                    "nf4_us": round(nf, 3), "ours_gbps": round(nvfp4_bytes(m, k, n) / ours / 1e3, 1),
                    "bf16_gbps": round((n * k * 2 + m * k * 2 + m * n * 2) / bf / 1e3, 1),
@@ -392,11 +369,11 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
            "commit": commit, "torch": torch.__version__, "triton": __import__("triton").__version__,
            "bitsandbytes": getattr(bnb, "__version__", None), "copy_gbps": round(copy_gbps, 1),
            "compile_decode": comp, "rows": rows}
-    res["asm_failed"] = {str(a): e for a, e in K._ASM_FAILED.items()}
-    res["tuned"] = K._LINEAR_TUNER.cache
+    res["asm_failed"] = {str(a): e for a, e in MM._ASM_FAILED.items()}
+    res["tuned"] = MM.LINEAR_TUNER.cache
     out_json.write_text(json.dumps(res, indent=1))
     (out_json.parent / "nvfp4_linear_tuned.json").write_text(
-        json.dumps({"nvfp4_linear": K._LINEAR_TUNER.cache}, indent=1, sort_keys=True))
+        json.dumps({"nvfp4_linear": MM.LINEAR_TUNER.cache}, indent=1, sort_keys=True))
     out_md.write_text(to_markdown(res))
     print(f"wrote {out_json} {out_md}")
 

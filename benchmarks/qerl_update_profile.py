@@ -155,11 +155,10 @@ def micro(res):
         del fns
         torch.cuda.empty_cache()
     res["micro"] = rows
-    # host time per call: a tiny weight (GPU work ~ a few us) with the large-M route forced to "dq" in the tables
+    # host time per call: a tiny weight (GPU work ~ a few us) with the large-M route forced to "dequant"
     tk, tn, tm = 256, 256, 128
-    for tuner in (K._LINEAR_TUNER, K._GRAD_TUNER):
-        tuner.cache[K.Tuner.key(tm, tn, tk, torch.bfloat16, torch.device("cuda", torch.cuda.current_device()))] = \
-            {"kind": "dq"}
+    K.LINEAR_TUNER.cache[K.Tuner.key(tm, tn, tk, torch.bfloat16, torch.device("cuda", torch.cuda.current_device()))] = \
+        {"kind": "dequant"}
     fns, _ = paths(tk, tn, tm)
     host = []
     for name, fn in fns.items():
