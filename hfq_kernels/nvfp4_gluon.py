@@ -67,6 +67,28 @@ if HAS_GLUON:
             warp_bases=[[0, 0, 0]] * (W.bit_length() - 1), block_bases=[], shape=[BM, 4, 16])
 
     @gluon.jit
+    def _g4_operands(w, s, xt, RT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, L4: gl.constexpr,
+                     a_l: gl.constexpr, b_l: gl.constexpr):
+        """One 64-wide K chunk: weight words w + scale bytes s -> the MMA's A operand [BN, 64] (decoded in
+        registers), x chunk xt -> its B operand [64, BM]."""
+        w4 = gl.convert_layout(gl.reshape(w, [RT, 32, 2, 2]), L4, assert_trivial=True)
+        s2 = s.to(gl.int32) * 0x00100010 + 0x73007300
+        s4 = gl.broadcast(gl.expand_dims(s2, 3), w4)[0]
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_G4_ASM, "=r,=r,=r,=r,r,r", [w4, s4],
+                                                   dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
+                                                   is_pure=True, pack=1)
+        o = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [RT, 32, hrow, wsub, i%2, i//2]
+        lo = o.to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (o >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        v = gl.join(lo, hi)  # [..., h]
+        v = gl.reshape(v, [RT, 8, 4, 2, 2, 2, 2, 2])  # rt, g, c, hrow, wsub, i0, i1, h
+        v = gl.permute(v, [0, 3, 1, 6, 5, 4, 2, 7])  # rt, hrow, g, i1, i0, wsub, c, h
+        a = gl.convert_layout(gl.reshape(v, [BN, 64]), a_l, assert_trivial=True)
+        xb = gl.permute(gl.reshape(xt, [BM, 4, 2, 4, 2]), [3, 2, 1, 4, 0])  # i, wsub, c, h, m
+        b = gl.convert_layout(gl.reshape(xb, [64, BM]), b_l, assert_trivial=True)
+        return a, b
+
+    @gluon.jit
     def _g4_kernel(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, KC, NT, stride_xm, stride_ym, cps,
                    BM: gl.constexpr, R: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
                    PREFETCH: gl.constexpr):
@@ -125,21 +147,7 @@ if HAS_GLUON:
                 w = gl.load(wr_ptr + woff + it * 128)
                 s = gl.load(sr_ptr + soff + it * 64)
                 xt = gl.load(xptr + kcur, mask=xmok & (kcur + xc3 < K), other=0.0)
-            w4 = gl.convert_layout(gl.reshape(w, [RT, 32, 2, 2]), L4, assert_trivial=True)
-            s2 = s.to(gl.int32) * 0x00100010 + 0x73007300
-            s4 = gl.broadcast(gl.expand_dims(s2, 3), w4)[0]
-            o0, o1, o2, o3 = gl.inline_asm_elementwise(_G4_ASM, "=r,=r,=r,=r,r,r", [w4, s4],
-                                                       dtype=(gl.int32, gl.int32, gl.int32, gl.int32),
-                                                       is_pure=True, pack=1)
-            o = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [RT, 32, hrow, wsub, i%2, i//2]
-            lo = o.to(gl.int16).to(gl.bfloat16, bitcast=True)
-            hi = (o >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
-            v = gl.join(lo, hi)  # [..., h]
-            v = gl.reshape(v, [RT, 8, 4, 2, 2, 2, 2, 2])  # rt, g, c, hrow, wsub, i0, i1, h
-            v = gl.permute(v, [0, 3, 1, 6, 5, 4, 2, 7])  # rt, hrow, g, i1, i0, wsub, c, h
-            a = gl.convert_layout(gl.reshape(v, [BN, 64]), a_l, assert_trivial=True)
-            xb = gl.permute(gl.reshape(xt, [BM, 4, 2, 4, 2]), [3, 2, 1, 4, 0])  # i, wsub, c, h, m
-            b = gl.convert_layout(gl.reshape(xb, [64, BM]), b_l, assert_trivial=True)
+            a, b = _g4_operands(w, s, xt, RT, BN, BM, L4, a_l, b_l)
             acc = mma_v2(a, b, acc)
             if PREFETCH:
                 w = wn
