@@ -151,3 +151,10 @@ def pick3(i, a, b, c):
 def sel3(i, a, b, c):
     """a, b or c for i = 0, 1, 2 (scalars: a select)."""
     return tl.where(i == 0, a, tl.where(i == 1, b, c))
+
+
+@triton.jit
+def member(i, n0, n1, n2, sa0, sa1, sa2, sb0, sb1, sb2, pa0, pa1, pa2, pb0, pb1, pb2):
+    """Member i's geometry in a grouped launch: (rows N, two strides, two pointers) chosen from three members."""
+    return (sel3(i, n0, n1, n2), sel3(i, sa0, sa1, sa2), sel3(i, sb0, sb1, sb2), pick3(i, pa0, pa1, pa2),
+            pick3(i, pb0, pb1, pb2))

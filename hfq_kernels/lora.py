@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hfq_kernels._triton import group_of, next_pow2, pick3, sel3, tl, triton
+from hfq_kernels._triton import group_of, member, next_pow2, pick3, sel3, tl, triton
 
 MAX_GROUP = 3
 
@@ -45,11 +45,7 @@ def _expand_kernel(p_ptr, b0, b1, b2, y0, y1, y2, s0, s1, s2, n0, n1, n2, sb0, s
                    IEEE: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
     i, blk = group_of(tl.program_id(0), nb0, nb1)
     scale = sel3(i, s0, s1, s2)
-    N = sel3(i, n0, n1, n2)
-    sb = sel3(i, sb0, sb1, sb2)
-    sy = sel3(i, sy0, sy1, sy2)
-    b_ptr = pick3(i, b0, b1, b2)
-    y_ptr = pick3(i, y0, y1, y2)
+    N, sb, sy, b_ptr, y_ptr = member(i, n0, n1, n2, sb0, sb1, sb2, sy0, sy1, sy2, b0, b1, b2, y0, y1, y2)
     rm = tl.arange(0, BM)
     rr = tl.arange(0, BR)
     t = tl.zeros([BM, BR], tl.float32)

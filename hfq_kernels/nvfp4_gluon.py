@@ -23,6 +23,29 @@ from hfq_kernels._triton import HAS_TRITON, INTERPRET, cdiv
 
 _G4_SM = (0, 3, -3, 6)
 _G4_SS = (0, 3, 1, 2)
+
+
+def _shifted(dst: str, a: int) -> str:
+    """PTX: dst = word $4 shifted left by a (right by -a)."""
+    return f"shl.b32 {dst}, $4, {a};" if a >= 0 else f"shr.u32 {dst}, $4, {-a};"
+
+
+def _g4_asm() -> str:
+    """Inline PTX: word $4 -> the A registers $0..$3 (k-slab i: (w << SM[i]) & magnitudes | (w << SS[i]) & signs,
+    as a bf16 pair, times the bf16x2 scale pair $5 (an fma adding -0, i.e. a multiply; exact, see the module doc))."""
+    lines = ["{", ".reg .b32 " + ", ".join(f"m{i}, s{i}" for i in range(4)) + ", NZ;", "mov.b32 NZ, 0x80008000;"]
+    for i, (sm, ss) in enumerate(zip(_G4_SM, _G4_SS)):
+        if sm == ss == 0:
+            lines.append(f"and.b32 m{i}, $4, 0x81C081C0;")
+        elif sm == ss:
+            lines += [_shifted(f"m{i}", sm), f"and.b32 m{i}, m{i}, 0x81C081C0;"]
+        else:
+            lines += [_shifted(f"m{i}", sm), _shifted(f"s{i}", ss), f"and.b32 m{i}, m{i}, 0x01C001C0;",
+                      f"and.b32 s{i}, s{i}, 0x80008000;", f"or.b32 m{i}, m{i}, s{i};"]
+        lines.append(f"fma.rn.bf16x2 ${i}, m{i}, $5, NZ;")
+    return "\n".join(lines + ["}"])
+
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -33,29 +56,7 @@ except Exception:  # pragma: no cover - older triton
     HAS_GLUON = False
 
 if HAS_GLUON:
-    _G4_ASM = gl.constexpr("""
-    {
-    .reg .b32 t0, t1, t2, t3, t4, NZ;
-    mov.b32 NZ, 0x80008000;
-    and.b32 t0, $4, 0x81C081C0;
-    fma.rn.bf16x2 $0, t0, $5, NZ;
-    shl.b32 t1, $4, 3;
-    and.b32 t1, t1, 0x81C081C0;
-    fma.rn.bf16x2 $1, t1, $5, NZ;
-    shr.u32 t2, $4, 3;
-    shl.b32 t3, $4, 1;
-    and.b32 t2, t2, 0x01C001C0;
-    and.b32 t3, t3, 0x80008000;
-    or.b32 t2, t2, t3;
-    fma.rn.bf16x2 $2, t2, $5, NZ;
-    shl.b32 t3, $4, 6;
-    shl.b32 t4, $4, 2;
-    and.b32 t3, t3, 0x01C001C0;
-    and.b32 t4, t4, 0x80008000;
-    or.b32 t3, t3, t4;
-    fma.rn.bf16x2 $3, t3, $5, NZ;
-    }
-    """)
+    _G4_ASM = gl.constexpr(_g4_asm())
 
     @gluon.constexpr_function
     def _g4_x_layout(BM, W):

@@ -95,11 +95,9 @@ def _dequant_tile(p, s, R: tl.constexpr, C: tl.constexpr, DT: tl.constexpr, USE_
     return w
 
 @triton.jit
-def _mm_kernel(x_ptr, wp_ptr, ws_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, chunks_per_split,
-               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-               ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, MASK_K: tl.constexpr,
-               F32_DOT: tl.constexpr):
-    """y[M, N] (+)= x[M, K] @ dequant(W)[N, K]^T, computed as W-tile @ x^T-tile (swap-AB), split over K."""
+def _swap_ab_tile(M, N, BN: tl.constexpr, BM: tl.constexpr):
+    """This program's weight rows rn and token rows rm (grid: N tiles, M tiles, K splits), their bounds, and the
+    rows clamped into range (int64) so that loads stay unmasked: (pid_k, rn, rm, n_ok, m_ok, rn_c, rm_c)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -107,8 +105,16 @@ def _mm_kernel(x_ptr, wp_ptr, ws_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, stride_x
     rm = pid_m * BM + tl.arange(0, BM)
     n_ok = rn < N
     m_ok = rm < M
-    rn_c = tl.where(n_ok, rn, 0).to(tl.int64)  # clamped rows: loads stay unmasked
-    rm_c = tl.where(m_ok, rm, 0).to(tl.int64)
+    return pid_k, rn, rm, n_ok, m_ok, tl.where(n_ok, rn, 0).to(tl.int64), tl.where(m_ok, rm, 0).to(tl.int64)
+
+
+@triton.jit
+def _mm_kernel(x_ptr, wp_ptr, ws_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_ym, chunks_per_split,
+               BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
+               ATOMIC: tl.constexpr, USE_ASM: tl.constexpr, MASK_K: tl.constexpr,
+               F32_DOT: tl.constexpr):
+    """y[M, N] (+)= x[M, K] @ dequant(W)[N, K]^T, computed as W-tile @ x^T-tile (swap-AB), split over K."""
+    pid_k, rn, rm, n_ok, m_ok, rn_c, rm_c = _swap_ab_tile(M, N, BN, BM)
     k_lo = pid_k * chunks_per_split * BK
     acc = tl.zeros((BN, BM), dtype=tl.float32)
     kp = tl.arange(0, BK // 2)
@@ -271,15 +277,7 @@ def _words_kernel(x_ptr, wq_ptr, ws_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, strid
     (a multiple of 2^-24, at most 2688 * 2^-14). x is scaled per row by a power of two into fp16 range.
     PREFETCH keeps the next K tile's weight loads in flight while this one is decoded.
     PARTIAL writes fp32 partial sums to y_ptr[pid_k, M, N] (split-K; a second kernel reduces them)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rm = pid_m * BM + tl.arange(0, BM)
-    n_ok = rn < N
-    m_ok = rm < M
-    rn_c = tl.where(n_ok, rn, 0).to(tl.int64)
-    rm_c = tl.where(m_ok, rm, 0).to(tl.int64)
+    pid_k, rn, rm, n_ok, m_ok, rn_c, rm_c = _swap_ab_tile(M, N, BN, BM)
     k_lo = pid_k * chunks_per_split * BK
     kw = tl.arange(0, BK // 8)
     # one scale byte per weight word (word w of a tile uses block w // 2), so the per-word scale tile has the

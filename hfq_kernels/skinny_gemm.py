@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from hfq_kernels._autotune import Tuner, device_name, enabled
-from hfq_kernels._triton import HAS_TRITON, group_of, pick3, sel3, tl, triton
+from hfq_kernels._triton import HAS_TRITON, group_of, member, pick3, tl, triton
 
 # (BN, BK, split, warps, stages) of the single-weight kernel; (BN, BK, warps, stages) of the grouped one
 CONFIGS = ((64, 128, 1, 4, 4), (32, 128, 1, 4, 5), (32, 256, 1, 4, 4), (64, 256, 1, 8, 3), (128, 128, 1, 8, 4),
@@ -80,12 +80,8 @@ def _skinny_group_kernel(x_ptr, w0, w1, w2, b0, b1, b2, y0, y1, y2, n0, n1, n2, 
                          sw0, sw1, sw2, sy0, sy1, sy2, HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     i, blk = group_of(tl.program_id(0), nb0, nb1)
-    N = sel3(i, n0, n1, n2)
-    sw = sel3(i, sw0, sw1, sw2)
-    sy = sel3(i, sy0, sy1, sy2)
-    w_ptr = pick3(i, w0, w1, w2)
+    N, sw, sy, w_ptr, y_ptr = member(i, n0, n1, n2, sw0, sw1, sw2, sy0, sy1, sy2, w0, w1, w2, y0, y1, y2)
     b_ptr = pick3(i, b0, b1, b2)
-    y_ptr = pick3(i, y0, y1, y2)
     rn = blk * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
