@@ -63,7 +63,8 @@ if HAS_GLUON:
         """x chunk [BM, 4, 16]: 16 contiguous k per thread (registers), lanes (c, g), rows g + 8t in registers."""
         BM, W = int(BM), int(W)
         return gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]] + [[8 << t, 0, 0] for t in range(BM.bit_length() - 4)],
+            reg_bases=([[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]]
+                       + [[8 << t, 0, 0] for t in range(BM.bit_length() - 4)]),
             lane_bases=[[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             warp_bases=[[0, 0, 0]] * (W.bit_length() - 1), block_bases=[], shape=[BM, 4, 16])
 
@@ -168,7 +169,8 @@ if HAS_GLUON:
 
 
 def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Canonical (packed u8[N, K/2], scale e4m3[N, K/16]) -> the g4 kernel's (words i32, scale bytes u8); see the module doc."""
+    """Canonical (packed u8[N, K/2], scale e4m3[N, K/16]) -> the kernel's (words i32, scale bytes u8), as the
+    module doc lays them out."""
     n, k = packed.shape[0], packed.shape[1] * 2
     nt, kc = cdiv(n, 16), cdiv(k, 64)
     dev = packed.device

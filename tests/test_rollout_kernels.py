@@ -1,5 +1,5 @@
-"""Fused rollout decode kernels (hfq_kernels.rollout, .lora, .skinny_gemm) (Triton; on CPU under TRITON_INTERPRET=1) against their torch references,
-and the engine's fused decode path against transformers' generate."""
+"""Fused rollout decode kernels (hfq_kernels.rollout, .lora, .skinny_gemm; Triton, on CPU under TRITON_INTERPRET=1)
+against their torch references, and the engine's fused decode path against transformers' generate."""
 import pytest
 import torch
 
