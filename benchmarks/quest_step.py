@@ -3,7 +3,7 @@ training step of an 800M-shaped Llama (paper App. B.1: 16 blocks, hidden 2048) a
 
   python benchmarks/quest_step.py [--out DIR] [--batch 8 --seq 1024]
 Writes DIR/quest_step.json and DIR/quest_step.md (default benchmarks/results/).
-Targets (issue 6): QuEST step <= 1.25x BF16 step; HT kernel >= 70% of copy bandwidth.
+Targets: QuEST step <= 1.25x BF16 step; HT kernel >= 70% of copy bandwidth.
 """
 from __future__ import annotations
 

@@ -192,6 +192,24 @@ def test_autotune_bucket_and_cache_key():
         assert best == {"a": 1} and t.choose(key, [], None, default={}) == {"a": 1}
 
 
+def test_tuner_margin_keeps_the_baseline_and_skips_failures():
+    """choose() with a custom bench: a candidate must beat candidates[0] by the margin; a raising runner loses."""
+    times = {"base": 1.0, "close": 0.98, "fast": 0.9, "bad": 0.1}
+
+    def runner(c):
+        if c["name"] == "bad":
+            raise ValueError("miscomputes")
+        return c["name"]
+
+    t = K.Tuner("hfq_test_margin")
+    pick = lambda key, names: t.choose(key, [{"name": n} for n in names], runner, {"name": "default"},
+                                       bench=lambda fn: times[fn], margin=0.97)["name"]
+    assert pick("a", ["base", "close", "bad"]) == "base"
+    assert pick("b", ["base", "close", "fast", "bad"]) == "fast"
+    assert pick("a", ["base", "fast"]) == "base"  # cached
+    assert t.log[1]["timings"][-1][1]["error"].startswith("ValueError")
+
+
 def test_torch_compile_fullgraph_tiny_model():
     """A tiny Qwen2 whose decoder linears call hfq::nvfp4_linear compiles with fullgraph=True."""
     from hfq.tiny import tiny_model
