@@ -91,6 +91,17 @@ if HAS_GLUON:
         return a, b
 
     @gluon.jit
+    def _g4_lane_offsets(pid_n, kc0, KC, NT, RT: gl.constexpr, E: gl.constexpr, L: gl.constexpr):
+        """[RT, 32, E] offsets ((rt*KC + kc0)*32 + lane)*E + e into a repacked array with E entries per lane and
+        chunk, for this program's row tiles rt (clamped to NT - 1), in layout L."""
+        rt = gl.arange(0, RT, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+        ln = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+        e = gl.arange(0, E, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+        rtg = gl.minimum(pid_n * RT + rt, NT - 1)
+        return (gl.expand_dims(gl.expand_dims(rtg * (KC * (32 * E)), 1), 2) + gl.expand_dims(gl.expand_dims(ln * E, 0), 2)
+                + gl.expand_dims(gl.expand_dims(e, 0), 1)) + kc0 * (32 * E)
+
+    @gluon.jit
     def _g4_kernel(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, KC, NT, stride_xm, stride_ym, cps,
                    BM: gl.constexpr, R: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
                    PREFETCH: gl.constexpr):
@@ -108,20 +119,8 @@ if HAS_GLUON:
         pid_k = gl.program_id(2)
         kc0 = pid_k * cps
         nch = gl.minimum(cps, KC - kc0)
-        # word offsets [RT, 32, 4]: ((rt*KC + kc)*32 + lane)*4 + r
-        rt3 = gl.arange(0, RT, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        ln3 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-        r3 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-        rtg3 = gl.minimum(pid_n * RT + rt3, NT - 1)
-        woff = (gl.expand_dims(gl.expand_dims(rtg3 * (KC * 128), 1), 2) + gl.expand_dims(gl.expand_dims(ln3 * 4, 0), 2)
-                + gl.expand_dims(gl.expand_dims(r3, 0), 1)) + kc0 * 128
-        # scale offsets [RT, 32, 2] in LS: ((rt*KC + kc)*32 + lane)*2 + hrow
-        rts = gl.arange(0, RT, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS)))
-        lns = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
-        hs = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
-        rtgs = gl.minimum(pid_n * RT + rts, NT - 1)
-        soff = (gl.expand_dims(gl.expand_dims(rtgs * (KC * 64), 1), 2) + gl.expand_dims(gl.expand_dims(lns * 2, 0), 2)
-                + gl.expand_dims(gl.expand_dims(hs, 0), 1)) + kc0 * 64
+        woff = _g4_lane_offsets(pid_n, kc0, KC, NT, RT, 4, L3)  # words r = 2 hrow + wsub
+        soff = _g4_lane_offsets(pid_n, kc0, KC, NT, RT, 2, LS)  # scale bytes of rows hrow
         # x chunk [BM, 4 (c), 16 (j)]: thread (g, c) reads x[g (+8), 16c .. 16c+15] (two 16-byte loads);
         # j = 8 wsub + 2 i + h is regrouped into the B operand's kappa = 16 i + 8 wsub + 2 c + h.
         XL: gl.constexpr = _g4_x_layout(BM, W)

@@ -178,6 +178,13 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_pt
         tl.store(dv + HALF + d, tl.load(vs + HALF + d, mask=dm, other=0.0), mask=dm)
 
 @triton.jit
+def _partial_index(bh, sp, n_splits, GP: tl.constexpr):
+    """First entry of split sp of bh = row * NKV + kv head in the split-KV partials (m, l: [B * NKV, splits, GP];
+    acc: the same rows times BD), written by _attn_partial_kernel and reduced by _attn_combine_kernel."""
+    return (bh * n_splits + sp) * GP
+
+
+@triton.jit
 def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, col_ptr, m_ptr, l_ptr, acc_ptr,
                          kv_len, chunk, scale, n_splits,
                          kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, mk_b,
@@ -223,7 +230,7 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, col_ptr, m_ptr, l_ptr,
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    base = (bh * n_splits + sp) * GP
+    base = _partial_index(bh, sp, n_splits, GP)
     tl.store(m_ptr + base + g, m_i)
     tl.store(l_ptr + base + g, l_i)
     tl.store(acc_ptr + (base + g[:, None]) * BD + d[None, :], acc)
@@ -239,7 +246,7 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_splits, so,
     sp = tl.arange(0, BS)
     d = tl.arange(0, BD)
     sm = sp < n_splits
-    base = ((b * NKV + j) * n_splits + sp) * GP + gi
+    base = _partial_index(b * NKV + j, sp, n_splits, GP) + gi
     m = tl.load(m_ptr + base, mask=sm, other=float("-inf"))
     l = tl.load(l_ptr + base, mask=sm, other=0.0)
     mx = tl.max(m, axis=0)

@@ -265,13 +265,11 @@ def test_g4_repack_layout_matches_reference(n, k):
     assert _rel(gluon.emulate(x, wr, sr, n, k, r), ref) < 1e-6
 
 
-_DEC_SM90_IR = """
+_WORDS_SM90_IR = """
 import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hfq_kernels import nvfp4 as K
-from hfq_kernels import nvfp4_gluon as gluon
 from hfq_kernels import nvfp4_matmul as MM
 
 prefetch, cps1 = sys.argv[1] == "1", sys.argv[2] == "1"
@@ -281,19 +279,33 @@ consts = dict(BN=32, BM=16, BK=128, HAS_BIAS=False, PARTIAL=True, MASK_K=False, 
               F32_DOT=False)
 if cps1:  # the launcher's chunks_per_split == 1 is specialised to a constant: no K loop
     consts["chunks_per_split"] = 1
-k = triton.compile(ASTSource(fn=MM._words_kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4, "num_stages": 1})
+k = triton.compile(ASTSource(fn=MM._words_kernel, signature=sig, constexprs=consts),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
 ir = k.asm["ttgir"]
 print("dot", "tt.dot" in ir, "reshape", "tt.reshape" in ir, "join", "tt.join" in ir)
 """
 
+_GLUON_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from hfq_kernels import nvfp4_gluon as gluon
 
-def test_words_kernel_sm90_has_no_scale_reshape(prefetch=True, cps1=True):
-    """Regression guard for an H100 miscompile (Triton 3.6): widening the [BN, BK/16] scale tile with
-    tl.reshape(tl.join(...)) got the dot-operand layout (kWidth=8) pushed through it at BN=32 and every product
-    came out wrong; the kernel now loads one scale byte per weight word, so no join/reshape may reach the IR.
-    Compiled for sm_90 in a subprocess without TRITON_INTERPRET (no GPU needed), in the configuration that failed
-    (one K tile per split, so the scale tile is no loop-carried value)."""
+if not gluon.HAS_GLUON:
+    print("NO_GLUON")
+    raise SystemExit(0)
+sig = {"x_ptr": "*bf16", "wr_ptr": "*i32", "sr_ptr": "*u8", "recip_ptr": "*fp32", "b_ptr": "*bf16",
+       "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "KC": "i32", "NT": "i32", "stride_xm": "i32",
+       "stride_ym": "i32", "cps": "i32"}
+src = GluonASTSource(fn=gluon._g4_kernel, signature=sig,
+                     constexprs=dict(BM=16, R=2, HAS_BIAS=False, PARTIAL=True, PREFETCH=True))
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print("shared", k.metadata.shared, "mma", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.asm["ptx"])
+"""
+
+
+def _compile_for_sm90(code, *args):
+    """Run `code` in a fresh interpreter without TRITON_INTERPRET (no GPU needed: it only compiles for sm_90)."""
     import os
     import subprocess
     import sys
@@ -301,35 +313,28 @@ def test_words_kernel_sm90_has_no_scale_reshape(prefetch=True, cps1=True):
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _DEC_SM90_IR, str(int(prefetch)), str(int(cps1))], env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
     if r.returncode != 0 and "ptxas" in r.stderr.lower():  # no ptxas/backend on this machine
         pytest.skip(r.stderr[-200:])
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["dot", "True", "reshape", "False", "join", "False"]
+    return r.stdout.split()
+
+
+def test_words_kernel_sm90_has_no_scale_reshape(prefetch=True, cps1=True):
+    """Guard for an H100 miscompile (Triton 3.6): widening the [BN, BK/16] scale tile with tl.reshape(tl.join(...))
+    gets the dot-operand layout (kWidth=8) pushed through it at BN=32 and every product comes out wrong; the kernel
+    loads one scale byte per weight word, so no join/reshape may reach the IR. Checked in the configuration that
+    fails (one K tile per split, so the scale tile is no loop-carried value)."""
+    out = _compile_for_sm90(_WORDS_SM90_IR, str(int(prefetch)), str(int(cps1)))
+    assert out == ["dot", "True", "reshape", "False", "join", "False"]
 
 
 def test_g4_kernel_compiles_for_sm90_without_shared_memory():
-    """The g4 kernel's layout conversions are all register-only (assert_trivial) and it uses no shared memory."""
-    if not gluon.HAS_GLUON:
+    """The Gluon kernel's layout conversions are all register-only (assert_trivial) and it uses no shared memory."""
+    out = _compile_for_sm90(_GLUON_SM90)
+    if out == ["NO_GLUON"]:
         pytest.skip("no gluon")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    sig = {"x_ptr": "*bf16", "wr_ptr": "*i32", "sr_ptr": "*u8", "recip_ptr": "*fp32", "b_ptr": "*bf16",
-           "y_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "KC": "i32", "NT": "i32", "stride_xm": "i32",
-           "stride_ym": "i32", "cps": "i32"}
-    src = GluonASTSource(fn=gluon._g4_kernel, signature=sig,
-                         constexprs=dict(BM=16, R=2, HAS_BIAS=False, PARTIAL=True, PREFETCH=True))
-    try:
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    except (RuntimeError, FileNotFoundError) as e:  # no ptxas/backend on this machine
-        if "ptxas" in str(e).lower():
-            pytest.skip(str(e)[:200])
-        raise
-    assert k.metadata.shared == 0
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.asm["ptx"]
+    assert out == ["shared", "0", "mma", "True"]
 
 
 def test_autotune_rejects_a_config_that_miscomputes(monkeypatch):
