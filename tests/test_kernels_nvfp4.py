@@ -254,7 +254,7 @@ def test_linear_full_shapes_gpu(k, n, m):
 
 @pytest.mark.parametrize("n,k", [(37, 160), (528, 3600), (16, 64)])
 def test_g4_repack_layout_matches_reference(n, k):
-    """repack_g4 + the g4 kernel's bit-level decode (emulated in torch) reproduce the canonical dequantized product."""
+    """gluon.repack + the Gluon kernel's bit-level decode (emulated in torch) give the canonical product."""
     w = _weight(n, k, seed=n + k).cpu()
     p, s, r = fp4.nvfp4_quantize(w)
     wr, sr = gluon.repack(p, s)
