@@ -98,7 +98,8 @@ if HAS_GLUON:
         ln = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
         e = gl.arange(0, E, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
         rtg = gl.minimum(pid_n * RT + rt, NT - 1)
-        return (gl.expand_dims(gl.expand_dims(rtg * (KC * (32 * E)), 1), 2) + gl.expand_dims(gl.expand_dims(ln * E, 0), 2)
+        return (gl.expand_dims(gl.expand_dims(rtg * (KC * (32 * E)), 1), 2)
+                + gl.expand_dims(gl.expand_dims(ln * E, 0), 2)
                 + gl.expand_dims(gl.expand_dims(e, 0), 1)) + kc0 * (32 * E)
 
     @gluon.jit
@@ -159,7 +160,8 @@ if HAS_GLUON:
         ymask = gl.expand_dims(rn < N, 1) & gl.expand_dims(mo < M, 0)
         acc = acc * (16384.0 / gl.load(recip_ptr))
         if PARTIAL:
-            gl.store(y_ptr + (pid_k * M + gl.expand_dims(mo, 0)).to(gl.int64) * N + gl.expand_dims(rn, 1), acc, mask=ymask)
+            gl.store(y_ptr + (pid_k * M + gl.expand_dims(mo, 0)).to(gl.int64) * N + gl.expand_dims(rn, 1), acc,
+                     mask=ymask)
         else:
             if HAS_BIAS:
                 acc += gl.expand_dims(gl.load(b_ptr + rn, mask=rn < N, other=0.0).to(gl.float32), 1)
