@@ -1,0 +1,178 @@
+"""No silent no-op: every torch optimizer path given trainable quantized weights (QParam) either trains them
+(hfq.optim's ECO / QLion, also on INT8 gradients) or refuses at its first step, before anything moves, with an
+error naming the hfq optimizer to use. Checked directly and through the real Trainer on a tiny QFTConfig model."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import hfq  # noqa: F401  (registers hfq_qft)
+from hfq.eco import ECOAdamW, ECOSGD, optimizer_cls_and_kwargs
+from hfq.qft import QFTConfig, QLion, int8_grad, quantize_model_
+from hfq.qparam import FORMATS, QLinear, QParam
+from hfq.tiny import save_tiny, tiny_model
+
+HINT = "ECOAdamW or ECOSGD"
+
+
+def _codes(p: QParam):
+    return [t.view(torch.uint8).clone() if t.dtype == torch.float8_e4m3fn else t.clone() for t in p.qtensors().values()]
+
+
+def _layer(fmt="fp8_e4m3_row"):
+    torch.manual_seed(0)
+    lin = QLinear.from_linear(nn.Linear(64, 16), fmt)
+    x = torch.randn(4, 64)
+    lin(x).square().sum().backward()
+    return lin
+
+
+TORCH_OPTIMIZERS = [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    (torch.optim.SGD, {"lr": 0.1, "foreach": True}),
+    (torch.optim.Adam, {"lr": 1e-3}),
+    (torch.optim.AdamW, {"lr": 1e-3, "foreach": False}),
+    (torch.optim.AdamW, {"lr": 1e-3, "foreach": True}),
+    (torch.optim.AdamW, {"lr": 1e-3, "fused": True}),
+    (torch.optim.Adam, {"lr": 1e-3, "fused": True}),
+    (torch.optim.RMSprop, {"lr": 1e-3}),
+    (torch.optim.Adagrad, {"lr": 1e-2}),
+    (torch.optim.Adamax, {"lr": 1e-2}),
+    (torch.optim.NAdam, {"lr": 1e-2}),
+]
+
+
+@pytest.mark.parametrize("cls,kw", TORCH_OPTIMIZERS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_torch_optimizers_refused_before_anything_moves(cls, kw):
+    lin = _layer()
+    bias0, codes0 = lin.bias.detach().clone(), _codes(lin.weight)
+    opt = cls(lin.parameters(), **kw)
+    n_state = len(opt.state)  # Adagrad makes its state at construction, the others at their first step
+    with pytest.raises(TypeError, match=HINT) as e:
+        opt.step()
+    assert "QParam fp8_e4m3_row (16, 64)" in str(e.value) and cls.__name__ in str(e.value)
+    assert torch.equal(lin.bias, bias0)  # refused before the ordinary parameter was touched
+    assert all(torch.equal(a, b) for a, b in zip(_codes(lin.weight), codes0))
+    assert len(opt.state) == n_state  # no optimizer state was created either
+
+
+def test_refusal_names_the_parameter():
+    model = tiny_model("llama", layers=1)
+    quantize_model_(model, QFTConfig(weight_format="fp8_e4m3_row"))
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-3)  # named params: torch keeps param_names
+    with pytest.raises(TypeError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight"):
+        opt.step()
+
+
+def test_frozen_quantized_weights_and_legit_ops_are_allowed():
+    """A torch optimizer over a model whose QParams are frozen (e.g. training only biases/adapters) works;
+    deepcopy, .to(), state_dict round trips and in-place writes of *plain* tensors from a QParam are fine."""
+    lin = _layer()
+    lin.weight.requires_grad_(False)
+    lin.weight.grad = None
+    codes0, bias0 = _codes(lin.weight), lin.bias.detach().clone()
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2, fused=True)
+    opt.step()
+    assert not torch.equal(lin.bias, bias0)
+    assert all(torch.equal(a, b) for a, b in zip(_codes(lin.weight), codes0))
+    clone = copy.deepcopy(lin).to("cpu")
+    clone.load_state_dict(lin.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(_codes(clone.weight), codes0))
+    out = torch.zeros(16, 64, dtype=torch.bfloat16)
+    out.add_(lin.weight)  # reading a QParam into a plain tensor in place is not a write into the QParam
+    assert torch.equal(out, lin.weight.dequantize())
+
+
+def test_inplace_writes_into_a_qparam_raise():
+    """Without the step hook in the way (raw foreach/fused kernels, single-tensor ops), any in-place write into a
+    QParam raises: it would change only a dequantized temporary."""
+    lin = _layer()
+    w = lin.weight
+    for write in (lambda: torch._foreach_add_([lin.bias, w], 1.0),
+                  lambda: torch._foreach_mul_([w], 0.5),
+                  lambda: w.detach().add_(1.0),
+                  lambda: torch.add(lin.bias, 1.0, out=w)):
+        with torch.no_grad(), pytest.raises(TypeError, match=HINT):
+            write()
+
+
+@pytest.mark.parametrize("opt_fn", [lambda ps: ECOAdamW(ps, lr=1e-2), lambda ps: ECOSGD(ps, lr=1e-1),
+                                    lambda ps: QLion(ps, lr=1e-2)], ids=["ECOAdamW", "ECOSGD", "QLion"])
+def test_hfq_optimizers_train_int8_gradient_weights(opt_fn):
+    """QFTConfig(gradient_bits=8): the weights have no .grad; ECO and QLion read (and consume) the INT8 store."""
+    model = tiny_model("llama", layers=1)
+    quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
+    w = model.model.layers[0].mlp.down_proj.weight
+    x = torch.randint(4, 90, (2, 12))
+    model.train()
+    model(x, labels=x).loss.backward()
+    assert w.grad is None and int8_grad(w) is not None
+    codes0 = _codes(w)
+    opt_fn(model.parameters()).step()
+    assert int8_grad(w) is None
+    assert any(not torch.equal(a, b) for a, b in zip(_codes(w), codes0))
+
+
+# ---- the real Trainer on a tiny QFTConfig model ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return str(save_tiny(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", layers=1))
+
+
+def _data(n=8):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(4, 90, (n, 16), generator=g)]
+
+
+def _trainer(model_dir, out, cfg, **kw):
+    m = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=cfg)
+    args = TrainingArguments(out, max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_steps=1, disable_tqdm=True, learning_rate=1e-2)
+    return m, Trainer(model=m, args=args, train_dataset=_data(), **kw)
+
+
+ROUTES = {
+    "default": lambda m: {},
+    "adamw_foreach": lambda m: {"optimizers": (torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True), None)},
+    "adamw_fused": lambda m: {"optimizers": (torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), None)},
+}
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_trainer_torch_optimizers_refused(llama_dir, tmp_path, fmt, route):
+    cfg = QFTConfig(weight_format=fmt, group_size=32)
+    m = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=cfg)
+    args = TrainingArguments(tmp_path, max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True)
+    tr = Trainer(model=m, args=args, train_dataset=_data(), **ROUTES[route](m))
+    w = m.model.layers[0].self_attn.q_proj.weight
+    codes0 = _codes(w)
+    with pytest.raises(TypeError, match=HINT):
+        tr.train()
+    if route == "default":
+        assert type(tr.optimizer.optimizer) is torch.optim.AdamW and tr.optimizer.optimizer.defaults["fused"]
+    assert all(torch.equal(a, b) for a, b in zip(_codes(w), codes0))
+
+
+def test_trainer_default_optim_refused_with_int8_gradients(llama_dir, tmp_path):
+    m, tr = _trainer(llama_dir, tmp_path, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
+    with pytest.raises(TypeError, match=HINT):
+        tr.train()
+
+
+@pytest.mark.parametrize("gradient_bits", [None, 8])
+def test_trainer_eco_trains_every_quantized_weight(llama_dir, tmp_path, gradient_bits):
+    """The route the error points to: every quantized decoder weight moves in two Trainer steps."""
+    args = TrainingArguments(tmp_path, learning_rate=1e-2)
+    cfg = QFTConfig(weight_format="int8_dense_sparse", gradient_bits=gradient_bits)
+    m, tr = _trainer(llama_dir, tmp_path, cfg, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args))
+    before = {n: _codes(p) for n, p in m.named_parameters() if isinstance(p, QParam)}
+    tr.train()
+    assert len(before) == 7
+    for n, p in m.named_parameters():
+        if n in before:
+            assert any(not torch.equal(a, b) for a, b in zip(_codes(p), before[n])), n
