@@ -1,17 +1,19 @@
 """No silent no-op: every torch optimizer path given trainable quantized weights (QParam) either trains them
 (hfq.optim's ECO / QLion, also on INT8 gradients) or refuses at its first step, before anything moves, with an
-error naming the hfq optimizer to use. Checked directly and through the real Trainer on a tiny QFTConfig model."""
+error naming the hfq optimizer to use. Checked directly and through the real Trainer on a tiny QFTConfig model.
+Also what hfq's optimizers share: the same argument checks, and one NaN/Inf check reading the host once per step."""
 import copy
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import hfq  # noqa: F401  (registers hfq_qft)
 from hfq.eco import ECOAdamW, ECOSGD, optimizer_cls_and_kwargs
 from hfq.qft import QFTConfig, QLion, int8_grad, quantize_model_
-from hfq.qparam import FORMATS, QLinear, QParam
+from hfq.qparam import FORMATS, QLinear, QParam, accumulate_int8_grad_
 from hfq.tiny import save_tiny, tiny_model
 
 HINT = "ECOAdamW or ECOSGD"
@@ -176,3 +178,54 @@ def test_trainer_eco_trains_every_quantized_weight(llama_dir, tmp_path, gradient
     for n, p in m.named_parameters():
         if n in before:
             assert any(not torch.equal(a, b) for a, b in zip(_codes(p), before[n])), n
+
+
+# ---- what ECO and QLion share (hfq.optim.base) ---------------------------------------------------------------
+
+HFQ_OPTIMIZERS = {"ECOAdamW": ECOAdamW, "ECOSGD": ECOSGD, "QLion": QLion}
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor value back to the host (on a GPU each is a sync)."""
+
+    READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item")
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += str(func.overloadpacket) in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+def _mixed_grads():
+    """A QParam with a bf16 .grad, one with an INT8 store, an fp32 bias: three kinds the check must cover."""
+    a, b = _layer(), _layer("int8_dense_sparse")
+    g = b.weight.grad
+    b.weight.grad = None
+    accumulate_int8_grad_(b.weight, g.float(), "b.weight")
+    return a, b
+
+
+@pytest.mark.parametrize("name", sorted(HFQ_OPTIMIZERS))
+def test_shared_checks_one_host_read_per_step_and_int8_nan_refused(name):
+    cls = HFQ_OPTIMIZERS[name]
+    a, b = _mixed_grads()
+    params = list(a.parameters()) + list(b.parameters())
+    for bad, field in ((dict(lr=0.0), "lr"), (dict(lr=float("nan")), "lr"), (dict(weight_decay=-1.0), "weight_decay"),
+                       (dict(weight_decay=float("nan")), "weight_decay"), (dict(rounding="up"), "rounding"),
+                       (dict(lr=True), "lr")):
+        with pytest.raises(ValueError, match=field):
+            cls(params, **bad)
+    opt = cls(params, lr=1e-2)
+    with _HostReads() as reads:
+        opt._finish_check(opt._begin_step(None)[1])
+    assert reads.n == 1  # one read for all gradients (float .grad of two dtypes and the INT8 store)
+    int8_grad(b.weight).finite.fill_(False)  # as an INT8 store that received a NaN records it
+    codes = [_codes(a.weight), _codes(b.weight)]
+    bias = a.bias.detach().clone()
+    with pytest.raises(ValueError, match=r"non-finite gradient \(NaN/Inf\) in b\.weight"):
+        opt.step()
+    assert torch.equal(a.bias, bias) and int8_grad(b.weight) is not None
+    assert all(torch.equal(x, y) for x, y in zip(_codes(a.weight) + _codes(b.weight), codes[0] + codes[1]))
