@@ -33,9 +33,9 @@ from hfq_kernels.reference import fp8 as _fp8
 from hfq_kernels.reference import intq as _intq
 
 USE_HFQ_OPTIMIZER = (
-    "Quantized weights are updated only through requantize_: train them with hfq.optim.ECOAdamW or ECOSGD "
-    "(any weight_format; Trainer: optimizer_cls_and_kwargs=hfq.eco.optimizer_cls_and_kwargs(args)) or "
-    "hfq.optim.QLion, or freeze them (requires_grad_(False)).")
+    "Quantized weights are updated only through requantize_: train them with hfq.ECOAdamW or ECOSGD "
+    "(any weight_format; with Trainer: optimizer_cls_and_kwargs=hfq.eco.optimizer_cls_and_kwargs(args)) or "
+    "hfq.QLion, or freeze them (requires_grad_(False)).")
 FORMATS = ("fp8_e4m3_row", "int4_tensor", "int4_group", "int8_dense_sparse")
 _NAMES = {
     "fp8_e4m3_row": ("codes", "scales"),
@@ -535,8 +535,9 @@ def _refuse_plain_optimizer(optimizer, args, kwargs):
     """Global optimizer step pre-hook: only optimizers marked `updates_qparams` (hfq.optim's) step over a trainable
     QParam. Any other would leave it unchanged without a word (its foreach/fused kernels write into dequantized
     temporaries; INT8-gradient weights have no .grad to read), so the step is refused before anything moves."""
-    if getattr(optimizer, "updates_qparams", False):
-        return None
+    if getattr(optimizer, "updates_qparams", False) or getattr(getattr(optimizer, "optimizer", None),
+                                                                "updates_qparams", False):
+        return None  # hfq's, or a wrapper delegating to one (accelerate's AcceleratedOptimizer)
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             if isinstance(p, QParam) and p.requires_grad:
