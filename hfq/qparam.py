@@ -21,8 +21,6 @@ different codes call `broadcast_qparams_(model)` first (an exact broadcast of co
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
