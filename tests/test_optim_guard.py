@@ -229,3 +229,24 @@ def test_shared_checks_one_host_read_per_step_and_int8_nan_refused(name):
         opt.step()
     assert torch.equal(a.bias, bias) and int8_grad(b.weight) is not None
     assert all(torch.equal(x, y) for x, y in zip(_codes(a.weight) + _codes(b.weight), codes[0] + codes[1]))
+
+
+@pytest.mark.real_model
+def test_smollm2_trainer_default_optim_refused(smollm2, tmp_path):
+    """SmolLM2-135M-Instruct with QFTConfig() given to Trainer with no optimizer (transformers' default fused
+    AdamW): refused at the first step with the hfq optimizer to use, every quantized weight untouched.
+    Its first 4 decoder layers only (real weights and shapes; the full 30 take a minute to quantize on CPU)."""
+    m = AutoModelForCausalLM.from_pretrained(smollm2, quantization_config=QFTConfig(), dtype=torch.bfloat16,
+                                             num_hidden_layers=4)
+    qps = {n: _codes(p) for n, p in m.named_parameters() if isinstance(p, QParam)}
+    assert len(qps) == 7 * m.config.num_hidden_layers
+    ids = torch.randint(100, 10_000, (2, 16), generator=torch.Generator().manual_seed(0))
+    args = TrainingArguments(tmp_path, max_steps=1, per_device_train_batch_size=1, report_to=[], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True)
+    tr = Trainer(model=m, args=args, train_dataset=[{"input_ids": x, "labels": x} for x in ids])
+    with pytest.raises(TypeError, match=HINT):
+        tr.train()
+    assert tr.optimizer.optimizer.defaults["fused"]
+    for n, p in m.named_parameters():
+        if n in qps:
+            assert all(torch.equal(a, b) for a, b in zip(_codes(p), qps[n])), n
