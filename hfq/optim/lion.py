@@ -14,9 +14,10 @@ moves each weight by exactly lr, and with RTN any lr below half an INT8 step of 
 (tests/test_qft_lion.py shows the weights frozen). SR keeps the update unbiased. rounding="rtn" gives the paper's
 quantizer. Momentum and gradients use RTN, as in the paper.
 
-Safety and checkpoints as ECO (hfq.optim.base): every gradient (float and INT8) is checked for NaN/Inf before any
-parameter is touched (ValueError naming the parameter); `state_dict()` holds the INT8 momentum codes (uint8), their fp32 scales
-and uint8 zero points as such plus the SR generator state, and `load_state_dict` restores them bit-exactly.
+Safety and checkpoints as ECO (hfq.optim.base): every gradient (float and INT8) is checked for NaN/Inf before
+any parameter is touched (ValueError naming the parameter); `state_dict()` holds the INT8 momentum codes (uint8),
+their fp32 scales and uint8 zero points as such plus the SR generator state; `load_state_dict` restores them
+bit-exactly.
 """
 from __future__ import annotations
 
