@@ -40,6 +40,7 @@ from hfq_kernels.reference.fp8 import dequantize_fp8_row, quantize_fp8_row
 from hfq.qft import QFTConfig, quantize_model_
 from hfq.qparam import QParam
 from hfq.tiny import char_tokenizer, tiny_config
+from tiny_args import add_model_args
 
 CONFIGS = ["BF16 w/ MW", "FP8 w/ MW + RTN", "FP8 w/o MW + RTN", "FP8 w/o MW + SR", "FP8 w/o MW ECO + RTN",
            "FP8 w/o MW ECO + SR"]
@@ -172,11 +173,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="CPU-sized run (~15 min on 2 cores)")
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--hidden", type=int, default=384)
-    ap.add_argument("--layers", type=int, default=6)
+    add_model_args(ap, hidden=384, layers=6, seq=128, batch=64)
     ap.add_argument("--heads", type=int, default=6)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lrs", default="3e-3,3e-4", help="peak learning rates to sweep (comma-separated)")
     ap.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine decays to this fraction of the peak")
     ap.add_argument("--eval-every", type=int, default=100)

@@ -30,6 +30,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, PrinterCallback, Tr
 
 from hfq.qft import QFTConfig, QLion, state_bytes
 from hfq.tiny import char_tokenizer
+from tiny_args import add_model_args
 
 WORDS = "sun moon star rain wind snow hill lake road town king queen horse apple bread stone gold iron".split()
 VERBS = "sees takes finds keeps gives likes moves holds".split()
@@ -121,11 +122,7 @@ def measure(model, opt, batch) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16)
+    ap = add_model_args(argparse.ArgumentParser(), hidden=128, layers=4, seq=64, batch=16)
     ap.add_argument("--pretrain-steps", type=int, default=150)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--lr-adamw", type=float, default=1e-3)

@@ -2,8 +2,12 @@
 
 A wrapper tensor subclass (torchao's NF4Tensor is the precedent): it reports a logical shape [out, in] and
 dtype bf16, so autograd gives it an ordinary bf16 `.grad`, `nn.Parameter(QParam)` works, `.to(device)` moves
-its codes, and optimizers that know it (hfq.eco, hfq.qft) call `dequantize()` / `requantize_(value)`.
-Plain optimizers that try to update it in place get a clear TypeError instead of silently corrupting codes.
+its codes, and hfq's optimizers (hfq.optim: ECO, QLion) call `dequantize()` / `requantize_(value)`. No other
+update path can silently do nothing: any in-place write into a QParam (single-tensor, or inside the tensor lists of
+foreach/fused kernels) raises, and a global optimizer step pre-hook refuses every other torch optimizer holding a
+trainable QParam before its step touches anything, with a TypeError naming the hfq optimizer to use.
+With `qlinear(..., store_int8=True)` (QFTConfig(gradient_bits=8)) dL/dW is kept as INT8 codes (`Int8Grad`, read
+through `int8_grad(p)`) instead of a bf16 `.grad`; hfq's optimizers consume it.
 
 `QLinear` is the Linear-like module that owns one: its forward never materialises a persistent
 full-precision weight (the dequantized weight is a temporary, recomputed in backward), and its state_dict
@@ -17,16 +21,19 @@ different codes call `broadcast_qparams_(model)` first (an exact broadcast of co
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from hfq_kernels.reference import fp8 as _fp8
 from hfq_kernels.reference import intq as _intq
 
+USE_HFQ_OPTIMIZER = (
+    "Quantized weights are updated only through requantize_: train them with hfq.ECOAdamW or ECOSGD "
+    "(any weight_format; with Trainer: optimizer_cls_and_kwargs=hfq.eco.optimizer_cls_and_kwargs(args)) or "
+    "hfq.QLion, or freeze them (requires_grad_(False)).")
 FORMATS = ("fp8_e4m3_row", "int4_tensor", "int4_group", "int8_dense_sparse")
 _NAMES = {
     "fp8_e4m3_row": ("codes", "scales"),
@@ -73,7 +80,6 @@ def _encode(fmt, w, meta, rounding, generator, thresholds=None) -> dict:
     if fmt in ("int4_tensor", "int4_group"):
         codes, scales = _intq.quantize_int4(w, meta.get("group_size"), rounding, generator)
         return {"codes": codes, "scales": scales}
-    _fp8.check_finite(w)
     if thresholds is None:
         thresholds = _intq.outlier_thresholds(w, meta["outlier_fraction"])
     d = _intq.quantize_dense_sparse(w, thresholds, rounding, generator)
@@ -249,14 +255,27 @@ class QParam(torch.Tensor):
             # else: src is this weight's own value (e.g. DDP's construction-time broadcast of a dequantized view):
             # keep the codes. Requantizing a bf16 round trip would move codes and scales on every rank.
             return dst
-        if func._schema.is_mutable and any(isinstance(a, QParam) for a in args[:1]):
-            q = args[0]
-            raise TypeError(
-                f"{func} would modify a quantized weight (QParam {q.fmt} {tuple(q.shape)}) in place. Quantized "
-                "weights are updated only through requantize_: use hfq.eco.ECOAdamW / ECOSGD (or hfq.qft.QLion), "
-                "not a plain torch optimizer.")
+        if func._schema.is_mutable:
+            q = _written_qparam(func, args, kwargs)
+            if q is not None:
+                raise TypeError(
+                    f"{func} would modify a quantized weight (QParam {q.fmt} {tuple(q.shape)}) in place, which "
+                    f"changes only a dequantized temporary. {USE_HFQ_OPTIMIZER}")
         unwrap = lambda a: a.dequantize() if isinstance(a, QParam) else a  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+def _written_qparam(func, args, kwargs) -> QParam | None:
+    """The first QParam that a mutable op writes to (an argument marked `(a!)` in its schema, or a member of a
+    written tensor list, as foreach and fused optimizer kernels take), else None."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, QParam):
+                return t
+    return None
 
 
 def _holds_value(q: QParam, value: torch.Tensor) -> bool:
@@ -296,12 +315,92 @@ def broadcast_qparams_(module: nn.Module, src: int = 0, group=None, bucket_bytes
     return len(qps)
 
 
+class Int8Grad:
+    """A weight gradient stored as INT8 codes + per-row scale/zero point (QFT Algorithm 1: 'store as INT8').
+
+    `add_(g)` accumulates (gradient accumulation: dequantize, add, requantize); `finite` is a device bool that
+    turns False if any added gradient had NaN/Inf (the value is then unusable: hfq's optimizers refuse the step,
+    reading the flag in their one per-step sync). `name` is the parameter's module path when known."""
+
+    __slots__ = ("shape", "codes", "scales", "zeros", "finite", "count", "name")
+
+    def __init__(self, g: torch.Tensor, name: str | None = None):
+        self.shape = tuple(g.shape)
+        self.name = name
+        self.count = 0
+        self.codes = self.scales = self.zeros = None
+        self.finite = torch.ones((), dtype=torch.bool, device=g.device)
+        self.add_(g)
+
+    @torch.no_grad()
+    def add_(self, g: torch.Tensor) -> "Int8Grad":
+        if tuple(g.shape) != self.shape:
+            raise ValueError(f"Int8Grad: gradient shape {tuple(g.shape)} != {self.shape}")
+        self.finite &= torch.isfinite(g).all()
+        g = torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0)
+        if self.count:
+            g = g + self.dequantize()
+        self.codes, self.scales, self.zeros = _intq.quantize_int_asym(g, 8, check=False)
+        self.count += 1
+        return self
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return _intq.dequantize_int_asym(self.codes, self.scales, self.zeros, dtype, self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
+
+
+_INT8_GRAD = "_hfq_int8_grad"
+
+
+def int8_grad(p: torch.Tensor) -> Int8Grad | None:
+    """The INT8 gradient stored for parameter `p` (None if none is pending)."""
+    return getattr(p, _INT8_GRAD, None)
+
+
+def accumulate_int8_grad_(p: torch.Tensor, g: torch.Tensor, name: str | None = None) -> Int8Grad:
+    """Add a float weight gradient to p's INT8 store (creating it); the float `g` can be freed right after."""
+    cur = int8_grad(p)
+    if cur is None:
+        cur = Int8Grad(g, name)
+        setattr(p, _INT8_GRAD, cur)
+    else:
+        cur.add_(g)
+    return cur
+
+
+def pop_int8_grad(p: torch.Tensor) -> Int8Grad | None:
+    """Take p's INT8 gradient out of the store (the optimizer consumes it, like the paper's stack pop)."""
+    cur = int8_grad(p)
+    if cur is not None:
+        delattr(p, _INT8_GRAD)
+    return cur
+
+
+def clear_int8_grads_(params) -> int:
+    """Drop pending INT8 gradients of `params` (what zero_grad does for .grad); returns how many were dropped."""
+    return sum(pop_int8_grad(p) is not None for p in params)
+
+
+def _refuse_distributed():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise NotImplementedError("QFTConfig(gradient_bits=8): the INT8 gradient store is not all-reduced across "
+                                  "processes; use gradient_bits=None (bf16 .grad) for distributed training")
+
+
 class _QLinearFn(torch.autograd.Function):
-    """y = x W^T + b with W dequantized on the fly; backward re-dequantizes (nothing full-precision saved)."""
+    """y = x W^T + b with W dequantized on the fly; backward re-dequantizes (nothing full-precision saved).
+
+    dL/dW becomes W's bf16 `.grad`, or with `store_int8` goes to W's INT8 store: the float dL/dW then exists only
+    inside this backward (one layer at a time) and autograd gets None for W."""
 
     @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.w = w
+    def forward(ctx, x, w, b, store_int8=False, name=None):
+        ctx.w, ctx.store_int8, ctx.name = w, store_int8, name
         ctx.has_b = b is not None
         ctx.save_for_backward(x)
         return F.linear(x, w.dequantize(x.dtype), b)
@@ -314,14 +413,23 @@ class _QLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = gy @ w.dequantize(gy.dtype)
         if ctx.needs_input_grad[1]:
-            gw = (gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(gy.dtype)).to(w.dtype)
+            if ctx.store_int8:
+                _refuse_distributed()
+            gw = gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(gy.dtype)
+            if ctx.store_int8:
+                accumulate_int8_grad_(w, gw, ctx.name)
+                gw = None
+            else:
+                gw = gw.to(w.dtype)
         if ctx.has_b and ctx.needs_input_grad[2]:
             gb = gy.reshape(-1, gy.shape[-1]).sum(0)
-        return gx, gw, gb
+        return gx, gw, gb, None, None
 
 
-def qlinear(x: torch.Tensor, w: QParam, b: torch.Tensor | None = None) -> torch.Tensor:
-    return _QLinearFn.apply(x, w, b)
+def qlinear(x: torch.Tensor, w: QParam, b: torch.Tensor | None = None, *, store_int8: bool = False,
+            name: str | None = None) -> torch.Tensor:
+    """F.linear for a QParam weight; `store_int8` keeps dL/dW as INT8 (named `name` in errors) instead of .grad."""
+    return _QLinearFn.apply(x, w, b, store_int8, name)
 
 
 class QLinear(nn.Module):
@@ -421,29 +529,21 @@ class QLinear(nn.Module):
                 f"weight_format={self.weight_format}")
 
 
-def quantize_linears_(model: nn.Module, weight_format: str = "fp8_e4m3_row", skip=("lm_head",),
-                      rounding: str = "rtn", generator: torch.Generator | None = None, **meta) -> list:
-    """Replace every nn.Linear (except names containing an entry of `skip`) by a QLinear, in place.
-    Returns the replaced module names."""
-    check_format(weight_format, None, meta)
-    done = []
-    for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear or any(s and (name == s or name.endswith("." + s) or s in name.split("."))
-                                             for s in skip):
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QLinear.from_linear(mod, weight_format, rounding, generator, **meta))
-        done.append(name)
-    return done
+def _refuse_plain_optimizer(optimizer, args, kwargs):
+    """Global optimizer step pre-hook: only optimizers marked `updates_qparams` (hfq.optim's) step over a trainable
+    QParam. Any other would leave it unchanged without a word (its foreach/fused kernels write into dequantized
+    temporaries; INT8-gradient weights have no .grad to read), so the step is refused before anything moves."""
+    if getattr(optimizer, "updates_qparams", False) or getattr(getattr(optimizer, "optimizer", None),
+                                                                "updates_qparams", False):
+        return None  # hfq's, or a wrapper delegating to one (accelerate's AcceleratedOptimizer)
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if isinstance(p, QParam) and p.requires_grad:
+                names = group.get("param_names")
+                what = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
+                raise TypeError(f"{type(optimizer).__name__} cannot train {what}, a quantized weight (QParam "
+                                f"{p.fmt} {tuple(p.shape)}): it would stay unchanged. {USE_HFQ_OPTIMIZER}")
+    return None
 
 
-def quantized_params(model: nn.Module) -> list:
-    return [p for p in model.parameters() if isinstance(p, QParam)]
-
-
-def bytes_per_param(fmt: str, shape, **meta) -> float:
-    """Stored bytes per logical weight element of a format (codes + scales), ignoring sparse outliers."""
-    meta = check_format(fmt, shape, meta)
-    data = empty_qtensors(fmt, shape, meta, "meta")
-    return sum(t.numel() * t.element_size() for t in data.values()) / math.prod(shape)
+register_optimizer_step_pre_hook(_refuse_plain_optimizer)

@@ -6,7 +6,7 @@ import torch
 
 from hfq.eco import ECOAdamW, ECOSGD
 from hfq_kernels.reference.eco import adamw_, eco_adamw_, eco_sgdm_
-from hfq.eco.states import decode8, encode8
+from hfq.optim.states import decode8, encode8
 from hfq.qparam import QLinear, QParam
 
 DELTA = 0.01

@@ -1,4 +1,4 @@
-"""ECO: optimizers that train quantized weights (hfq.qparam.QParam) without master weights.
+"""ECO: optimizers that train quantized weights (hfq.qparam.QParam) without master weights (they live in hfq.optim).
 
 Use with transformers' Trainer, either way:
   Trainer(..., optimizers=(ECOAdamW(model.parameters(), lr=...), scheduler))
@@ -19,7 +19,6 @@ takes the same ECO step (SR draws from the optimizer's own seeded generator), so
 `hfq.qparam.broadcast_qparams_(model)` before wrapping.
 """
 from hfq_kernels.reference.eco import RULES, eco_adamw_, eco_sgdm_
-from .optim import ECOAdamW, ECOSGD
-from .trainer import optimizer_cls_and_kwargs
+from ..optim import ECOAdamW, ECOSGD, optimizer_cls_and_kwargs
 
 __all__ = ["ECOAdamW", "ECOSGD", "RULES", "eco_adamw_", "eco_sgdm_", "optimizer_cls_and_kwargs"]

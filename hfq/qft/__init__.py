@@ -4,12 +4,27 @@
   model = AutoModelForCausalLM.from_pretrained(path, quantization_config=QFTConfig(gradient_bits=8))
   Trainer(model=model, args=args, train_dataset=ds, optimizers=(QLion(model.parameters(), lr=1e-4), sched))
 """
+import torch
+
+from hfq_kernels.reference.intq import dequantize_int_asym, quantize_int_asym
+from ..optim import QLion
+from ..qparam import Int8Grad, clear_int8_grads_, int8_grad
 from .config import QFTConfig
-from .int8 import Int8Grad, clear_int8_grads_, dequantize_rows, int8_grad, quantize_rows
 from .linear import QFTLinear, convert_linears_, quantize_model_
 from .memory import state_bytes
-from .optim import QLion
 from .quantizer import QFTHfQuantizer
+
+
+def quantize_rows(x, rounding: str = "rtn", generator=None):
+    """QFT's INT8 quantizer for gradients and momentum (eq. 1-2, per row, no NaN/Inf host check):
+    x -> (codes uint8 [rows, cols], scales fp32 [rows, 1], zeros uint8 [rows, 1])."""
+    return quantize_int_asym(x, 8, rounding, generator, check=False)
+
+
+def dequantize_rows(codes, scales, zeros, shape, dtype=torch.float32):
+    """Inverse of quantize_rows, reshaped to the logical `shape`."""
+    return dequantize_int_asym(codes, scales, zeros, dtype, shape)
+
 
 __all__ = ["Int8Grad", "QFTConfig", "QFTHfQuantizer", "QFTLinear", "QLion", "clear_int8_grads_", "convert_linears_",
            "dequantize_rows", "int8_grad", "quantize_model_", "quantize_rows", "state_bytes"]

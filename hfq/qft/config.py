@@ -20,9 +20,9 @@ class QFTConfig(QuantizationConfigMixin):
         "int4_tensor" or "int4_group" (ECO fine-tuning).
     group_size: int4_group's group (input elements per scale). outlier_fraction: int8_dense_sparse's tails.
     rounding: rounding of the initial quantization ("rtn" | "sr").
-    gradient_bits: None (default: weight gradients are ordinary bf16 `.grad`, for any optimizer) or 8 (QFT's INT8
+    gradient_bits: None (default: weight gradients are ordinary bf16 `.grad`, all-reduced by DDP) or 8 (QFT's INT8
         gradients: each quantized linear stores dL/dW as INT8 codes + per-row scale/zero point instead of a `.grad`;
-        only hfq.qft.QLion reads that store; single process only; Trainer's max_grad_norm does not see it).
+        hfq's QLion / ECO read that store; single process only; Trainer's max_grad_norm does not see it).
     modules_to_not_convert: module names (or name suffixes) kept in high precision.
     Train with hfq.qft.QLion (QFT) or hfq.eco.ECOAdamW / ECOSGD: plain torch optimizers are refused.
     """

@@ -4,51 +4,11 @@ as INT8 (QFT Algorithm 1) instead of a bf16 `.grad`."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..qparam import QLinear, QParam
-from .int8 import accumulate_int8_grad_
+from ..qparam import QLinear, QParam, qlinear
 
 GRADIENT_BITS = (None, 8)
-
-
-class _QFTLinearFn(torch.autograd.Function):
-    """y = x W^T + b with W dequantized on the fly; backward quantizes dL/dW to INT8 into W's gradient store.
-
-    The float dL/dW exists only inside this backward (one layer at a time); autograd gets None for W, so no
-    full-size `.grad` is ever kept. Distributed all-reduce of the INT8 store is not implemented (refused)."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, name):
-        ctx.w, ctx.name = w, name
-        ctx.has_b = b is not None
-        ctx.save_for_backward(x)
-        return F.linear(x, w.dequantize(x.dtype), b)
-
-    @staticmethod
-    def backward(ctx, gy):
-        (x,) = ctx.saved_tensors
-        w = ctx.w
-        gx = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = gy @ w.dequantize(gy.dtype)
-        if ctx.needs_input_grad[1]:
-            _refuse_distributed()
-            gw = gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(gy.dtype)
-            accumulate_int8_grad_(w, gw, ctx.name)
-            del gw
-        if ctx.has_b and ctx.needs_input_grad[2]:
-            gb = gy.reshape(-1, gy.shape[-1]).sum(0)
-        return gx, None, gb, None
-
-
-def _refuse_distributed():
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise NotImplementedError("QFTConfig(gradient_bits=8): the INT8 gradient store is not all-reduced across "
-                                  "processes; use gradient_bits=None (bf16 .grad) for distributed training")
 
 
 class QFTLinear(QLinear):
@@ -72,7 +32,7 @@ class QFTLinear(QLinear):
     def forward(self, x):
         if self.gradient_bits == 8 and isinstance(self.weight, QParam) and torch.is_grad_enabled():
             name = self.qft_name + ".weight" if self.qft_name else None
-            return _QFTLinearFn.apply(x, self.weight, self.bias, name)
+            return qlinear(x, self.weight, self.bias, store_int8=True, name=name)
         return super().forward(x)
 
     def extra_repr(self):

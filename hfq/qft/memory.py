@@ -8,8 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..qparam import QParam
-from .int8 import int8_grad
+from ..qparam import QParam, int8_grad
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .fp8 import check_finite  # the one NaN/Inf refusal, shared by every format
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 NVFP4_BLOCK = 16
@@ -17,13 +19,6 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Decision boundaries between consecutive magnitudes; a value exactly on a boundary goes to the
 # even code index (round-half-to-even on the E2M1 mantissa, as the hardware cvt does).
 _BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-
-
-def check_finite(w: torch.Tensor, name: str = "weight") -> None:
-    """Refuse NaN/Inf weights: they would silently poison every scale of their block."""
-    if not torch.isfinite(w).all():
-        n_bad = int((~torch.isfinite(w)).sum())
-        raise ValueError(f"{name}: {n_bad} NaN/Inf value(s) found; cannot quantize a non-finite weight")
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:

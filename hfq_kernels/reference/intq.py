@@ -5,6 +5,7 @@
   (code + 8): element 2i in the low nibble, 2i+1 in the high nibble.
 - Asymmetric INT-b per output channel (QFT eq. 1-2): s = (max-min)/(2^b-1), z = round(-min/s),
   code = clamp(round(w/s) + z, 0, 2^b-1), value = (code - z) * s. The range always contains 0, so 0 is exact.
+  The one INT8 quantizer of hfq: weights' dense part, QFT's INT8 gradients and QLion's INT8 momentum.
 - Dense + sparse (QFT eq. 3): values outside [T_min, T_max] (the `outlier_fraction` tails, split evenly) are
   kept in bf16 as (flat int32 index, value) pairs; the dense rest (outliers zeroed) is INT8 per channel.
 Rounding: nearest (RTN) or stochastic (SR, floor(x + u), unbiased).
@@ -81,12 +82,27 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, group_size: int 
     return (q * _expand_scales(scales, q.shape, group_size)).to(dtype)
 
 
-def quantize_int_asym(w: torch.Tensor, bits: int = 8, rounding: str = "rtn", generator: torch.Generator | None = None):
-    """Per-output-channel asymmetric: -> (codes uint8 [rows, cols], scales float32 [rows,1], zeros uint8 [rows,1])."""
-    if w.dim() != 2:
-        raise ValueError(f"int8: weight must be 2-D [out, in], got shape {tuple(w.shape)}")
-    check_finite(w)
-    w = w.float()
+def as_rows(shape) -> tuple[int, int]:
+    """The [rows, cols] view used for per-row scales: rows = first dim (1 for 0-D/1-D tensors)."""
+    shape = tuple(shape)
+    if len(shape) <= 1:
+        return 1, (shape[0] if shape else 1)
+    n = 1
+    for s in shape[1:]:
+        n *= s
+    return shape[0], n
+
+
+def quantize_int_asym(w: torch.Tensor, bits: int = 8, rounding: str = "rtn", generator: torch.Generator | None = None,
+                      check: bool = True):
+    """Per-row asymmetric (rows: see as_rows) -> (codes uint8 [rows, cols], scales fp32 [rows,1], zeros uint8 [rows,1]).
+
+    check=False skips the NaN/Inf refusal (a host sync) for callers that track finiteness on the device."""
+    if isinstance(bits, bool) or bits not in range(1, 9):
+        raise ValueError(f"bits: expected an int in [1, 8] (uint8 codes), got {bits!r}")
+    if check:
+        check_finite(w)
+    w = w.detach().float().reshape(as_rows(w.shape))
     qmax = 2 ** bits - 1
     lo = w.amin(-1, keepdim=True).clamp_max(0)
     hi = w.amax(-1, keepdim=True).clamp_min(0)
@@ -96,8 +112,10 @@ def quantize_int_asym(w: torch.Tensor, bits: int = 8, rounding: str = "rtn", gen
     return q.to(torch.uint8), scales, zeros.to(torch.uint8)
 
 
-def dequantize_int_asym(codes, scales, zeros, dtype=torch.float32) -> torch.Tensor:
-    return ((codes.float() - zeros.float()) * scales).to(dtype)
+def dequantize_int_asym(codes, scales, zeros, dtype=torch.float32, shape=None) -> torch.Tensor:
+    """Inverse of quantize_int_asym: [rows, cols], or reshaped to the logical `shape` when given."""
+    d = (codes.float() - zeros.float()) * scales
+    return (d if shape is None else d.reshape(shape)).to(dtype)
 
 
 def outlier_thresholds(w: torch.Tensor, fraction: float = 0.01) -> torch.Tensor:
@@ -122,7 +140,8 @@ def quantize_dense_sparse(w: torch.Tensor, thresholds: torch.Tensor, rounding: s
     out = (w < thresholds[0]) | (w > thresholds[1])
     idx = out.reshape(-1).nonzero().squeeze(-1)
     vals = w.reshape(-1)[idx].to(torch.bfloat16)
-    codes, scales, zeros = quantize_int_asym(torch.where(out, torch.zeros_like(w), w), 8, rounding, generator)
+    codes, scales, zeros = quantize_int_asym(torch.where(out, torch.zeros_like(w), w), 8, rounding, generator,
+                                             check=False)  # w was checked above
     return {"codes": codes, "scales": scales, "zeros": zeros, "sparse_idx": idx.to(torch.int32), "sparse_val": vals}
 
 

@@ -1,5 +1,5 @@
 """ECOSGD / ECOAdamW: torch optimizers that update QParam weights directly (no master weights), injecting the
-quantization error into momentum (hfq/eco/functional.py has the rules); ordinary parameters get plain
+quantization error into momentum (the rules: hfq_kernels/reference/eco.py); ordinary parameters get plain
 SGDM / AdamW. Usable by transformers' Trainer: `Trainer(optimizers=(ECOAdamW(model.parameters()), sched))`.
 
 Before any parameter is touched, every gradient is checked for NaN/Inf: a bad step is refused with a
@@ -11,66 +11,26 @@ from __future__ import annotations
 
 import torch
 
-from hfq_kernels.reference.fp8 import check_rounding
-from ..optim_base import SeededOptimizer, check_beta, check_lr
-from ..qparam import QParam
 from hfq_kernels.reference import eco as Fn
+from ..qparam import QParam, int8_grad
+from .base import QParamOptimizer
 from .states import StateStore
 
 
-class _ECOBase(SeededOptimizer):
+class _ECOBase(QParamOptimizer):
     def __init__(self, params, defaults, *, rule, rounding, state_dtype, state_bits, seed, check_finite):
         if rule not in Fn.RULES:
             raise ValueError(f"rule: unknown {rule!r}; allowed {Fn.RULES}")
-        check_rounding(rounding)
-        if defaults["weight_decay"] < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {defaults['weight_decay']}")
-        self.rule, self.rounding, self.check_finite = rule, rounding, check_finite
+        self.rule = rule
         self._store = StateStore(state_dtype, state_bits)
-        super().__init__(params, defaults, seed=seed)
-
-    # ---- safety -------------------------------------------------------------------------------------
-    def _param_name(self, gi, pi, p):
-        names = self.param_groups[gi].get("param_names")
-        if names:
-            return names[pi]
-        kind = f"QParam {p.fmt}" if isinstance(p, QParam) else "param"
-        return f"param_groups[{gi}]['params'][{pi}] ({kind} {tuple(p.shape)})"
-
-    def _finite_check_launch(self):
-        """Queue the NaN/Inf check of every gradient (one multi-tensor max-norm per device and dtype, NaN/Inf
-        propagate); nothing waits for it yet, so the host can plan the step meanwhile."""
-        items = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
-                 if p.grad is not None]
-        by_dev: dict = {}
-        for i, (_, _, p) in enumerate(items):
-            by_dev.setdefault((p.grad.device, p.grad.dtype), []).append(i)
-        pending = []
-        for idx in by_dev.values():
-            norms = torch._foreach_norm([items[i][2].grad for i in idx], float("inf"))
-            pending.append((idx, torch.isfinite(torch.stack(norms))))
-        return items, pending
-
-    def _finite_check_finish(self, checked):
-        """Wait for the check (one blocking copy per device and dtype); refuse the step on a bad gradient."""
-        items, pending = checked
-        for idx, ok in pending:
-            ok = ok.cpu()
-            if not bool(ok.all()):
-                gi, pi, p = items[idx[int((~ok).nonzero()[0])]]
-                raise ValueError(f"non-finite gradient (NaN/Inf) in {self._param_name(gi, pi, p)}: step refused, "
-                                 "no parameter was updated")
-
-    def _check_grads(self):
-        self._finite_check_finish(self._finite_check_launch())
-
-    def _grad32(self, p):
-        g = p.grad
-        return g if g.dtype == torch.float32 else g.float()
+        super().__init__(params, defaults, rounding=rounding, seed=seed, check_finite=check_finite)
 
     def _requant(self, p):
-        gen = self._generator(p.device) if self.rounding == "sr" else None
-        return lambda tmp: p.requantize_(tmp, self.rounding, gen)
+        return lambda tmp: self._requantize(p, tmp)
+
+    def _new_residual(self, state, p) -> None:
+        if isinstance(p, QParam) and self.rule == "exact":
+            state["residual"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
 
 class ECOSGD(_ECOBase):
@@ -84,31 +44,24 @@ class ECOSGD(_ECOBase):
     def __init__(self, params, lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0,
                  rule: str = "memory_free", rounding: str = "sr", state_dtype=torch.float32,
                  state_bits: int | None = None, seed: int = 0, check_finite: bool = True):
-        check_lr(lr)
-        check_beta("momentum", momentum)
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), rule=rule,
                          rounding=rounding, state_dtype=state_dtype, state_bits=state_bits, seed=seed,
                          check_finite=check_finite)
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self.check_finite:
-            self._check_grads()
+        loss, pending = self._begin_step(closure)
+        self._finish_check(pending)
         st = self._store
         for group in self.param_groups:
             lr, beta, wd = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None:
+                if not self._has_grad(p):
                     continue
                 state = self.state[p]
                 if not state:
                     st.init(state, "momentum_buffer", p, True)
-                    if isinstance(p, QParam) and self.rule == "exact":
-                        state["residual"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    self._new_residual(state, p)
                 m = st.load(state, "momentum_buffer", p.shape, True)
                 g = self._grad32(p)
                 if isinstance(p, QParam):
@@ -133,22 +86,15 @@ class ECOAdamW(_ECOBase):
                  rule: str = "memory_free", rounding: str = "sr", state_dtype=torch.float32,
                  state_bits: int | None = None, seed: int = 0, fused: bool | None = None,
                  check_finite: bool = True):
-        check_lr(lr)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-        check_beta("betas[0]", betas[0])
-        check_beta("betas[1]", betas[1])
-        if eps <= 0:
-            raise ValueError(f"eps must be > 0, got {eps}")
         self.fused = fused
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), rule=rule,
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), rule=rule,
                          rounding=rounding, state_dtype=state_dtype, state_bits=state_bits, seed=seed,
                          check_finite=check_finite)
         if fused and (self.rule != "memory_free" or self._store.bits is not None):
             raise ValueError("fused=True supports rule='memory_free' with fp32/bf16 states only")
 
     def _use_fused(self, p) -> bool:
-        if not (isinstance(p, QParam) and p.fmt == "fp8_e4m3_row"):
+        if not (isinstance(p, QParam) and p.fmt == "fp8_e4m3_row") or int8_grad(p) is not None:
             return False
         if self.fused is None:
             return p.device.type == "cuda" and self.rule == "memory_free" and self._store.bits is None
@@ -161,11 +107,7 @@ class ECOAdamW(_ECOBase):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        checked = self._finite_check_launch() if self.check_finite else None
+        loss, pending = self._begin_step(closure)
         # Plan while the GPU runs the check; nothing is modified before the check has passed. Fused QParams of
         # the same hyper-parameters and step count share one multi-tensor launch (per block width and dtypes).
         fused: dict = {}
@@ -173,7 +115,7 @@ class ECOAdamW(_ECOBase):
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for p in group["params"]:
-                if p.grad is None:
+                if not self._has_grad(p):
                     continue
                 if not self._use_fused(p):
                     plain.append((group, p))
@@ -187,8 +129,7 @@ class ECOAdamW(_ECOBase):
             for key, ps in fused.items():
                 ready = all(state for _, state in ps)
                 plans.append((key, ps, self._fused_plan(ps, eco_adamw_fp8_prepare) if ready else None))
-        if checked is not None:
-            self._finite_check_finish(checked)
+        self._finish_check(pending)
         if plans:
             from hfq_kernels.eco import eco_adamw_fp8_launch, eco_adamw_fp8_prepare
             for (lr, b1, b2, eps, wd, step), ps, plan in plans:
@@ -230,8 +171,7 @@ class ECOAdamW(_ECOBase):
         state["step"] = torch.tensor(0.0)
         self._store.init(state, "exp_avg", p, True)
         self._store.init(state, "exp_avg_sq", p, False)
-        if isinstance(p, QParam) and self.rule == "exact":
-            state["residual"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        self._new_residual(state, p)
 
     @staticmethod
     def _fused_plan(ps, prepare):

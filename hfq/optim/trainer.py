@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .optim import ECOAdamW, ECOSGD
+from .eco import ECOAdamW, ECOSGD
 
 NAMES = {"eco_adamw": ECOAdamW, "eco_sgd": ECOSGD}
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
