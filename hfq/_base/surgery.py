@@ -1,0 +1,129 @@
+"""Model surgery shared by NVFP4, QuEST and QFT: which linears are converted, the swap itself, and the
+checkpoint guard that stops a plain transformers load (without `import hfq`) from loading silently wrong.
+
+Skip rule (`modules_to_not_convert`): transformers' own, `should_convert_module` — a module is skipped when
+its full name starts with an entry (the entry is matched as a regular expression at the start of the name,
+so "model.layers.0" skips that block and "lm_head" skips `lm_head`) or ends with it ("down_proj" skips every
+`...mlp.down_proj`).
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import torch
+from torch import nn
+from transformers.quantizers.base import HfQuantizer
+from transformers.quantizers.quantizers_utils import should_convert_module
+
+
+def should_convert(name: str, skip: list[str] | None) -> bool:
+    """True when module `name` is not matched by any `modules_to_not_convert` entry (transformers' rule)."""
+    return should_convert_module(name, list(skip) if skip else None)
+
+
+def modules_to_skip(model: nn.Module, config, add_default_skips: bool) -> list[str]:
+    """The config's `modules_to_not_convert` plus the model's `_keep_in_fp32_modules`; with
+    `add_default_skips` (or when the config's list is None) also transformers' defaults for the model
+    (its output embedding and the modules tied to it)."""
+    own = config.modules_to_not_convert
+    if not hasattr(model, "get_output_embeddings"):  # a bare nn.Module: only the config's own list
+        return list(own or [])
+    return HfQuantizer.get_modules_to_not_convert(model, own, getattr(model, "_keep_in_fp32_modules", None),
+                                                  add_default_skips=add_default_skips or own is None)
+
+
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None], skip: list[str] | None,
+                    skipped: dict[str, str] | None = None) -> list[str]:
+    """Swap every `nn.Linear` (exact type) that the skip rule converts for `make(name, linear)`.
+
+    `make` returns the new module, or None to keep the linear (it records why in `skipped` itself). All new
+    modules are built before any is swapped in, so an error from `make` (it names the layer) leaves the model
+    unchanged. Returns the converted names; `skipped` (if given) gets name -> reason for the others."""
+    skipped = {} if skipped is None else skipped
+    built = []
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear:
+            continue
+        if not should_convert(name, skip):
+            skipped[name] = "modules_to_not_convert"
+            continue
+        new = make(name, mod)
+        if new is not None:
+            built.append((name, new))
+    for name, new in built:
+        set_submodule(model, name, new)
+    return [name for name, _ in built]
+
+
+# ----------------------------------------------------------------------------- checkpoint guard
+# transformers skips a quantization_config whose quant_method it does not know (a warning) and loads the
+# checkpoint into a plain model, re-initialising every quantized linear. It does refuse a checkpoint tensor
+# whose shape differs from the model's (size mismatch, an error). So each hfq checkpoint stores the `weight`
+# of its first converted layer in a shape no plain model has: empty when the layer keeps no `weight` (codes
+# only), else with a leading dim of 1. hfq reads it back (`unguard_weight`) and ignores the empty marker.
+GUARD_DOC = ("this checkpoint was written by hfq; `import hfq` before loading it (without it transformers "
+             "skips the unknown quant_method and would re-initialise the quantized layers)")
+
+
+def converted_names(model: nn.Module, layer_types: tuple) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, layer_types)]
+
+
+def guard_state_dict(state: dict, names: list[str]) -> dict:
+    """Add the size-mismatch marker for the first converted layer of `names` to `state` (in place)."""
+    if not names:
+        return state
+    key = names[0] + ".weight"
+    w = state.get(key)
+    state[key] = torch.empty(0, dtype=torch.uint8) if w is None else w.unsqueeze(0)
+    return state
+
+
+def guard_key(names: list[str]) -> str | None:
+    return names[0] + ".weight" if names else None
+
+
+def ignore_guard_on_load(model: nn.Module, names: list[str]) -> None:
+    """Tell transformers' loader not to report the empty marker as an unexpected key."""
+    key = guard_key(names)
+    if key is None:
+        return
+    pattern = re.escape(key) + "$"
+    model._keys_to_ignore_on_load_unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+                                                   or ()) | {pattern}
+
+
+def unguard_weight(w: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor | None:
+    """The weight as [out, in] when `w` is that or the guarded [1, out, in]; None for the empty marker."""
+    if w.numel() == 0:
+        return None
+    if tuple(w.shape) == (1, out_features, in_features):
+        return w[0]
+    return w
+
+
+class GuardedCheckpoint:
+    """Mixin of hfq's HfQuantizers: `save_pretrained` writes the checkpoint guard, loading expects it.
+
+    `layer_types` are the method's converted layer classes; `checkpoint_state(model)` is what the method
+    saves (the model's state_dict unless it overrides it)."""
+
+    layer_types: tuple = ()
+
+    def checkpoint_state(self, model: nn.Module) -> dict:
+        return model.state_dict()
+
+    def get_state_dict_and_metadata(self, model):
+        state = dict(self.checkpoint_state(model))
+        guard_state_dict(state, converted_names(model, self.layer_types))
+        return state, {"hfq": GUARD_DOC}
+
+    def expect_guard(self, model: nn.Module) -> None:
+        """Call after the surgery of a pre-quantized load."""
+        ignore_guard_on_load(model, converted_names(model, self.layer_types))
