@@ -1,0 +1,141 @@
+"""hfq checkpoints through the standard routes: Trainer resume of QuEST, loading with and without `import hfq`
+in fresh interpreters (never silently wrong), QuEST's per-layer Hadamard block on a 576-wide model, and the
+compressed-tensors export of a tied lm_head."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+import hfq
+from hfq.nvfp4 import NVFP4Config
+from hfq.qft import QFTConfig
+from hfq.quest import QuESTConfig, QuESTLinear, quantize_model
+from hfq.tiny import save_tiny, tiny_config, tiny_model
+
+IDS = torch.randint(4, 90, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return str(save_tiny(tmp_path_factory.mktemp("tiny") / "llama", arch="llama"))
+
+
+def _data(n=16):
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": ids, "labels": ids} for ids in (torch.randint(4, 90, (16,), generator=g) for _ in range(n))]
+
+
+# ----------------------------------------------------------------------------- resume
+def _quest_run(model_dir, out, resume=None):
+    m = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=QuESTConfig())
+    args = TrainingArguments(out, max_steps=4, per_device_train_batch_size=4, save_steps=2, logging_steps=1,
+                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, learning_rate=1e-2)
+    tr = Trainer(model=m, args=args, train_dataset=_data())
+    tr.train(resume_from_checkpoint=resume)
+    return m, [h["loss"] for h in tr.state.log_history if "loss" in h]
+
+
+def test_quest_trainer_resume_is_exact(llama_dir, tmp_path):
+    m_a, loss_a = _quest_run(llama_dir, str(tmp_path / "a"))
+    m_b, loss_b = _quest_run(llama_dir, str(tmp_path / "b"), resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert isinstance(m_b.model.layers[0].mlp.down_proj, QuESTLinear)
+    assert loss_a[2:] == loss_b[-2:]
+    for (n, p), (_, q) in zip(m_a.named_parameters(), m_b.named_parameters()):
+        assert torch.equal(p, q), n
+    m0 = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=QuESTConfig())
+    assert not torch.equal(m0.model.layers[0].mlp.down_proj.weight, m_a.model.layers[0].mlp.down_proj.weight)
+
+
+def test_quest_codes_checkpoint_refused_by_a_qat_model(tmp_path):
+    from safetensors.torch import load_file
+
+    cfg = QuESTConfig(weight_bits=2, activation_bits=2, save_format="codes")
+    quantize_model(tiny_model("llama"), cfg).save_pretrained(tmp_path)
+    qat = quantize_model(tiny_model("llama"), QuESTConfig(weight_bits=2, activation_bits=2))
+    with pytest.raises(ValueError, match="save_format='master'"):
+        qat.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=False)
+
+
+# ----------------------------------------------------------------------------- loading without import hfq
+_LOADER = """
+import sys, torch
+if sys.argv[1] == "1":
+    import hfq
+from transformers import AutoModelForCausalLM
+for d in sys.argv[2:]:
+    try:
+        m = AutoModelForCausalLM.from_pretrained(d)
+    except Exception as e:
+        print(d, "ERROR", type(e).__name__)
+        continue
+    with torch.no_grad():
+        out = m(torch.load(d + "/ids.pt")).logits
+    print(d, "LOADED", torch.equal(out, torch.load(d + "/ref.pt")), type(m.model.layers[0].mlp.down_proj).__name__)
+"""
+
+_METHODS = {"nvfp4": NVFP4Config(), "quest-master": QuESTConfig(), "quest-codes": QuESTConfig(save_format="codes"),
+            "qft": QFTConfig(), "qft-int4": QFTConfig(weight_format="int4_group", group_size=32)}
+
+
+def test_checkpoints_load_only_with_import_hfq(llama_dir, tmp_path):
+    dirs = []
+    for name, cfg in _METHODS.items():
+        m = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=cfg)
+        d = str(tmp_path / name)
+        m.save_pretrained(d)
+        with torch.no_grad():
+            torch.save(m(IDS).logits, d + "/ref.pt")
+        torch.save(IDS, d + "/ids.pt")
+        dirs.append(d)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for with_hfq in ("0", "1"):
+        res = subprocess.run([sys.executable, "-c", _LOADER, with_hfq, *dirs], capture_output=True, text=True,
+                             env=env, timeout=600)
+        lines = {ln.split()[0]: ln.split()[1:] for ln in res.stdout.splitlines() if ln.startswith(str(tmp_path))}
+        assert set(lines) == set(dirs), res.stdout + res.stderr
+        for d in dirs:
+            if with_hfq == "1":
+                assert lines[d][:2] == ["LOADED", "True"] and lines[d][2] != "Linear", (d, lines[d])
+            else:  # refused (size mismatch on the guard), never re-initialised layers
+                assert lines[d] == ["ERROR", "RuntimeError"], (d, lines[d], res.stderr[-2000:])
+        if with_hfq == "1":
+            assert "UNEXPECTED" not in res.stderr and "MISSING" not in res.stderr, res.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- QuEST block on real widths
+def test_quest_default_hadamard_block_fits_a_576_wide_model():
+    kw = dict(hidden=576, heads=9, kv_heads=3, intermediate=1536, layers=1)
+    m = quantize_model(tiny_model("llama", **kw), QuESTConfig())
+    assert m.model.layers[0].self_attn.q_proj.spec.block == 64  # largest power of two dividing 576
+    assert m.model.layers[0].mlp.down_proj.spec.block == 128  # 1536 = 512 * 3, capped at 128
+    with torch.no_grad():
+        assert torch.isfinite(m(IDS).logits).all()
+    with pytest.raises(ValueError, match=r"q_proj.*hadamard_block_size=128"):
+        quantize_model(tiny_model("llama", **kw), QuESTConfig(hadamard_block_size=128))
+
+
+# ----------------------------------------------------------------------------- export of tied weights
+def test_export_stores_a_tied_lm_head_once(tmp_path):
+    from transformers import CompressedTensorsConfig
+
+    cfg = tiny_config("llama")
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    src = tmp_path / "tied"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(src)
+    m = AutoModelForCausalLM.from_pretrained(src, quantization_config=NVFP4Config(), dtype=torch.bfloat16)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    out = hfq.nvfp4.export_compressed_tensors(m, str(tmp_path / "ct"))
+    sd = load_file(os.path.join(out, "model.safetensors"))
+    assert "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd
+    ct = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True),
+                                              dtype=torch.bfloat16)
+    assert torch.equal(ct.lm_head.weight, m.lm_head.weight)
+    with torch.no_grad():
+        cos = torch.nn.functional.cosine_similarity(ct(IDS).logits.float().flatten(), m(IDS).logits.float().flatten(),
+                                                    dim=0)
+    assert cos > 0.999
