@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
 
@@ -59,6 +60,40 @@ def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module
     for name, new in built:
         set_submodule(model, name, new)
     return [name for name, _ in built]
+
+
+class QuantizeOnLoad(ConversionOps):
+    """Base of the loader ops that quantize one linear's full-precision weight as it is read (transformers calls
+    `convert` once per weight for which the quantizer's `param_needs_quantization` is true).
+
+    Subclasses implement `quantize(model, name, module, value)` and return the tensors to set. A ValueError is kept in
+    `hf_quantizer.errors` (transformers would turn it into a generic error) for the quantizer to raise, naming
+    the layer, after loading."""
+
+    def __init__(self, hf_quantizer):
+        self.hf_quantizer = hf_quantizer
+
+    def quantize(self, model: nn.Module, name: str, module: nn.Module, value: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def convert(self, input_dict, model=None, missing_keys=None, **kwargs):
+        key, value = next(iter(input_dict.items()))
+        value = value[0] if isinstance(value, list) else value
+        name = key.rsplit(".", 1)[0]
+        if missing_keys is not None:
+            missing_keys.discard(key)
+        try:
+            return self.quantize(model, name, model.get_submodule(name), value)
+        except ValueError as e:
+            self.hf_quantizer.errors[name] = str(e)
+            return {}
+
+
+def raise_load_errors(method: str, errors: dict[str, str]) -> None:
+    if errors:
+        lines = "; ".join(f"{k}: {v}" for k, v in errors.items())
+        raise ValueError(f"{method} quantization failed for {len(errors)} layer(s): {lines}")
 
 
 # ----------------------------------------------------------------------------- checkpoint guard
@@ -111,10 +146,13 @@ def unguard_weight(w: torch.Tensor, out_features: int, in_features: int) -> torc
 class GuardedCheckpoint:
     """Mixin of hfq's HfQuantizers: `save_pretrained` writes the checkpoint guard, loading expects it.
 
-    `layer_types` are the method's converted layer classes; `checkpoint_state(model)` is what the method
-    saves (the model's state_dict unless it overrides it)."""
+    `layer_types` are the method's converted layer classes; `variable_tensors` the names of their stored
+    tensors whose length depends on the data (so the loader's placeholders cannot have it);
+    `checkpoint_state(model)` is what the method saves (the model's state_dict unless it overrides it)."""
 
     layer_types: tuple = ()
+    variable_tensors: tuple = ()
+    _guard_key: str | None = None
 
     def checkpoint_state(self, model: nn.Module) -> dict:
         return model.state_dict()
@@ -126,4 +164,12 @@ class GuardedCheckpoint:
 
     def expect_guard(self, model: nn.Module) -> None:
         """Call after the surgery of a pre-quantized load."""
-        ignore_guard_on_load(model, converted_names(model, self.layer_types))
+        names = converted_names(model, self.layer_types)
+        self._guard_key = guard_key(names)
+        ignore_guard_on_load(model, names)
+
+    def shape_may_differ(self, param_name: str) -> bool:
+        """Pre-quantized load: the guard and the variable-length tensors are exempt from the loader's shape check
+        (transformers exempts the tensors for which `param_needs_quantization` is true)."""
+        return bool(self.pre_quantized) and (param_name == self._guard_key
+                                             or param_name.rpartition(".")[2] in self.variable_tensors)

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 
-from .._base.surgery import GuardedCheckpoint, modules_to_skip, replace_linears
+from .._base.surgery import GuardedCheckpoint, QuantizeOnLoad, modules_to_skip, raise_load_errors, replace_linears
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
 
@@ -34,27 +33,11 @@ def _make_layer(config: NVFP4Config, placeholder: bool, skipped: dict[str, str])
     return make
 
 
-class NVFP4Quantize(ConversionOps):
+class NVFP4Quantize(QuantizeOnLoad):
     """Loader op: receives one layer's full-precision weight and returns its packed buffers."""
 
-    def __init__(self, hf_quantizer: "NVFP4HfQuantizer"):
-        self.hf_quantizer = hf_quantizer
-
-    @torch.no_grad()
-    def convert(self, input_dict, model=None, missing_keys=None, **kwargs):
-        key, value = next(iter(input_dict.items()))
-        value = value[0] if isinstance(value, list) else value
-        name = key.rsplit(".", 1)[0]
-        module = model.get_submodule(name)
-        if missing_keys is not None:
-            missing_keys.discard(key)
-        try:
-            module.set_weight(value, name=name)
-        except ValueError as e:
-            # transformers turns op exceptions into a generic RuntimeError; keep ours (it names the layer)
-            # and raise it from _process_model_after_weight_loading instead.
-            self.hf_quantizer.errors[name] = str(e)
-            return {}
+    def quantize(self, model, name, module, value):
+        module.set_weight(value, name=name)
         w32 = value.float()
         deq = module.dequantize(torch.float32)
         self.hf_quantizer.rel_error[name] = float((deq - w32).norm() / w32.norm().clamp_min(1e-30))
@@ -139,9 +122,7 @@ class NVFP4HfQuantizer(GuardedCheckpoint, HfQuantizer):
             raise ValueError(f"hfq_nvfp4 checkpoint is missing or has corrupt quantized tensors: {head}")
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        if self.errors:
-            lines = "; ".join(f"{k}: {v}" for k, v in self.errors.items())
-            raise ValueError(f"NVFP4 quantization failed for {len(self.errors)} layer(s): {lines}")
+        raise_load_errors("NVFP4", self.errors)
         leftover = [n for n in self.converted if "weight" in model.get_submodule(n)._parameters]
         if leftover:
             raise ValueError(f"NVFP4: no weight was found in the checkpoint for {leftover[:10]}")

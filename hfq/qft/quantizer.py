@@ -9,38 +9,22 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import torch
 from torch import nn
-from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 
-from .._base.surgery import GuardedCheckpoint, modules_to_skip, set_submodule, should_convert
+from .._base.surgery import (GuardedCheckpoint, QuantizeOnLoad, modules_to_skip, raise_load_errors, set_submodule,
+                             should_convert)
 from ..qparam import QLinear
 from .config import QFTConfig
 from .linear import convert_linears_, finalize_, layer_maker
 
 
-class QFTQuantize(ConversionOps):
+class QFTQuantize(QuantizeOnLoad):
     """Loader op: receives one linear's full-precision weight and swaps the linear for its QLinear."""
 
-    def __init__(self, hf_quantizer: "QFTHfQuantizer"):
-        self.hf_quantizer = hf_quantizer
-
-    @torch.no_grad()
-    def convert(self, input_dict, model=None, missing_keys=None, **kwargs):
-        key, value = next(iter(input_dict.items()))
-        value = value[0] if isinstance(value, list) else value
-        name = key.rsplit(".", 1)[0]
-        lin = model.get_submodule(name)
-        if missing_keys is not None:
-            missing_keys.discard(key)
+    def quantize(self, model, name, module, value):
         make = layer_maker(self.hf_quantizer.quantization_config)
-        try:
-            new = make(name, SimpleNamespace(weight=nn.Parameter(value), bias=lin.bias))
-        except ValueError as e:  # raised again, naming the layer, once loading is done
-            self.hf_quantizer.errors[name] = str(e)
-            return {}
-        set_submodule(model, name, new)
+        set_submodule(model, name, make(name, SimpleNamespace(weight=nn.Parameter(value), bias=module.bias)))
         return {}
 
 
@@ -48,6 +32,7 @@ class QFTHfQuantizer(GuardedCheckpoint, HfQuantizer):
     requires_calibration = False
     quantization_config: QFTConfig
     layer_types = (QLinear,)
+    variable_tensors = ("weight_sparse_idx", "weight_sparse_val")
 
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
@@ -59,8 +44,10 @@ class QFTHfQuantizer(GuardedCheckpoint, HfQuantizer):
         return
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        if self.pre_quantized:
+            return self.shape_may_differ(param_name)
         name, _, tensor = param_name.rpartition(".")
-        if tensor != "weight" or self.pre_quantized or not should_convert(name, self._skip):
+        if tensor != "weight" or not should_convert(name, self._skip):
             return False
         try:
             return type(model.get_submodule(name)) is nn.Linear
@@ -79,9 +66,7 @@ class QFTHfQuantizer(GuardedCheckpoint, HfQuantizer):
         return QFTQuantize(self)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        if self.errors:
-            lines = "; ".join(f"{k}: {v}" for k, v in self.errors.items())
-            raise ValueError(f"QFT quantization failed for {len(self.errors)} layer(s): {lines}")
+        raise_load_errors("QFT", self.errors)
         if self.pre_quantized:
             finalize_(model)
         else:

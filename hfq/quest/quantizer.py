@@ -22,6 +22,9 @@ class QuESTHfQuantizer(GuardedCheckpoint, HfQuantizer):
         super().__init__(quantization_config, **kwargs)
         self.modules_to_not_convert: list[str] = []
 
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        return self.shape_may_differ(param_name)
+
     def _process_model_before_weight_loading(self, model, **kwargs):
         cfg = self.quantization_config
         self.modules_to_not_convert = modules_to_skip(model, cfg, cfg.ADD_DEFAULT_SKIPS)
