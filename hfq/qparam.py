@@ -421,23 +421,6 @@ class QLinear(nn.Module):
                 f"weight_format={self.weight_format}")
 
 
-def quantize_linears_(model: nn.Module, weight_format: str = "fp8_e4m3_row", skip=("lm_head",),
-                      rounding: str = "rtn", generator: torch.Generator | None = None, **meta) -> list:
-    """Replace every nn.Linear (except names containing an entry of `skip`) by a QLinear, in place.
-    Returns the replaced module names."""
-    check_format(weight_format, None, meta)
-    done = []
-    for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear or any(s and (name == s or name.endswith("." + s) or s in name.split("."))
-                                             for s in skip):
-            continue
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, QLinear.from_linear(mod, weight_format, rounding, generator, **meta))
-        done.append(name)
-    return done
-
-
 def quantized_params(model: nn.Module) -> list:
     return [p for p in model.parameters() if isinstance(p, QParam)]
 

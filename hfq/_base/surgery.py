@@ -143,16 +143,38 @@ def unguard_weight(w: torch.Tensor, out_features: int, in_features: int) -> torc
     return w
 
 
-class GuardedCheckpoint:
-    """Mixin of hfq's HfQuantizers: `save_pretrained` writes the checkpoint guard, loading expects it.
+class HfqQuantizer(HfQuantizer):
+    """Base of hfq's HfQuantizers: their flags, and the checkpoint guard (`save_pretrained` writes it, a
+    pre-quantized load expects it).
 
     `layer_types` are the method's converted layer classes; `variable_tensors` the names of their stored
     tensors whose length depends on the data (so the loader's placeholders cannot have it);
     `checkpoint_state(model)` is what the method saves (the model's state_dict unless it overrides it)."""
 
+    requires_calibration = False
     layer_types: tuple = ()
     variable_tensors: tuple = ()
+    qat_trainable = False
+    compileable = False
     _guard_key: str | None = None
+
+    def validate_environment(self, *args, **kwargs):
+        return
+
+    def is_serializable(self, *args, **kwargs):
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        return self.qat_trainable
+
+    @property
+    def is_compileable(self) -> bool:
+        return self.compileable
 
     def checkpoint_state(self, model: nn.Module) -> dict:
         return model.state_dict()

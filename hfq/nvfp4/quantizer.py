@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.quantizers.base import HfQuantizer
 
-from .._base.surgery import GuardedCheckpoint, QuantizeOnLoad, modules_to_skip, raise_load_errors, replace_linears
+from .._base.surgery import HfqQuantizer, QuantizeOnLoad, modules_to_skip, raise_load_errors, replace_linears
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
 
@@ -62,12 +61,12 @@ def _checkpoint_index(files) -> dict[str, tuple[str, tuple]]:
     return index
 
 
-class NVFP4HfQuantizer(GuardedCheckpoint, HfQuantizer):
+class NVFP4HfQuantizer(HfqQuantizer):
     """Declarative quantizer: which linears become NVFP4Linear, and how their weights get there."""
 
-    requires_calibration = False
     quantization_config: NVFP4Config
     layer_types = (NVFP4Linear,)
+    compileable = True
 
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
@@ -75,9 +74,6 @@ class NVFP4HfQuantizer(GuardedCheckpoint, HfQuantizer):
         self.rel_error: dict[str, float] = {}
         self.skipped: dict[str, str] = {}
         self.converted: list[str] = []
-
-    def validate_environment(self, *args, **kwargs):
-        return
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         name, _, tensor = param_name.rpartition(".")
@@ -146,14 +142,3 @@ class NVFP4HfQuantizer(GuardedCheckpoint, HfQuantizer):
 
     def get_quantize_ops(self):
         return NVFP4Quantize(self)
-
-    def is_serializable(self, *args, **kwargs):
-        return True
-
-    @property
-    def is_trainable(self) -> bool:
-        return True
-
-    @property
-    def is_compileable(self) -> bool:
-        return True

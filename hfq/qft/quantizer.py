@@ -10,9 +10,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from torch import nn
-from transformers.quantizers.base import HfQuantizer
 
-from .._base.surgery import (GuardedCheckpoint, QuantizeOnLoad, modules_to_skip, raise_load_errors, set_submodule,
+from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, modules_to_skip, raise_load_errors, set_submodule,
                              should_convert)
 from ..qparam import QLinear
 from .config import QFTConfig
@@ -28,10 +27,10 @@ class QFTQuantize(QuantizeOnLoad):
         return {}
 
 
-class QFTHfQuantizer(GuardedCheckpoint, HfQuantizer):
-    requires_calibration = False
+class QFTHfQuantizer(HfqQuantizer):
     quantization_config: QFTConfig
     layer_types = (QLinear,)
+    qat_trainable = True
     variable_tensors = ("weight_sparse_idx", "weight_sparse_val")
 
     def __init__(self, quantization_config, **kwargs):
@@ -39,9 +38,6 @@ class QFTHfQuantizer(GuardedCheckpoint, HfQuantizer):
         self.converted: list[str] = []
         self.errors: dict[str, str] = {}
         self._skip: list[str] = []
-
-    def validate_environment(self, *args, **kwargs):
-        return
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         if self.pre_quantized:
@@ -75,14 +71,3 @@ class QFTHfQuantizer(GuardedCheckpoint, HfQuantizer):
                 raise ValueError(f"QFT: no weight was found in the checkpoint for {left[:10]}")
             self.converted = [n for n, m in model.named_modules() if isinstance(m, QLinear)]
         return model
-
-    def is_serializable(self, safe_serialization=None):
-        return True
-
-    @property
-    def is_trainable(self) -> bool:
-        return True
-
-    @property
-    def is_qat_trainable(self) -> bool:
-        return True

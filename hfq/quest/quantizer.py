@@ -3,20 +3,20 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.quantizers.base import HfQuantizer
 
-from .._base.surgery import GuardedCheckpoint, modules_to_skip, replace_linears, unguard_weight
+from .._base.surgery import HfqQuantizer, modules_to_skip, replace_linears, unguard_weight
 from .config import QuESTConfig
 from .linear import QuESTLinear, layer_maker
 
 
-class QuESTHfQuantizer(GuardedCheckpoint, HfQuantizer):
+class QuESTHfQuantizer(HfqQuantizer):
     """QAT on load: plain checkpoint + QuESTConfig -> master weights load straight into QuESTLinear layers.
     A checkpoint saved with save_format="codes" reloads into packed (inference) QuESTLinear layers."""
 
-    requires_calibration = False
     quantization_config: QuESTConfig
     layer_types = (QuESTLinear,)
+    qat_trainable = True
+    compileable = True
 
     def __init__(self, quantization_config: QuESTConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
@@ -53,21 +53,6 @@ class QuESTHfQuantizer(GuardedCheckpoint, HfQuantizer):
                 state[prefix + "weight_codes"] = codes
                 state[prefix + "weight_scale"] = scale
         return state
-
-    def is_serializable(self, **kwargs):
-        return True
-
-    @property
-    def is_trainable(self) -> bool:
-        return True
-
-    @property
-    def is_qat_trainable(self) -> bool:
-        return True
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
 
 
 def quantize_model(model: torch.nn.Module, config: QuESTConfig | None = None) -> torch.nn.Module:
