@@ -139,3 +139,60 @@ def test_export_stores_a_tied_lm_head_once(tmp_path):
         cos = torch.nn.functional.cosine_similarity(ct(IDS).logits.float().flatten(), m(IDS).logits.float().flatten(),
                                                     dim=0)
     assert cos > 0.999
+
+
+# ----------------------------------------------------------------------------- on the real model
+def _real_batch(model_dir, n=8, length=16):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = ("The quick brown fox jumps over the lazy dog. Quantization-aware training keeps a master copy of "
+            "the weights and rounds them on the fly. ") * 8
+    ids = torch.tensor(tok(text)["input_ids"][: n * length]).reshape(n, length)
+    return [{"input_ids": r, "labels": r} for r in ids]
+
+
+@pytest.mark.real_model
+def test_real_quest_default_config_trains_and_resumes_exactly(smollm2, tmp_path):
+    # QuEST on the first two blocks only (transformers' skip rule: entries are regexes matched at the start)
+    cfg = QuESTConfig(modules_to_not_convert=["lm_head", r"model\.layers\.([2-9]|[12]\d)\."])
+
+    def run(out, resume=None):
+        m = AutoModelForCausalLM.from_pretrained(smollm2, quantization_config=cfg)
+        args = TrainingArguments(out, max_steps=2, per_device_train_batch_size=2, save_steps=1, logging_steps=1,
+                                 report_to=[], use_cpu=True, seed=0, disable_tqdm=True, learning_rate=1e-4)
+        tr = Trainer(model=m, args=args, train_dataset=_real_batch(smollm2, n=4, length=12))
+        tr.train(resume_from_checkpoint=resume)
+        return m, [h["loss"] for h in tr.state.log_history if "loss" in h]
+
+    m_a, loss_a = run(str(tmp_path / "a"))
+    assert [n for n, x in m_a.named_modules() if isinstance(x, QuESTLinear)][-1] == "model.layers.1.mlp.down_proj"
+    assert m_a.model.layers[0].self_attn.q_proj.spec.block == 64  # hidden 576
+    assert m_a.model.layers[0].mlp.down_proj.spec.block == 128  # intermediate 1536
+    m_b, loss_b = run(str(tmp_path / "b"), resume=str(tmp_path / "a" / "checkpoint-1"))
+    assert loss_a[1:] == loss_b[-1:]
+    for (n, p), (_, q) in zip(m_a.named_parameters(), m_b.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.real_model
+def test_real_nvfp4_loads_only_with_import_hfq_and_exports_tied_lm_head_once(smollm2, tmp_path):
+    ids = torch.stack([b["input_ids"] for b in _real_batch(smollm2, n=2, length=12)])
+    m = AutoModelForCausalLM.from_pretrained(smollm2, quantization_config=NVFP4Config())
+    d = str(tmp_path / "nvfp4")
+    m.save_pretrained(d)
+    with torch.no_grad():
+        torch.save(m(ids).logits, d + "/ref.pt")
+    torch.save(ids, d + "/ids.pt")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    for with_hfq, want in (("0", ["ERROR", "RuntimeError"]), ("1", ["LOADED", "True"])):
+        res = subprocess.run([sys.executable, "-c", _LOADER, with_hfq, d], capture_output=True, text=True, env=env,
+                             timeout=600)
+        lines = {ln.split()[0]: ln.split()[1:3] for ln in res.stdout.splitlines() if ln.startswith(d)}
+        assert lines == {d: want}, res.stdout + res.stderr[-3000:]
+    out = hfq.nvfp4.export_compressed_tensors(m, str(tmp_path / "ct"))
+    sd = load_file(os.path.join(out, "model.safetensors"))
+    assert "lm_head.weight" not in sd
+    size = os.path.getsize(os.path.join(out, "model.safetensors"))
+    emb = m.model.embed_tokens.weight
+    assert size < 1.5 * emb.numel() * emb.element_size() + 60e6, size  # one embedding copy + ~52 MB of NVFP4 linears
