@@ -196,3 +196,19 @@ def test_real_nvfp4_loads_only_with_import_hfq_and_exports_tied_lm_head_once(smo
     size = os.path.getsize(os.path.join(out, "model.safetensors"))
     emb = m.model.embed_tokens.weight
     assert size < 1.5 * emb.numel() * emb.element_size() + 60e6, size  # one embedding copy + ~52 MB of NVFP4 linears
+
+
+# ----------------------------------------------------------------------------- one skip rule
+@pytest.mark.parametrize("cfg_cls,layer", [(NVFP4Config, "NVFP4Linear"), (QuESTConfig, "QuESTLinear"),
+                                           (QFTConfig, "QLinear")])
+def test_modules_to_not_convert_follows_transformers_rule(llama_dir, cfg_cls, layer):
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = ["lm_head", "model.layers.0", "down_proj", r"model\.layers\.\d+\.self_attn\.k"]
+    m = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=cfg_cls(modules_to_not_convert=skip))
+    kinds = {n: type(x).__name__ for n, x in m.named_modules() if type(x).__name__ in ("Linear", layer)}
+    assert kinds == {n: ("Linear" if not should_convert_module(n, skip) else layer) for n in kinds}
+    assert kinds["model.layers.1.mlp.up_proj"] == layer and kinds["model.layers.1.self_attn.q_proj"] == layer
+    for n in ("model.layers.0.mlp.up_proj", "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.k_proj",
+              "lm_head"):
+        assert kinds[n] == "Linear", n
