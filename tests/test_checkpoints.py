@@ -204,7 +204,7 @@ def test_real_nvfp4_loads_only_with_import_hfq_and_exports_tied_lm_head_once(smo
 def test_modules_to_not_convert_follows_transformers_rule(llama_dir, cfg_cls, layer):
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    skip = ["lm_head", "model.layers.0", "down_proj", r"model\.layers\.\d+\.self_attn\.k"]
+    skip = ["lm_head", "model.layers.0", "down_proj", r"model\.layers\.\d+\.self_attn\.k_proj"]
     m = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=cfg_cls(modules_to_not_convert=skip))
     kinds = {n: type(x).__name__ for n, x in m.named_modules() if type(x).__name__ in ("Linear", layer)}
     assert kinds == {n: ("Linear" if not should_convert_module(n, skip) else layer) for n in kinds}

@@ -45,9 +45,9 @@ class HfqConfig(QuantizationConfigMixin):
     """Base of NVFP4Config, QuESTConfig and QFTConfig.
 
     Subclasses declare `modules_to_not_convert` and `quant_method` fields. `modules_to_not_convert` entries
-    follow transformers' own rule for that option (see hfq._base.surgery.should_convert): a module is kept in
-    high precision when its full name starts with an entry (an entry is a regular expression matched at the
-    start) or ends with it, so "lm_head" keeps `lm_head` and "model.layers.0" keeps that whole block.
+    follow transformers' own rule for that option (hfq._base.surgery.should_convert): a module is kept in
+    high precision when an entry (a regular expression) matches the start of its full name or the name ends
+    with it, so "lm_head" keeps `lm_head` and "model.layers.0" keeps that whole block.
     """
 
     QUANT_METHOD: ClassVar[str] = ""

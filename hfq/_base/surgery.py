@@ -1,10 +1,11 @@
 """Model surgery shared by NVFP4, QuEST and QFT: which linears are converted, the swap itself, and the
 checkpoint guard that stops a plain transformers load (without `import hfq`) from loading silently wrong.
 
-Skip rule (`modules_to_not_convert`): transformers' own, `should_convert_module` — a module is skipped when
-its full name starts with an entry (the entry is matched as a regular expression at the start of the name,
-so "model.layers.0" skips that block and "lm_head" skips `lm_head`) or ends with it ("down_proj" skips every
-`...mlp.down_proj`).
+Skip rule (`modules_to_not_convert`): transformers' own (`should_convert_module` of the installed version,
+called, so hfq and transformers' quantizers always agree) — a module is skipped when an entry, read as a regular
+expression, matches the start of its full name ("model.layers.0" skips that block, "lm_head" skips `lm_head`;
+transformers 5.23 adds that the match must end at a module boundary) or when the name ends with the entry
+("down_proj" skips every `...mlp.down_proj`).
 """
 from __future__ import annotations
 
