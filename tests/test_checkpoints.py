@@ -60,6 +60,28 @@ def test_quest_codes_checkpoint_refused_by_a_qat_model(tmp_path):
         qat.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=False)
 
 
+def _nvfp4_lora_run(model_dir, out, resume=None):
+    import peft
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=NVFP4Config())
+    pm = hfq.nvfp4.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    args = TrainingArguments(out, max_steps=4, per_device_train_batch_size=4, save_steps=2, logging_steps=1,
+                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, learning_rate=1e-2)
+    tr = Trainer(model=pm, args=args, train_dataset=_data())
+    tr.train(resume_from_checkpoint=resume)
+    return pm, [h["loss"] for h in tr.state.log_history if "loss" in h]
+
+
+def test_nvfp4_lora_trainer_resume_is_exact(llama_dir, tmp_path):
+    m_a, loss_a = _nvfp4_lora_run(llama_dir, str(tmp_path / "a"))
+    m_b, loss_b = _nvfp4_lora_run(llama_dir, str(tmp_path / "b"), resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert loss_a[2:] == loss_b[-2:]
+    sa, sb = m_a.state_dict(), m_b.state_dict()
+    assert sa.keys() == sb.keys() and any("lora_B" in k for k in sa)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
 # ----------------------------------------------------------------------------- loading without import hfq
 _LOADER = """
 import sys, torch
