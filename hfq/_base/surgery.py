@@ -102,9 +102,12 @@ def raise_load_errors(method: str, errors: dict[str, str]) -> None:
 # checkpoint into a plain model, re-initialising every quantized linear. It does refuse a checkpoint tensor
 # whose shape differs from the model's (size mismatch, an error). So each hfq checkpoint stores the `weight`
 # of its first converted layer in a shape no plain model has: empty when the layer keeps no `weight` (codes
-# only), else with a leading dim of 1. hfq reads it back (`unguard_weight`) and ignores the empty marker.
+# only), else with a leading dim of 1; hfq reads it back (`unguard_weight`). A second entry, NOTE_KEY (the
+# note below as bytes), is listed among the unexpected keys of the load report that transformers prints
+# with that error, so the report says to `import hfq`. hfq's own loads ignore both.
 GUARD_DOC = ("this checkpoint was written by hfq; `import hfq` before loading it (without it transformers "
              "skips the unknown quant_method and would re-initialise the quantized layers)")
+NOTE_KEY = "hfq_checkpoint.import_hfq_before_loading"
 
 
 def converted_names(model: nn.Module, layer_types: tuple) -> list[str]:
@@ -112,12 +115,13 @@ def converted_names(model: nn.Module, layer_types: tuple) -> list[str]:
 
 
 def guard_state_dict(state: dict, names: list[str]) -> dict:
-    """Add the size-mismatch marker for the first converted layer of `names` to `state` (in place)."""
+    """Add the size-mismatch marker for the first converted layer of `names`, and the note, to `state`."""
     if not names:
         return state
     key = names[0] + ".weight"
     w = state.get(key)
-    state[key] = torch.empty(0, dtype=torch.uint8) if w is None else w.unsqueeze(0)
+    state[key] = torch.empty(0, dtype=torch.uint8) if w is None else w.unsqueeze(0).clone()
+    state[NOTE_KEY] = torch.tensor(list(GUARD_DOC.encode()), dtype=torch.uint8)
     return state
 
 
@@ -126,13 +130,13 @@ def guard_key(names: list[str]) -> str | None:
 
 
 def ignore_guard_on_load(model: nn.Module, names: list[str]) -> None:
-    """Tell transformers' loader not to report the empty marker as an unexpected key."""
+    """Tell transformers' loader not to report the empty marker and the note as unexpected keys."""
     key = guard_key(names)
     if key is None:
         return
-    pattern = re.escape(key) + "$"
+    patterns = {re.escape(key) + "$", re.escape(NOTE_KEY) + "$"}
     model._keys_to_ignore_on_load_unexpected = set(getattr(model, "_keys_to_ignore_on_load_unexpected", None)
-                                                   or ()) | {pattern}
+                                                   or ()) | patterns
 
 
 def unguard_weight(w: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor | None:
