@@ -30,13 +30,19 @@ def _data(n=16):
 
 
 # ----------------------------------------------------------------------------- resume
+def _train(model, out, data, resume=None, steps=4, lr=1e-2):
+    """Trainer with its default optimizer, a checkpoint every steps // 2 steps; returns the logged losses."""
+    args = TrainingArguments(out, max_steps=steps, per_device_train_batch_size=2, save_steps=steps // 2,
+                             logging_steps=1, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                             learning_rate=lr)
+    tr = Trainer(model=model, args=args, train_dataset=data)
+    tr.train(resume_from_checkpoint=resume)
+    return [h["loss"] for h in tr.state.log_history if "loss" in h]
+
+
 def _quest_run(model_dir, out, resume=None):
     m = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=QuESTConfig())
-    args = TrainingArguments(out, max_steps=4, per_device_train_batch_size=4, save_steps=2, logging_steps=1,
-                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, learning_rate=1e-2)
-    tr = Trainer(model=m, args=args, train_dataset=_data())
-    tr.train(resume_from_checkpoint=resume)
-    return m, [h["loss"] for h in tr.state.log_history if "loss" in h]
+    return m, _train(m, out, _data(), resume)
 
 
 def test_quest_trainer_resume_is_exact(llama_dir, tmp_path):
@@ -65,11 +71,7 @@ def _nvfp4_lora_run(model_dir, out, resume=None):
 
     m = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=NVFP4Config())
     pm = hfq.nvfp4.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
-    args = TrainingArguments(out, max_steps=4, per_device_train_batch_size=4, save_steps=2, logging_steps=1,
-                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, learning_rate=1e-2)
-    tr = Trainer(model=pm, args=args, train_dataset=_data())
-    tr.train(resume_from_checkpoint=resume)
-    return pm, [h["loss"] for h in tr.state.log_history if "loss" in h]
+    return pm, _train(pm, out, _data(), resume)
 
 
 def test_nvfp4_lora_trainer_resume_is_exact(llama_dir, tmp_path):
@@ -183,11 +185,7 @@ def test_real_quest_default_config_trains_and_resumes_exactly(smollm2, tmp_path)
 
     def run(out, resume=None):
         m = AutoModelForCausalLM.from_pretrained(smollm2, quantization_config=cfg)
-        args = TrainingArguments(out, max_steps=2, per_device_train_batch_size=2, save_steps=1, logging_steps=1,
-                                 report_to=[], use_cpu=True, seed=0, disable_tqdm=True, learning_rate=1e-4)
-        tr = Trainer(model=m, args=args, train_dataset=_real_batch(smollm2, n=4, length=12))
-        tr.train(resume_from_checkpoint=resume)
-        return m, [h["loss"] for h in tr.state.log_history if "loss" in h]
+        return m, _train(m, out, _real_batch(smollm2, n=4, length=12), resume, steps=2, lr=1e-4)
 
     m_a, loss_a = run(str(tmp_path / "a"))
     assert [n for n, x in m_a.named_modules() if isinstance(x, QuESTLinear)][-1] == "model.layers.1.mlp.down_proj"
