@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 
-import torch
 from torch import nn
 
 from .linear import NVFP4Linear
