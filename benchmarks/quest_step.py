@@ -17,7 +17,7 @@ import subprocess
 import torch
 import triton
 
-from hfq_kernels.reference.hadamard import effective_block, fwht
+from hfq_kernels.reference.hadamard import fwht
 from hfq.quest import QuESTConfig, QuESTLinear, quantize_model
 from hfq.quest.linear import _Spec
 from hfq_kernels import quest as K
@@ -112,8 +112,7 @@ def step_times(batch: int, seq: int, n_steps: int = 10) -> list[dict]:
             for mod in model.modules():  # re-wrap: undo the previous variant's layers
                 if isinstance(mod, QuESTLinear):
                     mod.config = qcfg
-                    mod.spec = _Spec(qcfg, effective_block(mod.in_features, qcfg.hadamard_block_size)
-                                     if qcfg.hadamard else 0)
+                    mod.spec = _Spec(qcfg, qcfg.block_for(mod.in_features))
             if not any(isinstance(m, QuESTLinear) for m in model.modules()):
                 quantize_model(model, qcfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)

@@ -267,12 +267,12 @@ def _train_steps(model, ids, steps=3, lr=1e-2):
 
 
 @pytest.mark.parametrize("cfg", [
-    QuESTConfig(weight_bits=4, activation_bits=4),
-    QuESTConfig(weight_bits=1, activation_bits=1),
-    QuESTConfig(weight_bits=4, activation_bits=None, grid="fp4"),
-    QuESTConfig(weight_bits=3, activation_bits=3, hadamard=False),
+    QuESTConfig(weight_bits=4, activation_bits=4, save_format="codes"),
+    QuESTConfig(weight_bits=1, activation_bits=1, save_format="codes"),
+    QuESTConfig(weight_bits=4, activation_bits=None, grid="fp4", save_format="codes"),
+    QuESTConfig(weight_bits=3, activation_bits=3, hadamard=False, save_format="codes"),
 ], ids=["W4A4", "W1A1", "fp4-weight-only", "W3A3-noHT"])
-def test_save_reload_after_qat_identical_logits(tmp_path, cfg):
+def test_save_codes_reload_after_qat_identical_logits(tmp_path, cfg):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -287,7 +287,8 @@ def test_save_reload_after_qat_identical_logits(tmp_path, cfg):
     model.save_pretrained(tmp_path)
     sd = load_file(str(tmp_path / "model.safetensors"))
     key = "model.layers.0.mlp.down_proj"
-    assert key + ".weight" not in sd and sd[key + ".weight_codes"].dtype == torch.uint8
+    assert key + ".weight" not in sd and sd["model.layers.0.self_attn.q_proj.weight"].numel() == 0  # the guard
+    assert sd[key + ".weight_codes"].dtype == torch.uint8
     assert sd[key + ".weight_codes"].shape == (64, 128 * {4: 4, 1: 1, 3: 4}[cfg.weight_bits] // 8)
     assert sd[key + ".weight_scale"].dtype == torch.float32
     assert "lm_head.weight" in sd  # kept in full precision

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 
-import torch
 from torch import nn
 
 from .linear import NVFP4Linear
@@ -46,8 +45,10 @@ def export_compressed_tensors(model: nn.Module, out_dir: str, max_shard_bytes: i
         raise ValueError(f"export_compressed_tensors: only format='nvfp4' is exportable; {bad[:5]} use mxfp4")
     ignore = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     os.makedirs(out_dir, exist_ok=True)
-    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    # shard by size; safetensors refuses shared storage, so clone tied tensors
+    # tied parameters (e.g. lm_head tied to embed_tokens) are stored once: the loader re-ties them
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ())
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in tied}
+    # shard by size; safetensors refuses shared storage, so clone any other shared tensors
     shards, cur, size = [], {}, 0
     seen = set()
     for k, v in sd.items():

@@ -3,73 +3,40 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.core_model_loading import ConversionOps
-from transformers.quantizers.base import HfQuantizer
 
+from .._base.surgery import HfqQuantizer, QuantizeOnLoad, modules_to_skip, raise_load_errors, replace_linears
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
 
 
-def is_skipped(name: str, skip: list[str]) -> bool:
-    """A module is skipped when its name equals an entry or ends with '.' + entry."""
-    return any(name == s or name.endswith("." + s) for s in skip)
+def _make_layer(config: NVFP4Config, placeholder: bool, skipped: dict[str, str]):
+    """The surgery's builder: an NVFP4Linear for `linear`, or None (recorded in `skipped`) when its
+    in_features is not a multiple of the block. With `placeholder`, the new layer gets an empty `weight`
+    parameter on the meta device so the loader routes the checkpoint's weight to our quantize op."""
 
-
-def replace_linears(model: nn.Module, config: NVFP4Config, skip: list[str], placeholder: bool,
-                    skipped: dict[str, str]) -> list[str]:
-    """Swap eligible nn.Linear modules for NVFP4Linear in place; returns the converted names.
-
-    With `placeholder`, each new layer gets an empty `weight` parameter on the meta device so the loader
-    routes the checkpoint's weight to our quantize op.
-    """
-    converted = []
-    cd = config.torch_compute_dtype
-    for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear:
-            continue
-        if is_skipped(name, skip):
-            skipped[name] = "modules_to_not_convert"
-            continue
+    def make(name: str, mod: nn.Linear):
         if mod.in_features % config.block_size:
             msg = f"in_features={mod.in_features} not a multiple of block size {config.block_size}"
             if config.strict:
                 raise ValueError(f"{name}: {msg} (strict=True)")
             skipped[name] = msg
-            continue
-        dev = mod.weight.device
-        new = NVFP4Linear(mod.in_features, mod.out_features, mod.bias is not None, config.format, cd,
-                          device=dev, dtype=mod.weight.dtype)
+            return None
+        new = NVFP4Linear(mod.in_features, mod.out_features, mod.bias is not None, config.format,
+                          config.torch_compute_dtype, device=mod.weight.device, dtype=mod.weight.dtype)
         if placeholder:
             new._parameters["weight"] = nn.Parameter(
                 torch.empty(mod.out_features, mod.in_features, dtype=mod.weight.dtype, device="meta"),
                 requires_grad=False)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
-        converted.append(name)
-    return converted
+        return new
+
+    return make
 
 
-class NVFP4Quantize(ConversionOps):
+class NVFP4Quantize(QuantizeOnLoad):
     """Loader op: receives one layer's full-precision weight and returns its packed buffers."""
 
-    def __init__(self, hf_quantizer: "NVFP4HfQuantizer"):
-        self.hf_quantizer = hf_quantizer
-
-    @torch.no_grad()
-    def convert(self, input_dict, model=None, missing_keys=None, **kwargs):
-        key, value = next(iter(input_dict.items()))
-        value = value[0] if isinstance(value, list) else value
-        name = key.rsplit(".", 1)[0]
-        module = model.get_submodule(name)
-        if missing_keys is not None:
-            missing_keys.discard(key)
-        try:
-            module.set_weight(value, name=name)
-        except ValueError as e:
-            # transformers turns op exceptions into a generic RuntimeError; keep ours (it names the layer)
-            # and raise it from _process_model_after_weight_loading instead.
-            self.hf_quantizer.errors[name] = str(e)
-            return {}
+    def quantize(self, model, name, module, value):
+        module.set_weight(value, name=name)
         w32 = value.float()
         deq = module.dequantize(torch.float32)
         self.hf_quantizer.rel_error[name] = float((deq - w32).norm() / w32.norm().clamp_min(1e-30))
@@ -94,11 +61,12 @@ def _checkpoint_index(files) -> dict[str, tuple[str, tuple]]:
     return index
 
 
-class NVFP4HfQuantizer(HfQuantizer):
+class NVFP4HfQuantizer(HfqQuantizer):
     """Declarative quantizer: which linears become NVFP4Linear, and how their weights get there."""
 
-    requires_calibration = False
     quantization_config: NVFP4Config
+    layer_types = (NVFP4Linear,)
+    compileable = True
 
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
@@ -106,9 +74,6 @@ class NVFP4HfQuantizer(HfQuantizer):
         self.rel_error: dict[str, float] = {}
         self.skipped: dict[str, str] = {}
         self.converted: list[str] = []
-
-    def validate_environment(self, *args, **kwargs):
-        return
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         name, _, tensor = param_name.rpartition(".")
@@ -124,11 +89,14 @@ class NVFP4HfQuantizer(HfQuantizer):
             model, param_name, param)
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        skip = self.get_modules_to_not_convert(model, self.quantization_config.modules_to_not_convert,
-                                               getattr(model, "_keep_in_fp32_modules", None), add_default_skips=True)
-        self.converted = replace_linears(model, self.quantization_config, skip, not self.pre_quantized, self.skipped)
-        if self.pre_quantized and checkpoint_files:
-            self._validate_checkpoint(model, _checkpoint_index(checkpoint_files))
+        cfg = self.quantization_config
+        skip = modules_to_skip(model, cfg, cfg.ADD_DEFAULT_SKIPS)
+        self.converted = replace_linears(model, _make_layer(cfg, not self.pre_quantized, self.skipped), skip,
+                                         self.skipped)
+        if self.pre_quantized:
+            self.expect_guard(model)
+            if checkpoint_files:
+                self._validate_checkpoint(model, _checkpoint_index(checkpoint_files))
 
     def _validate_checkpoint(self, model, index):
         problems = []
@@ -150,9 +118,7 @@ class NVFP4HfQuantizer(HfQuantizer):
             raise ValueError(f"hfq_nvfp4 checkpoint is missing or has corrupt quantized tensors: {head}")
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        if self.errors:
-            lines = "; ".join(f"{k}: {v}" for k, v in self.errors.items())
-            raise ValueError(f"NVFP4 quantization failed for {len(self.errors)} layer(s): {lines}")
+        raise_load_errors("NVFP4", self.errors)
         leftover = [n for n in self.converted if "weight" in model.get_submodule(n)._parameters]
         if leftover:
             raise ValueError(f"NVFP4: no weight was found in the checkpoint for {leftover[:10]}")
@@ -176,14 +142,3 @@ class NVFP4HfQuantizer(HfQuantizer):
 
     def get_quantize_ops(self):
         return NVFP4Quantize(self)
-
-    def is_serializable(self, *args, **kwargs):
-        return True
-
-    @property
-    def is_trainable(self) -> bool:
-        return True
-
-    @property
-    def is_compileable(self) -> bool:
-        return True

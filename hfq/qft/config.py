@@ -1,19 +1,26 @@
 """`QFTConfig`: load any causal LM with its decoder linears as trainable quantized weights (QParam)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-
-from transformers.utils.quantization_config import QuantizationConfigMixin
+from dataclasses import dataclass, field
 
 from hfq_kernels.reference.fp8 import ROUNDINGS
+
+from .._base.config import HfqConfig, check_choice
 from ..qparam import FORMATS, check_format
-from .linear import check_gradient_bits
 
 QUANT_METHOD = "hfq_qft"
+GRADIENT_BITS = (None, 8)
+
+
+def check_gradient_bits(bits):
+    """None (bf16 .grad, as autograd makes it) or 8 (INT8 store); anything else is a ValueError."""
+    if bits is not None and (isinstance(bits, bool) or bits not in (8,)):
+        raise ValueError(f"gradient_bits: expected one of {GRADIENT_BITS}, got {bits!r}")
+    return bits
 
 
 @dataclass
-class QFTConfig(QuantizationConfigMixin):
+class QFTConfig(HfqConfig):
     """Full-parameter training on quantized weights: each decoder nn.Linear becomes a QLinear holding a QParam.
 
     weight_format: "int8_dense_sparse" (QFT: INT8 per channel + bf16 outliers), "fp8_e4m3_row" (ECO),
@@ -23,7 +30,8 @@ class QFTConfig(QuantizationConfigMixin):
     gradient_bits: None (default: weight gradients are ordinary bf16 `.grad`, all-reduced by DDP) or 8 (QFT's INT8
         gradients: each quantized linear stores dL/dW as INT8 codes + per-row scale/zero point instead of a `.grad`;
         hfq's QLion / ECO read that store; single process only; Trainer's max_grad_norm does not see it).
-    modules_to_not_convert: module names (or name suffixes) kept in high precision.
+    modules_to_not_convert: modules kept in high precision, matched by transformers' rule (hfq._base.surgery);
+        None = transformers' defaults (the output embedding and modules tied to it).
     Train with hfq.qft.QLion (QFT) or hfq.eco.ECOAdamW / ECOSGD: plain torch optimizers are refused.
     """
 
@@ -35,20 +43,13 @@ class QFTConfig(QuantizationConfigMixin):
     modules_to_not_convert: list[str] | None = field(default_factory=lambda: ["lm_head", "embed_tokens"])
     quant_method: str = QUANT_METHOD
 
-    def __post_init__(self):
-        if self.quant_method != QUANT_METHOD:
-            raise ValueError(f"quant_method: expected {QUANT_METHOD!r}, got {self.quant_method!r}")
-        if self.weight_format not in FORMATS:
-            raise ValueError(f"weight_format: unknown {self.weight_format!r}; allowed {FORMATS}")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"rounding: unknown {self.rounding!r}; allowed {ROUNDINGS}")
+    QUANT_METHOD = QUANT_METHOD
+
+    def validate(self):
+        check_choice("weight_format", self.weight_format, FORMATS)
+        check_choice("rounding", self.rounding, ROUNDINGS)
         check_format(self.weight_format, None, self.format_options)
         check_gradient_bits(self.gradient_bits)
-        if self.modules_to_not_convert is not None:
-            if isinstance(self.modules_to_not_convert, str) or not all(
-                    isinstance(m, str) for m in self.modules_to_not_convert):
-                raise ValueError("modules_to_not_convert: expected a list of module names (str)")
-            self.modules_to_not_convert = list(self.modules_to_not_convert)
 
     @property
     def format_options(self) -> dict:
@@ -57,9 +58,3 @@ class QFTConfig(QuantizationConfigMixin):
         if self.weight_format == "int8_dense_sparse":
             return {"outlier_fraction": self.outlier_fraction}
         return {}
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def to_diff_dict(self) -> dict:
-        return self.to_dict()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._base.surgery import modules_to_skip, replace_linears
 from ..qparam import QLinear, QParam, qlinear
-
-GRADIENT_BITS = (None, 8)
+from .config import check_gradient_bits
 
 
 class QFTLinear(QLinear):
@@ -39,26 +39,13 @@ class QFTLinear(QLinear):
         return super().extra_repr() + f", gradient_bits={self.gradient_bits}"
 
 
-def check_gradient_bits(bits):
-    """None (bf16 .grad, as autograd makes it) or 8 (INT8 store); anything else is a ValueError."""
-    if bits is not None and (isinstance(bits, bool) or bits not in (8,)):
-        raise ValueError(f"gradient_bits: expected one of {GRADIENT_BITS}, got {bits!r}")
-    return bits
-
-
-def is_skipped(name: str, skip) -> bool:
-    """A module is skipped when its name equals an entry or ends with '.' + entry."""
-    return any(name == s or name.endswith("." + s) for s in (skip or ()))
-
-
-def convert_linears_(model: nn.Module, config, placeholder: bool = False, generator=None) -> list[str]:
-    """Replace eligible nn.Linear modules in place; returns the converted names."""
-    done = []
-    bits = getattr(config, "gradient_bits", None)
+def layer_maker(config, placeholder: bool = False, generator=None):
+    """The surgery's builder: a QLinear (QFTLinear with gradient_bits=8) quantized from the linear now, or with
+    `placeholder` one whose codes/scales buffers a pre-quantized checkpoint fills (then `finalize_`)."""
+    bits = config.gradient_bits
     cls, extra = (QLinear, {}) if bits is None else (QFTLinear, {"gradient_bits": bits})
-    for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear or is_skipped(name, config.modules_to_not_convert):
-            continue
+
+    def make(name: str, mod) -> QLinear:
         if placeholder:
             new = cls(mod.in_features, mod.out_features, mod.bias is not None, config.weight_format,
                       device=mod.weight.device, dtype=mod.weight.dtype, placeholder=True,
@@ -68,10 +55,14 @@ def convert_linears_(model: nn.Module, config, placeholder: bool = False, genera
                                   **config.format_options)
         if cls is QFTLinear:
             new.qft_name = name
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
-        done.append(name)
-    return done
+        return new
+
+    return make
+
+
+def convert_linears_(model: nn.Module, config, placeholder: bool = False, generator=None) -> list[str]:
+    """Replace the nn.Linear modules that `config` converts, in place; returns the converted names."""
+    return replace_linears(model, layer_maker(config, placeholder, generator), modules_to_skip(model, config, False))
 
 
 def finalize_(model: nn.Module) -> None:
@@ -81,8 +72,14 @@ def finalize_(model: nn.Module) -> None:
 
 
 def quantize_model_(model: nn.Module, config) -> list[str]:
-    """Quantize an already-built model (e.g. from_config for pretraining) in place per a QFTConfig."""
+    """Quantize an already-built model (e.g. from_config for pretraining) in place per a QFTConfig; the model is
+    marked quantized with `hfq_qft` so that save_pretrained writes an hfq checkpoint."""
+    from .quantizer import QFTHfQuantizer
+
     names = convert_linears_(model, config)
     if hasattr(model, "config"):
         model.config.quantization_config = config
+        model.hf_quantizer = QFTHfQuantizer(config, pre_quantized=False)
+        model.is_quantized = True
+        model.quantization_method = config.quant_method
     return names

@@ -1,50 +1,73 @@
 """`QFTHfQuantizer`: transformers' hook for `hfq_qft`.
 
-Fresh load (a float checkpoint): weights load into ordinary nn.Linear, then each eligible one is quantized
-into a QLinear (the float copy is dropped). Pre-quantized load (an hfq_qft checkpoint): QLinear placeholders
-expose `weight_codes`, `weight_scales`, ... buffers that the loader fills; they become the QParam afterwards.
+Fresh load (a float checkpoint): each eligible nn.Linear stays a meta placeholder; the loader hands its weight
+to `QFTQuantize`, which quantizes it into a QLinear there and then (the float copy is dropped layer by layer, so
+the full-precision model never exists). Pre-quantized load (an hfq_qft checkpoint): QLinear placeholders expose
+`weight_codes`, `weight_scales`, ... buffers that the loader fills; they become the QParam afterwards.
 """
 from __future__ import annotations
 
-from transformers.quantizers.base import HfQuantizer
+from types import SimpleNamespace
 
+from torch import nn
+
+from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, modules_to_skip, raise_load_errors, set_submodule,
+                             should_convert)
+from ..qparam import QLinear
 from .config import QFTConfig
-from .linear import convert_linears_, finalize_
+from .linear import convert_linears_, finalize_, layer_maker
 
 
-class QFTHfQuantizer(HfQuantizer):
-    requires_calibration = False
+class QFTQuantize(QuantizeOnLoad):
+    """Loader op: receives one linear's full-precision weight and swaps the linear for its QLinear."""
+
+    def quantize(self, model, name, module, value):
+        make = layer_maker(self.hf_quantizer.quantization_config)
+        set_submodule(model, name, make(name, SimpleNamespace(weight=nn.Parameter(value), bias=module.bias)))
+        return {}
+
+
+class QFTHfQuantizer(HfqQuantizer):
     quantization_config: QFTConfig
+    layer_types = (QLinear,)
+    qat_trainable = True
+    variable_tensors = ("weight_sparse_idx", "weight_sparse_val")
 
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.converted: list[str] = []
-
-    def validate_environment(self, *args, **kwargs):
-        return
+        self.errors: dict[str, str] = {}
+        self._skip: list[str] = []
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
-        return False
+        if self.pre_quantized:
+            return self.shape_may_differ(param_name)
+        name, _, tensor = param_name.rpartition(".")
+        if tensor != "weight" or not should_convert(name, self._skip):
+            return False
+        try:
+            return type(model.get_submodule(name)) is nn.Linear
+        except AttributeError:
+            return False
 
     def _process_model_before_weight_loading(self, model, **kwargs):
+        cfg = self.quantization_config
+        self._skip = modules_to_skip(model, cfg, False)
         if self.pre_quantized:
-            self.converted = convert_linears_(model, self.quantization_config, placeholder=True)
+            self.converted = convert_linears_(model, cfg, placeholder=True)
+            self.expect_guard(model)
         return model
 
+    def get_quantize_ops(self):
+        return QFTQuantize(self)
+
     def _process_model_after_weight_loading(self, model, **kwargs):
+        raise_load_errors("QFT", self.errors)
         if self.pre_quantized:
             finalize_(model)
         else:
-            self.converted = convert_linears_(model, self.quantization_config)
+            left = [n for n, m in model.named_modules() if type(m) is nn.Linear and should_convert(n, self._skip)]
+            if left:
+                raise ValueError(f"QFT: no weight was found in the checkpoint for {left[:10]}")
+            self.converted = [n for n, m in model.named_modules() if isinstance(m, QLinear)]
         return model
-
-    def is_serializable(self, safe_serialization=None):
-        return True
-
-    @property
-    def is_trainable(self) -> bool:
-        return True
-
-    @property
-    def is_qat_trainable(self) -> bool:
-        return True

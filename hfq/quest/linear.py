@@ -20,8 +20,8 @@ import hfq_kernels.hadamard  # noqa: F401  registers hfq::hadamard
 import hfq_kernels.quest as _qk  # registers hfq::quest_quantize / hfq::quest_masked_ht
 from hfq_kernels.reference import gaussian
 from hfq_kernels.reference.fp4 import check_finite
-from hfq_kernels.reference.hadamard import effective_block
 
+from .._base.surgery import unguard_weight
 from .config import QuESTConfig
 
 
@@ -185,8 +185,7 @@ class QuESTLinear(nn.Module):
         super().__init__()
         self.config = config or QuESTConfig()
         self.in_features, self.out_features = in_features, out_features
-        block = effective_block(in_features, self.config.hadamard_block_size, name) if self.config.hadamard else 0
-        self.spec = _Spec(self.config, block)
+        self.spec = _Spec(self.config, self.config.block_for(in_features, name))
         self.packed = packed
         if packed:
             nb = (in_features * storage_bits(self.config.weight_bits) + 7) // 8
@@ -259,6 +258,25 @@ class QuESTLinear(nn.Module):
             y = QuESTMatmul.apply(x2, *xqm, self.weight, self.bias, spec)
         return y.reshape(*shape[:-1], self.out_features)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Reads the guarded [1, out, in] master weight of an hfq checkpoint; refuses a codes-only checkpoint
+        in a QAT layer (its master weights are gone, so training could not resume from it)."""
+        key = prefix + "weight"
+        if not self.packed and key not in state_dict and prefix + "weight_codes" in state_dict:
+            raise ValueError(f"{prefix}weight_codes: this checkpoint holds QuEST codes only "
+                             "(save_format='codes', an inference checkpoint) and no master weights, so QAT "
+                             "cannot resume from it; save with QuESTConfig(save_format='master')")
+        if not self.packed and key in state_dict:
+            w = unguard_weight(state_dict[key], self.out_features, self.in_features)
+            state_dict = dict(state_dict)
+            if w is None:
+                del state_dict[key]
+            else:
+                state_dict[key] = w
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     @torch.no_grad()
     def _forward_packed(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec
@@ -276,29 +294,18 @@ class QuESTLinear(nn.Module):
 
 
 # ----------------------------------------------------------------------------- model surgery
-def _skipped(name: str, skip: list[str]) -> bool:
-    return any(name == s or name.endswith("." + s) or name.startswith(s + ".") or ("." + s + ".") in name
-               for s in skip)
+def layer_maker(config: QuESTConfig, packed: bool = False, reuse: bool = False):
+    """The surgery's builder: a QuESTLinear for an nn.Linear. reuse=True keeps the existing parameters (QAT of
+    an instantiated model; a non-finite weight is refused naming it); otherwise the layer is built on the
+    linear's device (meta while from_pretrained loads). A width the HT cannot cover raises naming the layer."""
 
-
-def replace_linears(model: nn.Module, config: QuESTConfig, skip: list[str], packed: bool = False,
-                    reuse: bool = False) -> list[str]:
-    """Replace every nn.Linear not in `skip` by a QuESTLinear. reuse=True keeps the existing parameters
-    (QAT of an instantiated model); otherwise new modules are built on the linear's device (meta while
-    from_pretrained loads). Layers whose input dim the HT cannot cover raise ValueError naming them."""
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not _skipped(n, skip)]
-    for name, lin in targets:  # validate all before changing anything
-        if config.hadamard:
-            effective_block(lin.in_features, config.hadamard_block_size, name)
-        if reuse and lin.weight.device.type != "meta":
-            check_finite(lin.weight.detach(), f"{name}.weight")
-    for name, lin in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
+    def make(name: str, lin: nn.Linear) -> QuESTLinear:
         if reuse:
-            new = QuESTLinear.from_linear(lin, config, name)
-        else:
-            new = QuESTLinear(lin.in_features, lin.out_features, lin.bias is not None, config, packed=packed,
-                              name=name, device=lin.weight.device, dtype=lin.weight.dtype)
-        setattr(parent, child, new)
-    return [n for n, _ in targets]
+            config.block_for(lin.in_features, name)
+            if lin.weight.device.type != "meta":
+                check_finite(lin.weight.detach(), f"{name}.weight")
+            return QuESTLinear.from_linear(lin, config, name)
+        return QuESTLinear(lin.in_features, lin.out_features, lin.bias is not None, config, packed=packed,
+                           name=name, device=lin.weight.device, dtype=lin.weight.dtype)
+
+    return make

@@ -1,43 +1,50 @@
-"""QuESTHfQuantizer: swaps linear layers for QuESTLinear in from_pretrained; saves codes + scales."""
+"""QuESTHfQuantizer: swaps linear layers for QuESTLinear in from_pretrained; saves master weights or codes."""
 from __future__ import annotations
 
 import torch
-from transformers.quantizers.base import HfQuantizer
+from torch import nn
 
+from .._base.surgery import HfqQuantizer, modules_to_skip, replace_linears, unguard_weight
 from .config import QuESTConfig
-from .linear import QuESTLinear, replace_linears
+from .linear import QuESTLinear, layer_maker
 
 
-class QuESTHfQuantizer(HfQuantizer):
-    """QAT on load: plain checkpoint + QuESTConfig -> master weights load into QuESTLinear layers.
+class QuESTHfQuantizer(HfqQuantizer):
+    """QAT on load: plain checkpoint + QuESTConfig -> master weights load straight into QuESTLinear layers.
     A checkpoint saved with save_format="codes" reloads into packed (inference) QuESTLinear layers."""
 
-    requires_calibration = False
     quantization_config: QuESTConfig
+    layer_types = (QuESTLinear,)
+    qat_trainable = True
+    compileable = True
 
     def __init__(self, quantization_config: QuESTConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
         self.modules_to_not_convert: list[str] = []
 
-    def _skip_list(self, model) -> list[str]:
-        cfg = self.quantization_config
-        return self.get_modules_to_not_convert(model, cfg.modules_to_not_convert,
-                                               getattr(model, "_keep_in_fp32_modules", None),
-                                               add_default_skips=cfg.modules_to_not_convert is None)
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        return self.shape_may_differ(param_name)
 
     def _process_model_before_weight_loading(self, model, **kwargs):
-        self.modules_to_not_convert = self._skip_list(model)
-        packed = self.pre_quantized and self.quantization_config.save_format == "codes"
-        replace_linears(model, self.quantization_config, self.modules_to_not_convert, packed=packed)
+        cfg = self.quantization_config
+        self.modules_to_not_convert = modules_to_skip(model, cfg, cfg.ADD_DEFAULT_SKIPS)
+        packed = self.pre_quantized and cfg.save_format == "codes"
+        replace_linears(model, layer_maker(cfg, packed=packed), self.modules_to_not_convert)
+        if self.pre_quantized:
+            self.expect_guard(model)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        for mod in model.modules():  # the guarded master weight arrives as [1, out, in]
+            if isinstance(mod, QuESTLinear) and not mod.packed and mod.weight.dim() == 3:
+                mod.weight = nn.Parameter(unguard_weight(mod.weight.data, mod.out_features, mod.in_features),
+                                          requires_grad=mod.weight.requires_grad)
         return model
 
-    def get_state_dict_and_metadata(self, model):
-        if self.quantization_config.save_format != "codes":
-            return None, {}
+    def checkpoint_state(self, model):
         state = model.state_dict()
+        if self.quantization_config.save_format != "codes":
+            return state
         for name, mod in model.named_modules():
             if isinstance(mod, QuESTLinear) and not mod.packed:
                 prefix = f"{name}." if name else ""
@@ -45,40 +52,20 @@ class QuESTHfQuantizer(HfQuantizer):
                 codes, scale = mod.export_codes()
                 state[prefix + "weight_codes"] = codes
                 state[prefix + "weight_scale"] = scale
-        return state, {}
-
-    def is_serializable(self, **kwargs):
-        return True
-
-    @property
-    def is_trainable(self) -> bool:
-        return True
-
-    @property
-    def is_qat_trainable(self) -> bool:
-        return True
-
-    @property
-    def is_compileable(self) -> bool:
-        return True
+        return state
 
 
 def quantize_model(model: torch.nn.Module, config: QuESTConfig | None = None) -> torch.nn.Module:
     """Prepare an instantiated model (e.g. `AutoModelForCausalLM.from_config(...)` for pre-training) for
     QuEST QAT in place: linear layers become QuESTLinear sharing the existing parameters, and the model
-    is marked quantized with `hfq_quest` so Trainer accepts it and save_pretrained stores codes."""
+    is marked quantized with `hfq_quest` so Trainer accepts it and save_pretrained writes an hfq checkpoint."""
     config = config or QuESTConfig()
     quantizer = QuESTHfQuantizer(config, pre_quantized=False)
-    skip = quantizer._skip_list(model) if hasattr(model, "get_output_embeddings") else (
-        config.modules_to_not_convert or [])
-    quantizer.modules_to_not_convert = skip
-    replace_linears(model, config, skip, reuse=True)
+    quantizer.modules_to_not_convert = modules_to_skip(model, config, config.ADD_DEFAULT_SKIPS)
+    replace_linears(model, layer_maker(config, reuse=True), quantizer.modules_to_not_convert)
     if hasattr(model, "config"):
         model.config.quantization_config = config
         model.hf_quantizer = quantizer
         model.is_quantized = True
         model.quantization_method = config.quant_method
     return model
-
-
-prepare_for_qat = quantize_model
