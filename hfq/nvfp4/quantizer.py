@@ -6,6 +6,7 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 
+from .._base.lora import dense_linear
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
 
@@ -165,11 +166,7 @@ class NVFP4HfQuantizer(HfQuantizer):
         dtype = dtype or torch.bfloat16
         for name, mod in list(model.named_modules()):
             if isinstance(mod, NVFP4Linear):
-                lin = nn.Linear(mod.in_features, mod.out_features, mod.bias is not None,
-                                device=mod.weight_packed.device, dtype=dtype)
-                lin.weight.data = mod.dequantize(dtype)
-                if mod.bias is not None:
-                    lin.bias.data = mod.bias.data.to(dtype)
+                lin = dense_linear(mod.dequantize(dtype), mod.bias, dtype)
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, lin)
         return model
