@@ -164,3 +164,36 @@ def test_export_with_adapter_side_by_side(tiny, tmp_path):
     pm.merge_adapter()
     with pytest.raises(ValueError, match="unmerge"):
         export_with_adapter(pm, str(tmp_path / "again"))
+
+
+def _grpo_args(cls, tmp_path, **kw):
+    return cls(output_dir=str(tmp_path / "out"), learning_rate=1e-2, num_generations=4, per_device_train_batch_size=4,
+               max_completion_length=6, max_steps=1, logging_steps=1, save_strategy="no", report_to="none",
+               bf16=False, use_cpu=True, **kw)
+
+
+def _digit_reward(completions, **kwargs):
+    return [float(sum(ch.isdigit() for ch in c)) + 0.1 * len(c) for c in completions]
+
+
+@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "QeRLGRPOTrainer"])
+def test_trainers_take_peft_config_on_nvfp4(tiny_dir, tmp_path, trainer_name):
+    """The README's route: the trainer gets the NVFP4 base and a LoraConfig(target_modules="all-linear")."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hfq.qerl import QeRLConfig, QeRLGRPOTrainer
+    from hfq.qerl.data import make_dataset
+
+    cls, cfg_cls = ((GRPOTrainer, GRPOConfig) if trainer_name == "GRPOTrainer" else (QeRLGRPOTrainer, QeRLConfig))
+    ds = Dataset.from_list([{"prompt": r["prompt"]} for r in make_dataset(8, seed=3)])
+    trainer = cls(model=_base(tiny_dir), reward_funcs=[_digit_reward], args=_grpo_args(cfg_cls, tmp_path),
+                  train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(tiny_dir),
+                  peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    layers = [m for m in trainer.model.modules() if isinstance(m, NVFP4LoraLinear)]
+    assert len(layers) == 7 * 2
+    codes = layers[0].base_layer.weight_packed.clone()
+    trainer.train()
+    assert any(p.abs().sum() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)  # LoRA trained
+    assert torch.equal(layers[0].base_layer.weight_packed, codes)  # the NVFP4 base is frozen
