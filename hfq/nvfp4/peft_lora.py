@@ -130,6 +130,12 @@ def register_peft_dispatch() -> bool:
     from peft.tuners import tuners_utils
     from peft.tuners.lora.model import LoraModel
 
+    missing = [n for n, owner in (("LoraModel._create_new_module", LoraModel),
+                                   ("tuners_utils._maybe_include_all_linear_layers", tuners_utils))
+               if not hasattr(owner, n.rpartition(".")[2])]
+    if missing:
+        raise ImportError(f"hfq: this PEFT version lacks {missing}, through which hfq lets LoRA wrap NVFP4Linear; "
+                          "install a PEFT release hfq supports (see setup.cfg)")
     if hasattr(LoraModel._create_new_module, "hfq_wrapped"):
         return False
     LoraModel._create_new_module = staticmethod(_lora_for_nvfp4(LoraModel._create_new_module))
