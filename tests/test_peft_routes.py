@@ -112,6 +112,9 @@ def test_dispatch_is_process_wide_and_refuses_what_it_cannot_do(tiny):
     assert register_peft_dispatch() is False  # installed once, on `import hfq`
     legacy = peft.get_peft_model(_base(tiny), hfq.nvfp4.register_lora(LoraConfig(r=2, target_modules=["q_proj"])))
     assert isinstance(legacy.base_model.model.model.layers[0].self_attn.q_proj, NVFP4LoraLinear)
+    m = _base(tiny)  # transformers' own PEFT integration goes through the same dispatch
+    m.add_adapter(LoraConfig(r=2, target_modules="all-linear"))
+    assert sum(isinstance(x, NVFP4LoraLinear) for x in m.modules()) == len(_nvfp4_names(_base(tiny)))
     with pytest.raises(ValueError, match="rewrites the base weight"):
         peft.get_peft_model(_base(tiny), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights="pissa"))
     with pytest.raises(ValueError, match="plain LoRA only"):
