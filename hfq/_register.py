@@ -40,6 +40,5 @@ def register_all() -> None:
         auto.AUTO_QUANTIZATION_CONFIG_MAPPING[method] = cfg_cls
         auto.AUTO_QUANTIZER_MAPPING[method] = q_cls
 
-    if _room_present("hfq.nvfp4.peft_lora"):
-        importlib.import_module("hfq.nvfp4.peft_lora").register_peft_dispatch()
+    importlib.import_module("hfq.nvfp4.peft_lora").register_peft_dispatch()  # LoRA on NVFP4Linear, process-wide
     _DONE = True

@@ -1,4 +1,4 @@
-"""examples/qerl_gsm8k.py and qerl_dapo.py end to end on a tiny local model and a local GSM8K-style file."""
+"""examples/qerl_math.py end to end (both tasks) on a tiny local model and a local GSM8K-style file."""
 import json
 import os
 import subprocess
@@ -11,14 +11,15 @@ from hfq.qerl.data import make_dataset
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("script, qcol", [("qerl_gsm8k.py", "question"), ("qerl_dapo.py", "problem")])
-def test_example_runs_offline(tiny_dir, tmp_path, script, qcol):
+@pytest.mark.parametrize("task, qcol, loss", [("gsm8k", "question", "grpo"), ("bigmath", "problem", "dapo")])
+def test_example_runs_offline(tiny_dir, tmp_path, task, qcol, loss):
     data = tmp_path / "train.jsonl"
     with open(data, "w") as f:
         for r in make_dataset(16, seed=1):
             f.write(json.dumps({qcol: r["prompt"], "answer": r["answer"]}) + "\n")
     out = tmp_path / "out"
-    cmd = [sys.executable, os.path.join(ROOT, "examples", script), "--model_name_or_path", tiny_dir,
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "qerl_math.py"), "--task", task,
+           "--model_name_or_path", tiny_dir,
            "--dataset_name", "json", "--data_files", str(data), "--dataset_config", "default",
            "--output_dir", str(out), "--max_steps", "2", "--num_generations", "4",
            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_completion_length", "8",
@@ -31,3 +32,6 @@ def test_example_runs_offline(tiny_dir, tmp_path, script, qcol):
     assert (out / "adapter_model.safetensors").exists()
     cfg = json.load(open(out / "adapter_config.json"))
     assert cfg["r"] == 4
+    targets = set(cfg["target_modules"])
+    assert {"q_proj", "down_proj"} <= targets
+    assert f"task={task} loss_type={loss}" in r.stdout  # the preset of the task

@@ -124,6 +124,10 @@ def test_unrecognised_norms_error(tiny_dir, tmp_path):
     (dict(aqn_sigma_start=-0.1), "aqn_sigma_start"), (dict(aqn_sigma_end=0.5), "aqn_sigma_end"),
     (dict(aqn_num_stages=1), "aqn_num_stages"), (dict(aqn_schedule="step"), "aqn_schedule"),
     (dict(aqn_scope="everywhere"), "aqn_scope"), (dict(aqn_norm_names=[]), "aqn_norm_names"),
+    (dict(rollout_max_batch=0), "rollout_max_batch"), (dict(rollout_max_seq_len=1), "rollout_max_seq_len"),
+    (dict(rollout_gpu_memory_utilization=1.5), "rollout_gpu_memory_utilization"),
+    (dict(rollout_kv_cache_gb=-1.0), "rollout_kv_cache_gb"), (dict(rollout_graph_mode="always"), "rollout_graph_mode"),
+    (dict(use_hfq_rollout="yes"), "use_hfq_rollout"), (dict(rollout_return_logprobs=None), "rollout_return_logprobs"),
 ])
 def test_config_validation(tmp_path, kw, field):
     with pytest.raises(ValueError, match=field):
@@ -139,3 +143,17 @@ def test_paper_preset(tmp_path):
     assert (d.loss_type, d.num_generations, d.learning_rate) == ("dapo", 16, 2e-5)
     with pytest.raises(ValueError, match="task"):
         QeRLConfig.paper_preset("math500")
+
+
+def test_rollout_settings_are_declared_fields(tmp_path):
+    """The engine's settings are QeRLConfig fields (parsed from the command line), with one on/off switch."""
+    from transformers import HfArgumentParser
+
+    fields = QeRLConfig.__dataclass_fields__
+    assert {"use_hfq_rollout", "rollout_max_batch", "rollout_max_seq_len", "rollout_gpu_memory_utilization",
+            "rollout_kv_cache_gb", "rollout_graph_mode", "rollout_return_logprobs"} <= set(fields)
+    assert "rollout_engine" not in fields
+    (cfg,) = HfArgumentParser(QeRLConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--rollout_max_batch", "12",
+         "--rollout_graph_mode", "eager", "--use_hfq_rollout", "false"])
+    assert (cfg.rollout_max_batch, cfg.rollout_graph_mode, cfg.use_hfq_rollout) == (12, "eager", False)

@@ -1,10 +1,13 @@
 """RolloutMixin inside TRL's GRPOTrainer (real TRL, tiny model, CPU)."""
+from dataclasses import dataclass
+
 import pytest
 import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from hfq.rollout import RolloutMixin
+from hfq.rollout.mixin import RolloutArguments
 from hfq.tiny import char_tokenizer, tiny_model
 
 
@@ -16,11 +19,16 @@ def reward_len(completions, **kw):
     return [float(len(c)) for c in completions]
 
 
-def make(tmp_path, **cfg_kw):
+@dataclass
+class RolloutGRPOConfig(RolloutArguments, GRPOConfig):
+    pass
+
+
+def make(tmp_path, config_cls=GRPOConfig, **cfg_kw):
     tok = char_tokenizer()
     model = tiny_model("qwen2", seed=0, vocab=len(tok))
     ds = Dataset.from_dict({"prompt": ["12+3=", "hello ", "abc", "7*8="] * 2})
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+    args = config_cls(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=10, max_steps=1, report_to=[], logging_steps=1, save_strategy="no",
                       use_cpu=True, bf16=False, seed=3, **cfg_kw)
     return Trainer(model=model, reward_funcs=reward_len, args=args, train_dataset=ds, processing_class=tok)
@@ -56,3 +64,16 @@ def test_mixin_falls_back_with_warning(tmp_path):
     with pytest.warns(UserWarning, match="repetition_penalty"):
         ids, lps = trainer._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
     assert trainer._hfq_engine is None and lps is None and len(ids) == 2
+
+
+def test_declared_settings_reach_the_engine(tmp_path):
+    trainer = make(tmp_path, RolloutGRPOConfig, rollout_max_batch=3, rollout_max_seq_len=64)
+    tok = trainer.processing_class
+    trainer._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
+    assert (trainer._hfq_engine.max_batch, trainer._hfq_engine.max_seq_len) == (3, 64)
+    with pytest.raises(ValueError, match="rollout_max_batch"):
+        make(tmp_path, RolloutGRPOConfig, rollout_max_batch=-2)
+    off = make(tmp_path, RolloutGRPOConfig, use_hfq_rollout=False)
+    with pytest.warns(UserWarning, match="use_hfq_rollout=False"):
+        ids, _ = off._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
+    assert off._hfq_engine is None and len(ids) == 2

@@ -17,6 +17,8 @@ class NVFP4Linear(nn.Module):
     Buffers (the on-disk names of compressed-tensors' nvfp4-pack-quantized): weight_packed u8 [out, in/2],
     weight_scale e4m3 [out, in/16] (MXFP4: biased E8M0 u8 [out, in/32]), weight_global_scale f32 [1]
     (the reciprocal 448*6/amax; NVFP4 only). The base weight is frozen: training goes through LoRA.
+    `weight_dtype` is the dtype the weight has in the model (what `weight`, a merge or a dense rebuild give);
+    it follows model casts such as `.to(torch.bfloat16)` while the codes and scales stay as they are.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "nvfp4",
@@ -29,6 +31,7 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"in_features={in_features} is not a multiple of the {format} block size {blk}")
         self.in_features, self.out_features = in_features, out_features
         self.format, self.compute_dtype = format, compute_dtype
+        self.weight_dtype = dtype or torch.get_default_dtype()
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         sdt = torch.float8_e4m3fn if format == "nvfp4" else torch.uint8
         self.register_buffer("weight_scale", torch.zeros(out_features, in_features // blk, dtype=sdt, device=device))
@@ -37,7 +40,7 @@ class NVFP4Linear(nn.Module):
         else:
             self.weight_global_scale = None
         if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype or torch.float32, device=device),
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight_dtype, device=device),
                                      requires_grad=False)
         else:
             self.register_parameter("bias", None)
@@ -97,12 +100,18 @@ class NVFP4Linear(nn.Module):
         """The dequantized weight (read-only, computed on access). While loading, the loader's placeholder."""
         if "weight" in self._parameters:
             return self._parameters["weight"]
-        dtype = self.compute_dtype or (self.bias.dtype if self.bias is not None else torch.bfloat16)
-        return self.dequantize(dtype)
+        return self.dequantize(self.weight_dtype)
+
+    @property
+    def qweight(self) -> torch.Tensor:
+        """The packed codes, under PEFT's name for a quantized layer's storage: PEFT reads its device from here
+        instead of dequantizing `weight` several times per wrapped layer."""
+        return self.weight_packed
 
     def _apply(self, fn, recurse=True):
         # Moves follow `fn`; dtype casts (model.half(), .to(bfloat16)) must not touch codes and scales.
         keep = {k: b for k, b in self._buffers.items() if b is not None}
+        self.weight_dtype = fn(torch.empty(0, dtype=self.weight_dtype)).dtype
         super()._apply(fn, recurse)
         for k, old in keep.items():
             new = self._buffers[k]

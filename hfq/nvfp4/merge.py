@@ -1,46 +1,141 @@
-"""Fold LoRA deltas into NVFP4 weights (re-quantizing), reporting the error the re-quantization adds."""
+"""LoRA after training on an NVFP4 base: fold it into the codes (re-quantizing, with a report of how much of the
+delta survived), or keep it beside the exported base, which loses nothing (vLLM serves LoRA on such bases)."""
 from __future__ import annotations
+
+import math
+import os
+import warnings
 
 import torch
 
+from .._base.lora import merge_lora
 from .linear import NVFP4Linear
 from .peft_lora import NVFP4LoraLinear
 
 
+def requantized(base: NVFP4Linear, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> NVFP4Linear:
+    """A new NVFP4Linear like `base` (format, compute and weight dtype, device) holding Q(weight) and `bias`."""
+    new = NVFP4Linear(base.in_features, base.out_features, bias is not None, base.format, base.compute_dtype,
+                      device=weight.device, dtype=base.weight_dtype)
+    new.set_weight(weight, name=name)
+    if bias is not None:
+        new.bias.data.copy_(bias)
+    return new
+
+
+class MergeReport(dict):
+    """layer name -> {"delta_rel_norm", "requant_rel_error", "delta_error_ratio", "delta_kept"}, plus `overall`.
+
+    For a layer with NVFP4 base W (as the model computed with it), LoRA delta D and re-quantized result R:
+    - delta_rel_norm = |D| / |W|: the size of the fine-tune;
+    - requant_rel_error = |R - (W + D)| / |W + D|: the error re-quantization adds;
+    - delta_error_ratio = |R - W - D| / |D|: that error measured against the delta (0: the delta is kept exactly;
+      1: as large as the delta, e.g. R == W, the fine-tune erased);
+    - delta_kept = <R - W, D> / |D|^2: the share of the delta the codes moved along (1 kept, 0 lost).
+    `overall` aggregates the same over all layers (norms summed in squares).
+    """
+
+    overall: dict
+
+    def summary(self) -> str:
+        o = self.overall
+        return (f"{len(self)} NVFP4 layers re-quantized: delta kept {o['delta_kept']:.3f}, re-quantization error "
+                f"{o['delta_error_ratio']:.3f}x the delta ({o['layers_erased']} layers with error >= delta)")
+
+
 @torch.no_grad()
-def merge_and_requantize(peft_model):
+def merge_and_requantize(peft_model, warn_ratio: float = 0.5):
     """Return (model, report): the base model with W' = Q(dequant(W) + BA) in every NVFP4 LoRA layer.
 
-    report[layer] = {"requant_rel_error": ||Q(W') - W'|| / ||W'||, "delta_rel_norm": ||BA|| / ||W||}.
-    LoRA on non-NVFP4 layers is merged exactly (PEFT's own merge).
+    `report` is a `MergeReport` (per layer and `report.overall`). A UserWarning is raised when the overall
+    re-quantization error reaches `warn_ratio` times the LoRA delta: the merged NVFP4 model then no longer
+    carries the fine-tune; serve base + adapter instead (`hfq.nvfp4.export_with_adapter`). LoRA on non-NVFP4
+    layers is merged exactly (PEFT's own merge).
     """
     from peft.tuners.lora import LoraLayer
 
-    report = {}
+    if not (isinstance(warn_ratio, (int, float)) and warn_ratio > 0):
+        raise ValueError(f"warn_ratio must be a positive number, got {warn_ratio!r}")
+    report = MergeReport()
+    tot = dict(d2=0.0, w2=0.0, e2=0.0, dot=0.0, m2=0.0, r2=0.0)
     for name, mod in peft_model.get_base_model().named_modules():
         if isinstance(mod, NVFP4LoraLinear):
             if mod.merged:
                 mod.unmerge()
             base: NVFP4Linear = mod.get_base_layer()
             w = base.dequantize(torch.float32)
-            delta = sum((mod.get_delta_weight(a) for a in mod.active_adapters if a in mod.lora_A),
-                        torch.zeros_like(w))
-            merged = w + delta
-            new = NVFP4Linear(base.in_features, base.out_features, base.bias is not None, base.format,
-                              base.compute_dtype, device=w.device,
-                              dtype=base.bias.dtype if base.bias is not None else None)
-            new.set_weight(merged, name=name)
-            if base.bias is not None:
-                new.bias.data.copy_(base.bias.data)
-                for a in mod.active_adapters:
-                    if a in mod.lora_A and mod.lora_bias[a]:
-                        new.bias.data += mod.lora_B[a].bias.to(new.bias.dtype)
-            err = (new.dequantize(torch.float32) - merged).norm() / merged.norm().clamp_min(1e-30)
-            report[name] = {"requant_rel_error": float(err),
-                            "delta_rel_norm": float(delta.norm() / w.norm().clamp_min(1e-30))}
+            merged, bias, delta = merge_lora(mod, w, base.bias, name=name)
+            new = requantized(base, merged, bias, name)
+            moved = new.dequantize(torch.float32) - w
+            err = moved - delta
+            s = dict(d2=float(delta.square().sum()), w2=float(w.square().sum()), e2=float(err.square().sum()),
+                     dot=float((moved * delta).sum()), m2=float(merged.square().sum()))
+            report[name] = _ratios(s)
+            for k in s:
+                tot[k] += s[k]
             mod.base_layer = new
             for a in list(mod.lora_A):  # the delta now lives in the codes
                 del mod.lora_A[a], mod.lora_B[a]
         elif isinstance(mod, LoraLayer) and not mod.merged:
             mod.merge()
+    report.overall = dict(_ratios(tot), layers_erased=sum(r["delta_error_ratio"] >= 1 for r in report.values()))
+    if report and report.overall["delta_error_ratio"] >= warn_ratio:
+        warnings.warn(f"merge_and_requantize: re-quantization error is {report.overall['delta_error_ratio']:.2f}x "
+                      f"the LoRA delta (delta kept: {report.overall['delta_kept']:.2f}): the merged NVFP4 model has "
+                      "lost most of the fine-tune. Serve the NVFP4 base with the adapter kept separate "
+                      "(hfq.nvfp4.export_with_adapter) or merge to a dense model (merge_and_unload).",
+                      UserWarning, stacklevel=2)
     return peft_model.unload(), report
+
+
+def _ratios(s: dict) -> dict:
+    d = math.sqrt(s["d2"])
+    return {"delta_rel_norm": d / max(math.sqrt(s["w2"]), 1e-30),
+            "requant_rel_error": math.sqrt(s["e2"]) / max(math.sqrt(s["m2"]), 1e-30),
+            "delta_error_ratio": math.sqrt(s["e2"]) / d if d > 0 else 0.0,
+            "delta_kept": s["dot"] / s["d2"] if d > 0 else 1.0}
+
+
+def export_with_adapter(peft_model, out_dir: str) -> dict[str, str]:
+    """Write `out_dir/base` (the NVFP4 base in compressed-tensors' nvfp4-pack-quantized layout: the very codes the
+    adapter was trained on) and `out_dir/adapter` (the PEFT LoRA adapter) side by side; returns both paths.
+
+    Nothing is re-quantized, so the fine-tune survives exactly; serve with e.g.
+    `vllm serve OUT/base --enable-lora --lora-modules tuned=OUT/adapter`. The model must be an unmerged PEFT LoRA
+    model without `modules_to_save` (vLLM's LoRA carries A/B matrices only)."""
+    from peft import PeftType
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from .export import export_compressed_tensors
+
+    cfgs = getattr(peft_model, "peft_config", None)
+    if not cfgs:
+        raise ValueError("export_with_adapter: expected a PEFT model (peft.get_peft_model / PeftModel.from_pretrained)")
+    for adapter, cfg in cfgs.items():
+        if cfg.peft_type != PeftType.LORA:
+            raise ValueError(f"export_with_adapter: adapter {adapter!r} is {cfg.peft_type}, not LoRA")
+        if getattr(cfg, "modules_to_save", None):
+            raise ValueError(f"export_with_adapter: adapter {adapter!r} has modules_to_save={cfg.modules_to_save}; "
+                             "vLLM's LoRA serves A/B matrices only")
+    base_model = peft_model.get_base_model()
+    layers = [(n, m) for n, m in base_model.named_modules() if isinstance(m, BaseTunerLayer)]
+    merged = [n for n, m in layers if m.merged]
+    if merged:
+        raise ValueError(f"export_with_adapter: {merged[:3]} are merged; call unmerge_adapter() first")
+    paths = {"base": os.path.join(out_dir, "base"), "adapter": os.path.join(out_dir, "adapter")}
+    swapped = []
+    tag = base_model.__dict__.pop("peft_config", None)  # PEFT tags the base model; export refuses tagged models
+    try:  # export the base exactly as loaded: each LoRA wrapper replaced by its base layer for the duration
+        for name, mod in layers:
+            parent, _, child = name.rpartition(".")
+            holder = base_model.get_submodule(parent) if parent else base_model
+            setattr(holder, child, mod.get_base_layer())
+            swapped.append((holder, child, mod))
+        export_compressed_tensors(base_model, paths["base"])
+    finally:
+        for holder, child, mod in swapped:
+            setattr(holder, child, mod)
+        if tag is not None:
+            base_model.peft_config = tag
+    peft_model.save_pretrained(paths["adapter"])
+    return paths

@@ -1,57 +1,69 @@
-"""LoRA on NVFP4Linear through PEFT's custom-module API (`LoraConfig._register_custom_module`).
+"""LoRA on NVFP4Linear through the ordinary PEFT routes.
 
-PEFT 0.21 has no global dispatcher registry: a LoRA config learns about a layer type through
-`_register_custom_module`. `register_lora(config)` does that; `hfq.nvfp4.get_peft_model` and
-`QeRLGRPOTrainer` call it for you.
+PEFT 0.21 picks a LoRA layer per target module in `LoraModel._create_new_module` (its dispatchers, then
+`dispatch_default` for torch layers) and expands `target_modules="all-linear"` in
+`tuners_utils._maybe_include_all_linear_layers` (nn.Linear / Conv1D only). NVFP4Linear is deliberately *not* an
+nn.Linear subclass: it has no weight Parameter, and every nn.Linear consumer that writes `weight.data` (PEFT's own
+LoRA/IA3/OFT merges, PiSSA/OLoRA init, weight init) would silently write into a temporary. So `import hfq` calls
+`register_peft_dispatch()`, which extends exactly those two PEFT entry points, process-wide: LoRA wraps every
+NVFP4Linear in `NVFP4LoraLinear`, and "all-linear" includes NVFP4Linear layers. That reaches every route that goes
+through PEFT's LoRA injection: `peft.get_peft_model`, `PeftModel.from_pretrained`, `model.add_adapter`, TRL's
+`peft_config`. Other PEFT methods keep refusing NVFP4Linear ("not supported").
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
-from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import check_adapters_to_merge
-from torch import nn
+from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
+from .._base.lora import dense_linear, lora_delta, merge_lora
 from .linear import NVFP4Linear
 
+# init_lora_weights values that leave the base weight alone (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA rewrite it)
+_BASE_PRESERVING_INITS = (True, False, "gaussian", "orthogonal", "eva")
 
-class NVFP4LoraLinear(nn.Module, LoraLayer):
-    """LoRA adapters beside a frozen NVFP4Linear: y = base(x) + B(A(dropout(x))) * scaling.
 
-    merge() swaps the base for a dense nn.Linear holding dequant(W) + BA (the NVFP4 base is kept for an exact
-    unmerge), so PEFT's `merge_and_unload()` yields a dense model; see `merge_and_requantize` for an NVFP4 one.
+class NVFP4LoraLinear(LoraLinear):
+    """PEFT's LoRA Linear beside a frozen NVFP4Linear: y = base(x) + B(A(dropout(x))) * scaling.
+
+    Forward, adapters, dropout and mixed-adapter batches are PEFT's own. merge() swaps the base for a dense
+    nn.Linear in the model's dtype holding dequant(W) + BA (the NVFP4 base is kept for an exact unmerge), so
+    `merge_and_unload()` yields a dense model; `hfq.nvfp4.merge_and_requantize` gives an NVFP4 one.
     """
 
-    def __init__(self, base_layer: nn.Module, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
-        super().__init__()
-        LoraLayer.__init__(self, base_layer)
-        self.fan_in_fan_out = False
-        self._active_adapter = adapter_name
+    def __init__(self, base_layer, adapter_name: str, config, r: int = 0, lora_alpha: int = 1, **kwargs):
+        if config.init_lora_weights not in _BASE_PRESERVING_INITS:
+            raise ValueError(f"init_lora_weights={config.init_lora_weights!r} rewrites the base weight, which is "
+                             f"frozen NVFP4 codes here; use one of {_BASE_PRESERVING_INITS}")
+        if config.fan_in_fan_out:
+            raise ValueError("fan_in_fan_out=True: NVFP4Linear stores its weight as [out, in]; set it to False")
+        super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
         self._nvfp4_base = None  # the quantized base while merged
-        self.update_layer(adapter_name, r, lora_alpha=lora_alpha, config=config)
+
+    @property
+    def lora_variants(self):
+        return {(): None}  # plain LoRA: DoRA & co. need a float base weight
+
+    def resolve_lora_variant(self, *, config, **kwargs):
+        try:
+            return super().resolve_lora_variant(config=config, **kwargs)
+        except ValueError as e:
+            raise ValueError(f"LoRA on NVFP4Linear supports plain LoRA only (no DoRA/aLoRA/...): {e}") from None
 
     def _get_in_out_features(self, module):
         if isinstance(module, NVFP4Linear):
             return module.in_features, module.out_features
         return super()._get_in_out_features(module)
 
-    def resolve_lora_variant(self, *, config, **kwargs):
-        if getattr(config, "use_dora", False) or getattr(config, "alora_invocation_tokens", None) is not None:
-            raise ValueError("NVFP4LoraLinear supports plain LoRA only (use_dora / aLoRA are not supported)")
-        return None
-
     def _get_base_layer_device_and_dtype(self, base_layer):
-        if isinstance(base_layer, NVFP4Linear):
-            dtype = base_layer.compute_dtype
-            if dtype is None and base_layer.bias is not None:
-                dtype = base_layer.bias.dtype
-            return base_layer.weight_packed.device, dtype
+        if isinstance(base_layer, NVFP4Linear):  # without dequantizing the whole weight
+            return base_layer.weight_packed.device, base_layer.weight_dtype
         return super()._get_base_layer_device_and_dtype(base_layer)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:
-        a, b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
-        return (b.float() @ a.float()) * self.scaling[adapter]
+        return lora_delta(self, adapter)
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
         adapter_names = check_adapters_to_merge(self, adapter_names)
@@ -59,76 +71,92 @@ class NVFP4LoraLinear(nn.Module, LoraLayer):
             return
         base = self.get_base_layer()
         if isinstance(base, NVFP4Linear):
-            dtype = base.compute_dtype or (base.bias.dtype if base.bias is not None else torch.bfloat16)
-            dense = nn.Linear(base.in_features, base.out_features, base.bias is not None,
-                              device=base.weight_packed.device, dtype=dtype)
-            dense.weight.data = base.dequantize(torch.float32)
-            if base.bias is not None:
-                dense.bias.data = base.bias.data.to(dtype).clone()
-            dense.requires_grad_(False)
+            w, b, dtype = base.dequantize(torch.float32), base.bias, base.weight_dtype
+        else:  # already dense (another adapter was merged before)
+            w, b, dtype = base.weight, base.bias, base.weight.dtype
+        w, b, _ = merge_lora(self, w, b, adapter_names, name=type(self).__name__)
+        dense = dense_linear(w, b, dtype)
+        if isinstance(base, NVFP4Linear):
             self._nvfp4_base = base
-            self.base_layer = dense
-            base = dense
-        w = base.weight.data.float()
-        for name in adapter_names:
-            if name in self.lora_A:
-                w = w + self.get_delta_weight(name)
-                if self.lora_bias[name]:
-                    base.bias.data += self.lora_B[name].bias.to(base.bias.dtype)
-                self.merged_adapters.append(name)
-        if safe_merge and not torch.isfinite(w).all():
-            raise ValueError(f"NaN/Inf in the merged weight of adapters {adapter_names}")
-        base.weight.data = w.to(base.weight.dtype)
+        self.base_layer = dense
+        self.merged_adapters.extend(adapter_names)
 
     def unmerge(self) -> None:
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.")
             return
-        for name in self.merged_adapters:
-            if self.lora_bias.get(name) and self._nvfp4_base is None:
-                self.base_layer.bias.data -= self.lora_B[name].bias
         self.merged_adapters.clear()
-        if self._nvfp4_base is not None:  # exact: the codes were never touched
-            self.base_layer, self._nvfp4_base = self._nvfp4_base, None
+        self.base_layer, self._nvfp4_base = self._nvfp4_base, None  # exact: the codes were never touched
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self.disable_adapters:
-            if self.merged:
-                self.unmerge()
-            return self.base_layer(x, *args, **kwargs)
-        result = self.base_layer(x, *args, **kwargs)
-        if self.merged:
-            return result
-        for name in self.active_adapters:
-            if name not in self.lora_A:
-                continue
-            lora_a, lora_b = self.lora_A[name], self.lora_B[name]
-            xa = x.to(lora_a.weight.dtype)
-            result = result + (lora_b(lora_a(self.lora_dropout[name](xa))) * self.scaling[name]).to(result.dtype)
-        return result
 
-    def __repr__(self) -> str:
-        return "lora." + super().__repr__()
+def _lora_for_nvfp4(create_new_module):
+    """Wrap `LoraModel._create_new_module`: NVFP4Linear targets get NVFP4LoraLinear unless the config maps
+    that type to a LoRA layer of its own (`LoraConfig._register_custom_module`)."""
+
+    def _create_new_module(lora_config, adapter_name, target, **kwargs):
+        base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+        custom = lora_config._custom_modules or {}
+        if isinstance(base, NVFP4Linear) and not any(isinstance(base, k) for k in custom):
+            return NVFP4LoraLinear(target, adapter_name, config=lora_config, **kwargs)
+        return create_new_module(lora_config, adapter_name, target, **kwargs)
+
+    _create_new_module.hfq_wrapped = create_new_module
+    return _create_new_module
+
+
+def _all_linear_with_nvfp4(include_all_linear):
+    """Wrap `_maybe_include_all_linear_layers`: for LoRA, "all-linear" also names every NVFP4Linear that is
+    not already inside a PEFT layer."""
+    from peft.utils import PeftType
+
+    def _maybe_include_all_linear_layers(peft_config, model):
+        tm = getattr(peft_config, "target_modules", None)
+        all_linear = isinstance(tm, str) and tm.lower() == "all-linear"
+        peft_config = include_all_linear(peft_config, model)
+        if all_linear and peft_config.peft_type == PeftType.LORA:
+            inside = {f"{p}.{s}" for p, m in model.named_modules() if isinstance(m, BaseTunerLayer)
+                      for s, _ in m.named_modules() if s}
+            nv = {n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)} - inside
+            peft_config.target_modules = set(peft_config.target_modules) | nv
+        return peft_config
+
+    _maybe_include_all_linear_layers.hfq_wrapped = include_all_linear
+    return _maybe_include_all_linear_layers
+
+
+def register_peft_dispatch() -> bool:
+    """Teach PEFT's LoRA, process-wide, to wrap NVFP4Linear (see the module docstring). Called on `import hfq`;
+    idempotent. Returns True when it installed the hooks now, False when they were already in place."""
+    from peft.tuners import tuners_utils
+    from peft.tuners.lora.model import LoraModel
+
+    missing = [n for n, owner in (("LoraModel._create_new_module", LoraModel),
+                                   ("tuners_utils._maybe_include_all_linear_layers", tuners_utils))
+               if not hasattr(owner, n.rpartition(".")[2])]
+    if missing:
+        raise ImportError(f"hfq: this PEFT version lacks {missing}, through which hfq lets LoRA wrap NVFP4Linear; "
+                          "install a PEFT release hfq supports (see setup.cfg)")
+    if hasattr(LoraModel._create_new_module, "hfq_wrapped"):
+        return False
+    LoraModel._create_new_module = staticmethod(_lora_for_nvfp4(LoraModel._create_new_module))
+    tuners_utils._maybe_include_all_linear_layers = _all_linear_with_nvfp4(tuners_utils._maybe_include_all_linear_layers)
+    return True
 
 
 def register_lora(lora_config):
-    """Teach a peft.LoraConfig to wrap NVFP4Linear with NVFP4LoraLinear; returns the config."""
+    """Map NVFP4Linear to NVFP4LoraLinear on one LoraConfig. Not needed after `import hfq` (every config gets
+    it); kept for code written against earlier hfq. Returns the config."""
     lora_config._register_custom_module({NVFP4Linear: NVFP4LoraLinear})
     return lora_config
 
 
 def get_peft_model(model, lora_config, **kwargs):
-    """peft.get_peft_model with hfq's NVFP4 LoRA layer registered on the config."""
+    """`peft.get_peft_model` (which handles NVFP4 after `import hfq`) plus `mark_ddp_ignore` on the result, so
+    DDP does not broadcast the frozen codes (their names carry PEFT's prefix)."""
     import peft
 
     from .linear import mark_ddp_ignore
 
-    pm = peft.get_peft_model(model, register_lora(lora_config), **kwargs)
-    mark_ddp_ignore(pm)  # DDP must not broadcast the frozen codes (names now carry PEFT's prefix)
+    pm = peft.get_peft_model(model, lora_config, **kwargs)
+    mark_ddp_ignore(pm)
     return pm
-
-
-def register_peft_dispatch() -> None:
-    """Called on `import hfq`. PEFT offers no process-wide registry to extend, so nothing is patched here;
-    configs are registered one by one with `register_lora` (which the hfq entry points do)."""
-    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._base.lora import dense_linear
 from .._base.surgery import HfqQuantizer, QuantizeOnLoad, modules_to_skip, raise_load_errors, replace_linears
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
@@ -131,11 +132,7 @@ class NVFP4HfQuantizer(HfqQuantizer):
         dtype = dtype or torch.bfloat16
         for name, mod in list(model.named_modules()):
             if isinstance(mod, NVFP4Linear):
-                lin = nn.Linear(mod.in_features, mod.out_features, mod.bias is not None,
-                                device=mod.weight_packed.device, dtype=dtype)
-                lin.weight.data = mod.dequantize(dtype)
-                if mod.bias is not None:
-                    lin.bias.data = mod.bias.data.to(dtype)
+                lin = dense_linear(mod.dequantize(dtype), mod.bias, dtype)
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, lin)
         return model

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ..rollout.mixin import RolloutArguments
 from .aqn import SCHEDULES, SCOPES, AQNSchedule
 
 _PRESETS = {
@@ -19,8 +20,10 @@ _PRESETS = {
 
 
 @dataclass
-class QeRLConfig(GRPOConfig):
-    """GRPOConfig + AQN. All TRL fields keep their meaning; the `aqn_*` fields control the noise.
+class QeRLConfig(RolloutArguments, GRPOConfig):
+    """GRPOConfig + AQN + the rollout engine's settings. All TRL fields keep their meaning; the `aqn_*` fields
+    control the noise, `use_hfq_rollout` / `rollout_*` the engine (`hfq.rollout.mixin.RolloutArguments`; the
+    engine samples only on CUDA and without vLLM).
 
     `aqn_scope`: "rollout" (default, as public QeRL ports do) perturbs the norms only while sampling, so old
     log-probs and the update see the clean policy (parameter-space exploration); "rollout_and_old_logprobs"
@@ -36,9 +39,6 @@ class QeRLConfig(GRPOConfig):
     aqn_seed: int | None = field(default=None, metadata={"help": "Noise seed (default: `seed`)."})
     aqn_norm_names: list[str] | None = field(
         default=None, metadata={"help": "Norm attribute names in a decoder block (default: by model_type)."})
-    use_hfq_rollout: bool = field(
-        default=True, metadata={"help": "Sample with hfq's rollout engine when it is installed and the model is on "
-                                        "CUDA (otherwise TRL's model.generate / vLLM)."})
 
     def __post_init__(self):
         super().__post_init__()

@@ -23,7 +23,6 @@ PROMPT_SUFFIX = (
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _GSM8K_RE = re.compile(r"####\s*([^\n]+)")
-_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 _FORMAT_RE = re.compile(r"^\s*<think>(?:(?!</?think>|</?answer>).)*</think>\s*<answer>(?:(?!</?answer>).)+</answer>\s*$",
                         re.DOTALL)
 

@@ -7,8 +7,9 @@ Only TRL's extension points are overridden:
 - `_generate`: the noise is present exactly while sampling (TRL's `model.generate`, hfq's rollout engine, or
   vLLM colocate: TRL syncs the weights inside `_generate`, so the noisy norms travel with the sync; for an NVFP4
   base the sync sends re-quantized LoRA-merged layers in compressed-tensors naming, see `vllm_sync`).
-- `_generate_single_turn`: routes to hfq's rollout engine (`hfq.rollout.RolloutMixin`) when installed, enabled and
-  the model is on CUDA without vLLM; otherwise TRL's own path.
+- `_generate_single_turn`: routes to hfq's rollout engine (`hfq.rollout.RolloutMixin`) when `use_hfq_rollout` is
+  on and the model is on CUDA without vLLM; otherwise TRL's own path.
+`peft_config=LoraConfig(...)` works as in TRL: `import hfq` taught PEFT to wrap NVFP4Linear.
 The policy entropy is TRL's `entropy` metric (computed on every loss call).
 """
 from __future__ import annotations
@@ -16,22 +17,13 @@ from __future__ import annotations
 import torch
 from trl import GRPOTrainer
 
+from ..nvfp4.linear import mark_ddp_ignore
+from ..rollout.mixin import RolloutMixin
 from .aqn import AdaptiveQuantizationNoise
 from .config import QeRLConfig
 
-try:
-    import hfq.rollout as _rollout
 
-    RolloutMixin = getattr(_rollout, "RolloutMixin", None)  # None while the room is absent or incomplete
-except ModuleNotFoundError as e:  # only a missing rollout room is tolerated, never a broken one
-    if not (e.name and "hfq.rollout".startswith(e.name)):
-        raise
-    RolloutMixin = None
-
-_BASES = (RolloutMixin, GRPOTrainer) if RolloutMixin is not None else (GRPOTrainer,)
-
-
-class QeRLGRPOTrainer(*_BASES):
+class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
     """GRPO/DAPO (as TRL provides) + AQN. Takes a `QeRLConfig`; everything else as `trl.GRPOTrainer`."""
 
     def __init__(self, model, reward_funcs=None, args: QeRLConfig | None = None, **kwargs):
@@ -45,8 +37,6 @@ class QeRLGRPOTrainer(*_BASES):
         self.aqn = (AdaptiveQuantizationNoise(self.accelerator.unwrap_model(self.model), args.aqn_norm_names, seed)
                     if args.aqn else None)
         self._aqn_now: tuple[int, float] | None = None  # (step, sigma) while a generation batch is being built
-        from hfq.nvfp4.linear import mark_ddp_ignore
-
         mark_ddp_ignore(self.model)  # TRL may have wrapped the model with PEFT: names relative to self.model
         if self.use_vllm:  # NVFP4 base: sync re-quantized LoRA layers + noisy norms (see hfq.qerl.vllm_sync)
             from .vllm_sync import install_vllm_sync
@@ -64,9 +54,7 @@ class QeRLGRPOTrainer(*_BASES):
         return stage, self.aqn_schedule.stage_sigma(stage)
 
     def _hfq_rollout_enabled(self) -> bool:
-        if RolloutMixin is None or not self.args.use_hfq_rollout or self.use_vllm:
-            return False
-        return next(self.model.parameters()).device.type == "cuda"
+        return self.args.use_hfq_rollout and not self.use_vllm and next(self.model.parameters()).is_cuda
 
     # ----------------------------------------------------------------- TRL extension points
     def _generate_and_score_completions(self, inputs):
@@ -97,7 +85,7 @@ class QeRLGRPOTrainer(*_BASES):
             return super()._generate(prompts)
 
     def _generate_single_turn(self, *args, **kwargs):
-        if RolloutMixin is not None and not self._hfq_rollout_enabled():
+        if not self._hfq_rollout_enabled():  # TRL's own path, without the mixin's fallback warning
             return GRPOTrainer._generate_single_turn(self, *args, **kwargs)
         return super()._generate_single_turn(*args, **kwargs)
 

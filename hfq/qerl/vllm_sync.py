@@ -33,35 +33,24 @@ def nvfp4_vllm_weights(model: nn.Module, include_frozen: tuple[str, ...] = ("nor
 
     `include_frozen`: substrings of frozen parameter names that are sent anyway (norms: AQN changes them).
     The policy itself is not modified (no merge/unmerge round trip through dense weights)."""
-    from hfq.nvfp4.linear import NVFP4Linear
+    from hfq._base.lora import merge_lora
+    from hfq.nvfp4.merge import requantized
     from hfq.nvfp4.peft_lora import NVFP4LoraLinear
 
-    lora_layers = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, NVFP4LoraLinear):
-            lora_layers[name] = mod
+    lora_layers = {name: mod for name, mod in model.named_modules() if isinstance(mod, NVFP4LoraLinear)}
     skip_prefixes = tuple(n + "." for n in lora_layers)
     for name, mod in lora_layers.items():
-        base: NVFP4Linear = mod.get_base_layer()
-        w = base.dequantize(torch.float32)
-        for a in mod.active_adapters:
-            if a in mod.lora_A:
-                w = w + mod.get_delta_weight(a).float()
-        if not torch.isfinite(w).all():
-            raise ValueError(f"{_strip(name)}: NaN/Inf in the LoRA-merged weight; refusing to sync it to vLLM")
-        q = NVFP4Linear(base.in_features, base.out_features, bias=False, format=base.format,
-                        compute_dtype=base.compute_dtype, device=w.device)
-        q.set_weight(w, name=_strip(name))
         out = _strip(name)
+        if mod.merged:
+            raise ValueError(f"{out}: the LoRA adapter is merged; unmerge it before syncing to vLLM")
+        base = mod.get_base_layer()
+        w, b, _ = merge_lora(mod, base.dequantize(torch.float32), base.bias, name=out)
+        q = requantized(base, w, b, out)
         yield f"{out}.weight_packed", q.weight_packed
         yield f"{out}.weight_scale", q.weight_scale
         yield f"{out}.weight_global_scale", q.weight_global_scale
-        if base.bias is not None:
-            b = base.bias.detach().clone()
-            for a in mod.active_adapters:
-                if a in mod.lora_A and mod.lora_bias.get(a, False):
-                    b += mod.lora_B[a].bias.to(b.dtype)
-            yield f"{out}.bias", b
+        if q.bias is not None:
+            yield f"{out}.bias", q.bias.detach()
     for name, p in model.named_parameters():
         if name.startswith(skip_prefixes) or ".lora_" in name or "original_module" in name:
             continue

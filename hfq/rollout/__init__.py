@@ -11,7 +11,7 @@ __all__ = ["RolloutEngine", "RolloutOutput", "RolloutMixin", "SamplerFlags"]
 
 def __getattr__(name):
     if name == "RolloutMixin":  # imported lazily: it is the only part that touches TRL
-        from .trl import RolloutMixin
+        from .mixin import RolloutMixin
 
         return RolloutMixin
     raise AttributeError(f"module 'hfq.rollout' has no attribute {name!r}")

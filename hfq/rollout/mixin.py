@@ -12,22 +12,71 @@ correction; harmless otherwise). Requests the engine cannot serve (vLLM or conti
 images / multimodal fields, repetition_penalty != 1, extra generation kwargs, ZeRO-3 / FSDP,
 unsupported architectures) go to `super()` with a one-time warning.
 
-Optional knobs read from the trainer's args (e.g. added by a GRPOConfig subclass; defaults in brackets):
-  rollout_engine [True], rollout_max_batch [rows of the first call], rollout_max_seq_len
+Its settings are the declared, validated fields of `RolloutArguments` (defaults in brackets):
+  use_hfq_rollout [True], rollout_max_batch [rows of the first call], rollout_max_seq_len
   [longest prompt + max_completion_length, rounded up to 256], rollout_gpu_memory_utilization [None],
   rollout_kv_cache_gb [None], rollout_graph_mode ["auto"], rollout_return_logprobs [True].
+`QeRLConfig` includes them; with a plain `trl.GRPOConfig` the defaults apply (or declare them:
+`@dataclass class MyConfig(RolloutArguments, GRPOConfig)`).
 """
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from .engine import RolloutEngine
+from .engine import GRAPH_MODES, RolloutEngine
 
 _SUPPORTED_GEN_KWARGS = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "eos_token_id", "temperature",
                          "top_p", "top_k", "min_p", "repetition_penalty", "cache_implementation"}
+
+
+@dataclass
+class RolloutArguments:
+    """The rollout engine's trainer settings, as dataclass fields so `HfArgumentParser` parses them and bad values
+    fail on construction, naming the field. Combine with a GRPOConfig: `class C(RolloutArguments, GRPOConfig)`."""
+
+    use_hfq_rollout: bool = field(default=True, metadata={"help": "Sample GRPO rollouts with hfq's RolloutEngine "
+                                                                  "where it can serve the request."})
+    rollout_max_batch: int | None = field(default=None, metadata={"help": "Engine rows (default: the first call's)."})
+    rollout_max_seq_len: int | None = field(
+        default=None, metadata={"help": "Engine KV length (default: longest prompt + max_completion_length, to 256)."})
+    rollout_gpu_memory_utilization: float | None = field(
+        default=None, metadata={"help": "Share of GPU memory the KV cache may bring the total to, in (0, 1]."})
+    rollout_kv_cache_gb: float | None = field(default=None, metadata={"help": "KV cache budget in GiB."})
+    rollout_graph_mode: str = field(default="auto", metadata={"help": f"One of {GRAPH_MODES}."})
+    rollout_return_logprobs: bool = field(default=True, metadata={"help": "Return the sampling log-probs to TRL."})
+
+    def __post_init__(self):
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()
+        check_rollout_arguments(self)
+
+
+def _check(name: str, value, ok, want: str) -> None:
+    if value is not None and (isinstance(value, bool) or not ok(value)):
+        raise ValueError(f"{name}: expected {want} or None, got {value!r}")
+
+
+def check_rollout_arguments(args) -> None:
+    """ValueError naming the first `RolloutArguments` field of `args` that is out of range."""
+    for name in ("use_hfq_rollout", "rollout_return_logprobs"):
+        if not isinstance(getattr(args, name), bool):
+            raise ValueError(f"{name}: expected True or False, got {getattr(args, name)!r}")
+    _check("rollout_max_batch", args.rollout_max_batch, lambda v: isinstance(v, int) and v >= 1, "an int >= 1")
+    _check("rollout_max_seq_len", args.rollout_max_seq_len, lambda v: isinstance(v, int) and v >= 2, "an int >= 2")
+    _check("rollout_kv_cache_gb", args.rollout_kv_cache_gb, lambda v: isinstance(v, (int, float)) and v > 0,
+           "a number > 0")
+    _check("rollout_gpu_memory_utilization", args.rollout_gpu_memory_utilization,
+           lambda v: isinstance(v, (int, float)) and 0 < v <= 1, "a number in (0, 1]")
+    if args.rollout_graph_mode not in GRAPH_MODES:
+        raise ValueError(f"rollout_graph_mode: {args.rollout_graph_mode!r} not in {GRAPH_MODES}")
+
+
+_DEFAULTS = {f.name: f.default for f in fields(RolloutArguments)}
 
 
 class RolloutMixin:
@@ -35,6 +84,10 @@ class RolloutMixin:
 
     _hfq_engine: RolloutEngine | None = None
     _hfq_warned: set | None = None
+
+    def _rollout_setting(self, name: str):
+        """A `RolloutArguments` field from the trainer's args, or its default when the args don't declare them."""
+        return getattr(self.args, name) if isinstance(self.args, RolloutArguments) else _DEFAULTS[name]
 
     def _hfq_fallback(self, reason: str):
         if self._hfq_warned is None:
@@ -45,8 +98,8 @@ class RolloutMixin:
 
     def _hfq_unsupported(self, images, multimodal_fields) -> str | None:
         args = self.args
-        if not getattr(args, "rollout_engine", True):
-            return "rollout_engine=False"
+        if not self._rollout_setting("use_hfq_rollout"):
+            return "use_hfq_rollout=False"
         if self.use_vllm:
             return "use_vllm=True"
         if getattr(self, "use_transformers_continuous_batching", False):
@@ -65,10 +118,9 @@ class RolloutMixin:
         return None
 
     def _hfq_get_engine(self, model, n_rows: int, need_len: int) -> RolloutEngine:
-        args = self.args
         eng = self._hfq_engine
-        max_batch = getattr(args, "rollout_max_batch", None) or n_rows
-        max_len = getattr(args, "rollout_max_seq_len", None) or int(math.ceil(need_len / 256) * 256)
+        max_batch = self._rollout_setting("rollout_max_batch") or n_rows
+        max_len = self._rollout_setting("rollout_max_seq_len") or int(math.ceil(need_len / 256) * 256)
         if eng is not None and eng.model is model and eng.max_seq_len >= need_len:
             return eng
         if eng is not None:
@@ -78,9 +130,9 @@ class RolloutMixin:
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
         self._hfq_engine = RolloutEngine(
             model, max_batch=max_batch, max_seq_len=max_len,
-            graph_mode=getattr(args, "rollout_graph_mode", "auto"),
-            gpu_memory_utilization=getattr(args, "rollout_gpu_memory_utilization", None),
-            kv_cache_gb=getattr(args, "rollout_kv_cache_gb", None),
+            graph_mode=self._rollout_setting("rollout_graph_mode"),
+            gpu_memory_utilization=self._rollout_setting("rollout_gpu_memory_utilization"),
+            kv_cache_gb=self._rollout_setting("rollout_kv_cache_gb"),
             pad_token_id=self._tokenizer.pad_token_id)
         return self._hfq_engine
 
@@ -96,7 +148,7 @@ class RolloutMixin:
         gen_kw = dict(self.generation_kwargs)
         max_new = int(gen_kw.get("max_new_tokens") or self.max_completion_length)
         need_len = max(len(p) for p in prompt_ids) + max_new
-        want_lp = bool(getattr(self.args, "rollout_return_logprobs", True))
+        want_lp = self._rollout_setting("rollout_return_logprobs")
         completions, logprobs = [], [] if want_lp else None
         with (
             profiling_context(self, "hfq.rollout.generate"),

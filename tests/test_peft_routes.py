@@ -1,0 +1,202 @@
+"""The standard PEFT / TRL routes on an NVFP4 base after a plain `import hfq` (no hfq helper), with real PEFT/TRL."""
+import json
+import os
+import warnings
+
+import peft
+import pytest
+import torch
+from peft import LoraConfig, PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import hfq  # noqa: F401  (registers hfq_nvfp4 and the PEFT dispatch)
+from hfq.nvfp4 import NVFP4Config, NVFP4Linear, NVFP4LoraLinear
+from hfq.tiny import save_tiny
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(save_tiny(tmp_path_factory.mktemp("m") / "qwen2", arch="qwen2"))
+
+
+def _base(path, dtype=torch.float32):
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config(), dtype=dtype)
+
+
+def _ids(n=2, t=12, seed=0):
+    return torch.randint(4, 100, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _randomize_lora(pm, scale=0.05, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _nvfp4_names(model):
+    return {n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+
+
+@pytest.mark.parametrize("targets", ["all-linear", TARGETS])
+def test_plain_get_peft_model_wraps_every_nvfp4_layer(tiny, targets):
+    base = _base(tiny)
+    nv = _nvfp4_names(base)
+    pm = peft.get_peft_model(base, LoraConfig(r=4, target_modules=targets))
+    wrapped = {n.removeprefix("base_model.model.") for n, m in pm.named_modules() if isinstance(m, NVFP4LoraLinear)}
+    assert wrapped == nv and len(nv) == 7 * base.config.num_hidden_layers
+    assert not isinstance(pm.base_model.model.lm_head, peft.tuners.lora.LoraLayer)  # all-linear skips the head
+    trainable = [n for n, p in pm.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    x = _ids()
+    loss = pm(x, labels=x).loss
+    loss.backward()
+    assert all(p.grad is not None for n, p in pm.named_parameters() if "lora_A" in n)
+
+
+def test_adapter_save_and_plain_peft_from_pretrained(tiny, tmp_path):
+    pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    _randomize_lora(pm)
+    x = _ids()
+    y = pm(x).logits
+    pm.save_pretrained(tmp_path / "adapter")
+    keys = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)
+    re = PeftModel.from_pretrained(_base(tiny), tmp_path / "adapter")
+    assert sum(isinstance(m, NVFP4LoraLinear) for m in re.modules()) == len(_nvfp4_names(_base(tiny)))
+    assert torch.equal(re(x).logits, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_merge_and_unload_keeps_model_dtype(tiny, dtype):
+    pm = peft.get_peft_model(_base(tiny, dtype), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    _randomize_lora(pm)
+    x = _ids()
+    with torch.no_grad():
+        y = pm(x).logits.float()
+    merged = pm.merge_and_unload()
+    lin = [m for m in merged.modules() if isinstance(m, torch.nn.Linear)]
+    assert not any(isinstance(m, NVFP4Linear) for m in merged.modules())
+    assert {m.weight.dtype for m in lin} == {dtype}
+    assert {p.dtype for p in merged.parameters()} == {dtype}
+    with torch.no_grad():
+        ym = merged(x).logits.float()
+    tol = 1e-4 if dtype == torch.float32 else 0.15
+    assert (ym - y).abs().max() < tol * max(1.0, y.abs().max().item())
+    dense = merged.dequantize()  # the config goes, the model stays usable in its dtype
+    with torch.no_grad():
+        assert torch.equal(dense(x).logits.float(), ym)
+
+
+def test_merge_lora_bias_is_scaled(tiny):
+    """q/k/v carry a bias in Qwen2: a LoRA bias merges as scale * b (scale = alpha / r = 2 here)."""
+    pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     lora_bias=True))
+    _randomize_lora(pm, scale=0.2)
+    x = _ids()
+    y = pm(x).logits
+    pm.merge_adapter()
+    assert torch.allclose(pm(x).logits, y, atol=1e-4)
+    pm.unmerge_adapter()
+    assert torch.equal(pm(x).logits, y)
+    assert torch.allclose(pm.merge_and_unload()(x).logits, y, atol=1e-4)
+
+
+def test_dispatch_is_process_wide_and_refuses_what_it_cannot_do(tiny):
+    from hfq.nvfp4.peft_lora import register_peft_dispatch
+
+    assert register_peft_dispatch() is False  # installed once, on `import hfq`
+    legacy = peft.get_peft_model(_base(tiny), hfq.nvfp4.register_lora(LoraConfig(r=2, target_modules=["q_proj"])))
+    assert isinstance(legacy.base_model.model.model.layers[0].self_attn.q_proj, NVFP4LoraLinear)
+    m = _base(tiny)  # transformers' own PEFT integration goes through the same dispatch
+    m.add_adapter(LoraConfig(r=2, target_modules="all-linear"))
+    assert sum(isinstance(x, NVFP4LoraLinear) for x in m.modules()) == len(_nvfp4_names(_base(tiny)))
+    with pytest.raises(ValueError, match="rewrites the base weight"):
+        peft.get_peft_model(_base(tiny), LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights="pissa"))
+    with pytest.raises(ValueError, match="plain LoRA only"):
+        peft.get_peft_model(_base(tiny), LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="not supported"):  # other PEFT methods refuse, never wrap silently
+        peft.get_peft_model(_base(tiny), peft.IA3Config(target_modules=["q_proj"], feedforward_modules=[]))
+
+
+def test_merge_and_requantize_reports_survival_and_warns(tiny):
+    from hfq.nvfp4 import merge_and_requantize
+
+    pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    _randomize_lora(pm, scale=1e-3)  # a delta far below the NVFP4 step: re-quantization erases it
+    with pytest.warns(UserWarning, match="lost most of the fine-tune"):
+        nv, report = merge_and_requantize(pm)
+    assert set(report) == _nvfp4_names(nv)
+    assert report.overall["delta_error_ratio"] > 0.9 and report.overall["delta_kept"] < 0.1
+    assert report.overall["layers_erased"] > 0 and "delta kept" in report.summary()
+
+    pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    _randomize_lora(pm, scale=0.1)  # a large delta survives
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nv, report = merge_and_requantize(pm)
+    assert report.overall["delta_kept"] > 0.8 and report.overall["delta_error_ratio"] < 0.5
+    for r in report.values():
+        assert 0 < r["requant_rel_error"] < 0.13 and r["delta_rel_norm"] > 0
+    with pytest.raises(ValueError, match="warn_ratio"):
+        merge_and_requantize(pm, warn_ratio=0)
+
+
+def test_export_with_adapter_side_by_side(tiny, tmp_path):
+    from hfq.nvfp4 import export_with_adapter
+
+    pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    _randomize_lora(pm)
+    x = _ids()
+    y = pm(x).logits
+    paths = export_with_adapter(pm, str(tmp_path / "out"))
+    assert paths == {"base": str(tmp_path / "out" / "base"), "adapter": str(tmp_path / "out" / "adapter")}
+    assert torch.equal(pm(x).logits, y)  # the policy is untouched
+    sd = load_file(os.path.join(paths["base"], "model.safetensors"))
+    assert not any("lora_" in k or "base_layer" in k for k in sd)
+    q = pm.base_model.model.model.layers[1].mlp.down_proj.base_layer
+    assert torch.equal(sd["model.layers.1.mlp.down_proj.weight_packed"], q.weight_packed)  # the codes trained on
+    cfg = json.load(open(os.path.join(paths["base"], "config.json")))["quantization_config"]
+    assert cfg["format"] == "nvfp4-pack-quantized"
+    re = PeftModel.from_pretrained(_base(tiny), paths["adapter"])
+    assert torch.equal(re(x).logits, y)
+    pm.merge_adapter()
+    with pytest.raises(ValueError, match="unmerge"):
+        export_with_adapter(pm, str(tmp_path / "again"))
+
+
+def _grpo_args(cls, tmp_path, **kw):
+    return cls(output_dir=str(tmp_path / "out"), learning_rate=1e-2, num_generations=4, per_device_train_batch_size=4,
+               max_completion_length=6, max_steps=1, logging_steps=1, save_strategy="no", report_to="none",
+               bf16=False, use_cpu=True, **kw)
+
+
+def _digit_reward(completions, **kwargs):
+    return [float(sum(ch.isdigit() for ch in c)) + 0.1 * len(c) for c in completions]
+
+
+@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "QeRLGRPOTrainer"])
+def test_trainers_take_peft_config_on_nvfp4(tiny_dir, tmp_path, trainer_name):
+    """The README's route: the trainer gets the NVFP4 base and a LoraConfig(target_modules="all-linear")."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hfq.qerl import QeRLConfig, QeRLGRPOTrainer
+    from hfq.qerl.data import make_dataset
+
+    cls, cfg_cls = ((GRPOTrainer, GRPOConfig) if trainer_name == "GRPOTrainer" else (QeRLGRPOTrainer, QeRLConfig))
+    ds = Dataset.from_list([{"prompt": r["prompt"]} for r in make_dataset(8, seed=3)])
+    trainer = cls(model=_base(tiny_dir), reward_funcs=[_digit_reward], args=_grpo_args(cfg_cls, tmp_path),
+                  train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(tiny_dir),
+                  peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+    layers = [m for m in trainer.model.modules() if isinstance(m, NVFP4LoraLinear)]
+    assert len(layers) == 7 * 2
+    codes = layers[0].base_layer.weight_packed.clone()
+    trainer.train()
+    assert any(p.abs().sum() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)  # LoRA trained
+    assert torch.equal(layers[0].base_layer.weight_packed, codes)  # the NVFP4 base is frozen
