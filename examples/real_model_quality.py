@@ -68,13 +68,12 @@ def held_out_loss(model, tok) -> tuple[float, int]:
 
 @torch.no_grad()
 def greedy_answers(model, tok, max_new_tokens: int) -> list[str]:
-    out = []
-    for q in PROMPTS:
-        enc = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        out.append(tok.decode(gen[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip())
-    return out
+    """All prompts in one left-padded batch (CPU inference of a quantized model re-decodes every weight per step)."""
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in PROMPTS]
+    enc = tok(chats, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    return [tok.decode(g, skip_special_tokens=True).strip() for g in gen[:, enc.input_ids.shape[1]:]]
 
 
 def evaluate(path: str, quest_block: int, max_new_tokens: int) -> dict:
@@ -196,7 +195,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct via hfq.models)")
     p.add_argument("--quest-block", type=int, default=64, help="QuEST hadamard_block_size (must divide 576)")
-    p.add_argument("--max-new-tokens", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args()
     from hfq.models import smollm2_135m_instruct
