@@ -76,7 +76,8 @@ def greedy_answers(model, tok, max_new_tokens: int) -> list[str]:
     return [tok.decode(g, skip_special_tokens=True).strip() for g in gen[:, enc.input_ids.shape[1]:]]
 
 
-def evaluate(path: str, quest_block: int, max_new_tokens: int) -> dict:
+def evaluate(path: str, quest_block: int, max_new_tokens: int, on_row=lambda rows: None) -> dict:
+    """Every method through its own layers (CPU: quantized weights are decoded on every forward, hence slow)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(path)
@@ -90,6 +91,7 @@ def evaluate(path: str, quest_block: int, max_new_tokens: int) -> dict:
                       "seconds": round(time.time() - t0, 1)}
         print(f"{name:24s} loss {loss:.4f}  ({rows[name]['seconds']} s)", flush=True)
         del model
+        on_row(rows)
     return rows
 
 
@@ -101,7 +103,9 @@ def ct_nvfp4(w: torch.Tensor):
     from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp, generate_gparam
 
     args = preset_name_to_scheme("NVFP4A16", ["Linear"]).weights
-    gs = generate_gparam(w.amin().float(), w.amax().float())
+    # generate_gparam is lru_cached on tensor identity, which recycled ids of freed temporaries turn into stale
+    # hits across layers: call the uncached function.
+    gs = generate_gparam.__wrapped__(w.amin().float(), w.amax().float())
     scale, zp = compute_dynamic_scales_and_zp(w, args, module=None, global_scale=gs)
     q = quantize(w, scale, zp, args, global_scale=gs)
     return pack_fp4_to_uint8(q), scale, gs
@@ -146,6 +150,7 @@ def compare_with_compressed_tensors(path: str) -> dict:
 
 
 def write_report(rows, ct, args, out: Path):
+    """Write the markdown + JSON (called after every method, so a partial run leaves a partial table)."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     import transformers
@@ -195,17 +200,17 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct via hfq.models)")
     p.add_argument("--quest-block", type=int, default=64, help="QuEST hadamard_block_size (must divide 576)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = p.parse_args()
     from hfq.models import smollm2_135m_instruct
 
     path = args.model or str(smollm2_135m_instruct())
     torch.manual_seed(0)
-    rows = evaluate(path, args.quest_block, args.max_new_tokens)
     ct = compare_with_compressed_tensors(path)
-    print(json.dumps(ct))
-    write_report(rows, ct, args, Path(args.out))
+    print(json.dumps(ct), flush=True)
+    evaluate(path, args.quest_block, args.max_new_tokens,
+             on_row=lambda rows: write_report(rows, ct, args, Path(args.out)))
     print(f"wrote {args.out}/real_model.md")
 
 

@@ -34,7 +34,7 @@ _tok = AutoTokenizer.from_pretrained(path)
 _ids = _tok("The Eiffel Tower is in Paris. Water boils at 100 degrees Celsius at sea level. " * 8).input_ids
 ds = Dataset.from_dict({"input_ids": [_ids[i * 32:(i + 1) * 32] for i in range(4)],
                        "labels": [_ids[i * 32:(i + 1) * 32] for i in range(4)]})
-args = TrainingArguments(output_dir="run", max_steps=2, per_device_train_batch_size=2, use_cpu=True,
+args = TrainingArguments(output_dir="run", max_steps=1, per_device_train_batch_size=2, use_cpu=True,
                          report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True)
 """
 
