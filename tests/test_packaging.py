@@ -1,4 +1,5 @@
 """A built wheel, installed (not editable) in a fresh venv, carries the model cards and the tuned kernel tables."""
+import os
 import shutil
 import subprocess
 import sys
@@ -38,14 +39,16 @@ def _copy_tree(dst: Path) -> Path:
 
 def test_wheel_install_has_cards_and_tuned_tables(tmp_path):
     src = _copy_tree(tmp_path / "src")
+    # No PYTHONPATH: a checkout on it (with a stray hfq.egg-info) would make pip think hfq is already installed.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+                    str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300, env=env)
     (wheel,) = (tmp_path / "dist").glob("hfq-*.whl")
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
     py = env_dir / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index", "-q",
-                    str(wheel)], check=True, capture_output=True, timeout=300)
+                    str(wheel)], check=True, capture_output=True, timeout=300, env=env)
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
     # torch/transformers come from this interpreter's site-packages, after the venv's own (where hfq is).
