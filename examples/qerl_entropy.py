@@ -11,7 +11,7 @@ arithmetic task), for several bases (pre-training seeds) and several prompt sets
                         that matrix's NVFP4 error RMS (is it "noise of that size", or the quantizer's particular error?)
 
 Two measurements per (base, prompt set):
-  sampling entropy      `hfq.qerl.demo.sampling_entropy`: each model samples its own completions (T = 1, same
+  sampling entropy      `hfq.qerl.entropy.sampling_entropy`: each model samples its own completions (T = 1, same
                         sampling seed), mean per-token entropy of its next-token distribution (the paper's quantity)
   teacher-forced        every model scored on the same contexts (the fp32 model's samples): a paired comparison,
                         plus KL(fp32 || model) to show how far the quantized distribution moved
@@ -114,7 +114,7 @@ def next_token_logprobs(model, enc, seqs):
 
 
 def measure(models, tok, prompts, max_new_tokens, seed):
-    from hfq.qerl.demo import sampling_entropy
+    from hfq.qerl.entropy import sampling_entropy
 
     row = {f"sampling/{k}": sampling_entropy(m, tok, prompts, max_new_tokens=max_new_tokens, seed=seed)
            for k, m in models.items()}

@@ -25,13 +25,22 @@ _LAZY = {
     "RolloutMixin": "hfq.rollout",
 }
 
-__all__ = sorted(_LAZY)
+# subpackages reachable as attributes after `import hfq` (e.g. `hfq.eco.optimizer_cls_and_kwargs`), imported on first use
+_SUBMODULES = ("cli", "eco", "hub", "models", "nvfp4", "optim", "qerl", "qft", "qparam", "quest", "rollout", "tiny")
+
+__all__ = sorted(_LAZY) + list(_SUBMODULES)
 
 
 def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'hfq' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
 
 
 from ._register import register_all  # noqa: E402

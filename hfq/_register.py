@@ -13,16 +13,6 @@ QUANTIZERS = {
 }
 
 
-def _room_present(modname: str) -> bool:
-    try:
-        importlib.import_module(modname)
-        return True
-    except ModuleNotFoundError as e:  # only a missing room is tolerated, never a broken one
-        if e.name and modname.startswith(e.name):
-            return False
-        raise
-
-
 def register_all() -> None:
     global _DONE
     if _DONE:
@@ -30,8 +20,6 @@ def register_all() -> None:
     from transformers.quantizers import auto
 
     for method, (cfg_mod, cfg_name, q_mod, q_name) in QUANTIZERS.items():
-        if not (_room_present(cfg_mod) and _room_present(q_mod)):
-            continue
         cfg_cls = getattr(importlib.import_module(cfg_mod), cfg_name)
         q_cls = getattr(importlib.import_module(q_mod), q_name)
         # Re-registration of our own class (e.g. importlib.reload in a notebook) is allowed.

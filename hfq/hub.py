@@ -5,14 +5,15 @@ import os
 import string
 from pathlib import Path
 
-_TEMPLATE_DIRS = (Path(__file__).resolve().parent.parent / "model_cards", Path(__file__).resolve().parent / "model_cards")
+# In a checkout hfq/model_cards is a symlink to the top-level model_cards/; a built wheel holds copies.
+CARDS_DIR = Path(__file__).resolve().parent / "model_cards"
 
 
 def _template(name: str) -> str:
-    for d in _TEMPLATE_DIRS:
-        if (d / name).exists():
-            return (d / name).read_text()
-    raise FileNotFoundError(f"model card template {name!r} not found in {[str(d) for d in _TEMPLATE_DIRS]}")
+    path = CARDS_DIR / name
+    if not path.is_file():
+        raise FileNotFoundError(f"model card template {name!r} not found in {CARDS_DIR}")
+    return path.read_text()
 
 
 def render(name: str, **fields) -> str:

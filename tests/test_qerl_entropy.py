@@ -1,4 +1,4 @@
-"""`hfq.qerl.demo.sampling_entropy` (the QeRL Fig. 5 measurement) checked against hand computations.
+"""`hfq.qerl.entropy.sampling_entropy` (the QeRL Fig. 5 measurement) checked against hand computations.
 
 Whether a 4-bit base raises the entropy is an experiment (`examples/qerl_entropy.py`, results in
 `examples/results/qerl_entropy.md`), not asserted here: on small models its sign depends on the seed.
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hfq.qerl.demo import sampling_entropy
+from hfq.qerl.entropy import sampling_entropy
 from hfq.tiny import char_tokenizer, tiny_model
 
 PROMPTS = ["Q: 1+2?\nA: ", "Q: Tom has 7 pens and gets 5 more. How many pens now?\nA: ", "hi", "Q: 9-4?\nA: <think>"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from . import copy_tokenizer
+
 
 def add_arguments(p) -> None:
     p.add_argument("model_dir", help="an hfq NVFP4 checkpoint, or a dense causal-LM directory")
@@ -15,10 +17,10 @@ def main(args) -> int:
     import json
     import os
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from .config import NVFP4Config
-    from .export import export_compressed_tensors
+    from hfq.nvfp4.config import NVFP4Config
+    from hfq.nvfp4.export import export_compressed_tensors
 
     with open(os.path.join(args.model_dir, "config.json")) as f:
         qc = json.load(f).get("quantization_config")
@@ -28,9 +30,6 @@ def main(args) -> int:
     kw = {} if method == "hfq_nvfp4" else {"quantization_config": NVFP4Config()}
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16, device_map=args.device, **kw)
     export_compressed_tensors(model, args.out)
-    try:
-        AutoTokenizer.from_pretrained(args.model_dir).save_pretrained(args.out)
-    except (OSError, ValueError):
-        pass
+    copy_tokenizer(args.model_dir, args.out)
     print(f"exported compressed-tensors nvfp4-pack-quantized checkpoint to {os.path.abspath(args.out)}")
     return 0

@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from . import copy_tokenizer
+
 
 def add_arguments(p) -> None:
     p.add_argument("model_dir", help="a local Hugging Face causal-LM directory (safetensors)")
@@ -20,7 +22,7 @@ def add_arguments(p) -> None:
 def _linear_bytes(model) -> tuple[int, int]:
     from torch import nn
 
-    from .linear import NVFP4Linear
+    from hfq.nvfp4.linear import NVFP4Linear
 
     before = after = 0
     for m in model.modules():
@@ -52,10 +54,10 @@ def summary(model) -> str:
 
 
 def main(args) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from .config import NVFP4Config
-    from .export import export_compressed_tensors
+    from hfq.nvfp4.config import NVFP4Config
+    from hfq.nvfp4.export import export_compressed_tensors
 
     if args.export == "compressed-tensors" and args.format != "nvfp4":
         raise SystemExit("--export compressed-tensors needs --format nvfp4")
@@ -66,10 +68,7 @@ def main(args) -> int:
         export_compressed_tensors(model, args.out)
     else:
         model.save_pretrained(args.out)
-    try:
-        AutoTokenizer.from_pretrained(args.model_dir).save_pretrained(args.out)
-    except (OSError, ValueError):
-        pass  # a model directory without a tokenizer is fine
+    copy_tokenizer(args.model_dir, args.out)
     print(summary(model))
     print(f"saved to {os.path.abspath(args.out)} ({args.export})")
     return 0

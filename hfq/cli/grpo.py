@@ -1,0 +1,191 @@
+"""`hfq grpo`: QeRL GRPO from the command line.
+
+With no arguments: the offline demo. It builds (deterministically, cached under `--cache-dir`) a tiny
+Qwen2-architecture model with hfq's character tokenizer, pre-trains it briefly on the bundled arithmetic
+word problems so it is right part of the time, reloads it quantized to NVFP4, adds LoRA, runs QeRL GRPO
+(AQN on) for a few dozen steps on the CPU, and prints + plots reward, entropy and sigma.
+
+With `--model` / `--dataset` / `--config` it trains a real model (e.g. Qwen2.5-7B-Instruct on GSM8K): in bf16 on a
+GPU, in fp32 on a CPU-only machine (settings picked from the hardware; `--config` overrides them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from hfq.qerl.demo import DEMO_PRETRAIN_STEPS, build_demo_base
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model id or path (default: the bundled tiny demo model)")
+    p.add_argument("--dataset", default=None,
+                   help="HF dataset id (e.g. openai/gsm8k), or a .json/.jsonl file with question/answer fields "
+                        "(default: the bundled arithmetic task)")
+    p.add_argument("--dataset-config", default=None, help="dataset config name (e.g. main for gsm8k)")
+    p.add_argument("--config", default=None, help="JSON file of QeRLConfig fields (override the preset)")
+    p.add_argument("--preset", default=None, choices=("gsm8k", "bigmath"), help="start from the paper's preset")
+    p.add_argument("--quant", default="nvfp4", choices=("nvfp4", "mxfp4", "none"), help="base weight format")
+    p.add_argument("--steps", type=int, default=None, help="GRPO steps (demo default 60)")
+    p.add_argument("--aqn-scope", default=None, choices=("rollout", "rollout_and_old_logprobs"))
+    p.add_argument("--no-aqn", action="store_true", help="disable Adaptive Quantization Noise")
+    p.add_argument("--lora-r", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pretrain-steps", type=int, default=DEMO_PRETRAIN_STEPS, help="demo base: pre-training steps")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (demo default 2e-3)")
+    p.add_argument("--cache-dir", default=None, help="where the demo base model is cached (default ~/.cache/hfq)")
+    p.add_argument("--output-dir", default="hfq-grpo-out", help="checkpoints, metrics.json and curves.png")
+    p.add_argument("--no-plot", action="store_true")
+
+
+# --------------------------------------------------------------------------- data
+def _load_dataset(args):
+    from datasets import Dataset, load_dataset
+
+    from hfq.qerl.rewards import PROMPT_SUFFIX, add_suffix
+
+    if args.dataset is None:
+        from hfq.qerl.data import make_dataset
+
+        rows = make_dataset(2000, seed=args.seed + 7)
+        return Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]), False
+    if args.dataset.endswith((".json", ".jsonl")):
+        ds = load_dataset("json", data_files=args.dataset, split="train")
+    else:
+        ds = load_dataset(args.dataset, args.dataset_config, split="train")
+    qcol = next((c for c in ("question", "problem", "prompt") if c in ds.column_names), None)
+    acol = next((c for c in ("answer", "solution", "ground_truth") if c in ds.column_names), None)
+    if qcol is None or acol is None:
+        raise ValueError(f"--dataset: needs a question/problem/prompt and an answer/solution column, "
+                         f"found {ds.column_names}")
+
+    def fmt(ex):
+        return {"prompt": [{"role": "user", "content": add_suffix(ex[qcol], PROMPT_SUFFIX)}], "answer": ex[acol]}
+
+    return ds.map(fmt, remove_columns=ds.column_names), True
+
+
+# --------------------------------------------------------------------------- main
+def _device_settings(demo: bool) -> tuple[dict, "torch.dtype"]:
+    """QeRLConfig fields and load dtype for this machine: bf16 on a GPU that has it, fp32 on the CPU
+    (and always for the tiny fp32 demo model)."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    bf16 = on_gpu and not demo and torch.cuda.is_bf16_supported()
+    return dict(use_cpu=not on_gpu, bf16=bf16, fp16=False), torch.bfloat16 if bf16 else torch.float32
+
+
+def _build_config(args, demo: bool):
+    from hfq.qerl.config import QeRLConfig
+
+    kw, _ = _device_settings(demo)
+    if demo:
+        kw.update(learning_rate=2e-3, num_generations=8, per_device_train_batch_size=64, max_completion_length=48,
+                  temperature=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="grpo", max_steps=60,
+                  logging_steps=1, save_strategy="no", report_to="none", gradient_checkpointing=False,
+                  dataloader_num_workers=0, disable_tqdm=True, aqn_num_stages=4, aqn_sigma_start=1e-2,
+                  aqn_sigma_end=5e-4)
+    else:
+        kw.update(logging_steps=1, report_to="none", max_steps=args.steps or 500, save_steps=100)
+    if args.config:
+        kw.update(json.loads(Path(args.config).read_text()))
+    if args.steps:
+        kw["max_steps"] = args.steps
+    if args.lr:
+        kw["learning_rate"] = args.lr
+    if args.aqn_scope:
+        kw["aqn_scope"] = args.aqn_scope
+    if args.no_aqn:
+        kw["aqn"] = False
+    kw.update(output_dir=args.output_dir, seed=args.seed)
+    if args.preset:
+        return QeRLConfig.paper_preset(args.preset, **kw)
+    return QeRLConfig(**kw)
+
+
+def _load_policy(args, path, demo: bool):
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    kw = {"dtype": _device_settings(demo)[1]}
+    if args.quant != "none":
+        from hfq.nvfp4 import NVFP4Config
+
+        kw["quantization_config"] = NVFP4Config(format=args.quant)
+    if not demo and torch.cuda.is_available():
+        kw["device_map"] = {"": 0}
+    model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    r = args.lora_r or (16 if demo else 32)
+    lcfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    if args.quant != "none":
+        from hfq.nvfp4 import get_peft_model
+    else:
+        from peft import get_peft_model
+    return get_peft_model(model, lcfg), tok
+
+
+def main(args) -> int:
+    import torch
+    from transformers import PrinterCallback, TrainerCallback
+
+    from hfq.qerl.entropy import sampling_entropy
+    from hfq.qerl.plot import plot_curves
+    from hfq.qerl.rewards import accuracy_reward, format_reward
+    from hfq.qerl.trainer import QeRLGRPOTrainer
+
+    torch.manual_seed(args.seed)
+    demo = args.model is None
+    t0 = time.time()
+    path = build_demo_base(args.cache_dir, steps=args.pretrain_steps, seed=args.seed) if demo else args.model
+    model, tok = _load_policy(args, path, demo)
+    dataset, _ = _load_dataset(args)
+    cfg = _build_config(args, demo)
+
+    entropy_note = {}
+    if demo:  # entropy experiment: same prompts, BF16-path (fp32) base vs quantized base, adapters off
+        from transformers import AutoModelForCausalLM
+
+        prompts = [dataset[i]["prompt"] for i in range(32)]
+        clean = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with model.disable_adapter():
+            entropy_note = {"fp32": sampling_entropy(clean, tok, prompts),
+                            args.quant: sampling_entropy(model.eval(), tok, prompts)}
+        model.train()
+        print(f"[hfq grpo] sampling entropy on 32 prompts: " +
+              ", ".join(f"{k} {v:.4f}" for k, v in entropy_note.items()))
+
+    class _Print(TrainerCallback):
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                print(f"step {state.global_step:3d}  reward {logs['reward']:.3f}  entropy {logs.get('entropy', 0):.3f}"
+                      f"  sigma {logs.get('aqn/sigma', 0):.2e}  stage {int(logs.get('aqn/stage', 0))}", flush=True)
+
+    trainer = QeRLGRPOTrainer(model=model, reward_funcs=[accuracy_reward, format_reward], args=cfg,
+                              train_dataset=dataset, processing_class=tok, callbacks=[_Print()])
+    trainer.remove_callback(PrinterCallback)  # _Print shows the few numbers that matter
+    print(f"[hfq grpo] {'demo' if demo else path}: {args.quant} base + LoRA, AQN "
+          f"{'off' if not cfg.aqn else cfg.aqn_schedule + ' ' + cfg.aqn_scope}, {cfg.max_steps} steps, "
+          f"{len(trainer.aqn.targets) if trainer.aqn else 0} noisy norms")
+    trainer.train()
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rewards = [h["reward"] for h in history]
+    k = max(1, len(rewards) // 4)
+    summary = {"first_quarter_reward": sum(rewards[:k]) / k, "last_quarter_reward": sum(rewards[-k:]) / k,
+               "steps": len(rewards), "seconds": round(time.time() - t0, 1), "aqn_scope": cfg.aqn_scope,
+               "aqn": cfg.aqn, "quant": args.quant, "sampling_entropy": entropy_note}
+    (out / "metrics.json").write_text(json.dumps({"summary": summary, "history": history}, indent=1))
+    if not args.no_plot:
+        plot_curves(trainer.state.log_history, str(out / "curves.png"))
+    print(f"[hfq grpo] reward first quarter {summary['first_quarter_reward']:.3f} -> last quarter "
+          f"{summary['last_quarter_reward']:.3f} in {summary['seconds']} s; wrote {out}/metrics.json"
+          + ("" if args.no_plot else f" and {out}/curves.png"))
+    if not demo:
+        trainer.save_model(str(out / "final"))
+    return 0
