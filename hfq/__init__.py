@@ -1,7 +1,7 @@
 """hfq: quantized LLM training for the Hugging Face stack.
 
 Importing hfq registers its quantization methods (`hfq_nvfp4`, `hfq_quest`, `hfq_qft`) with
-transformers, so `from_pretrained` reloads hfq checkpoints (PEFT LoRA: see `hfq.nvfp4.register_lora`).
+transformers, so `from_pretrained` reloads hfq checkpoints, and extends PEFT's LoRA dispatch to NVFP4 layers (`hfq/nvfp4/peft_lora.py`).
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ _LAZY = {
     "NVFP4Linear": "hfq.nvfp4",
     "QuESTConfig": "hfq.quest",
     "QFTConfig": "hfq.qft",
-    "QLion": "hfq.qft",
-    "ECOSGD": "hfq.eco",
-    "ECOAdamW": "hfq.eco",
+    "QLion": "hfq.optim",
+    "ECOSGD": "hfq.optim",
+    "ECOAdamW": "hfq.optim",
     "QeRLConfig": "hfq.qerl",
     "QeRLGRPOTrainer": "hfq.qerl",
     "QParam": "hfq.qparam",

@@ -200,3 +200,21 @@ def test_trainers_take_peft_config_on_nvfp4(tiny_dir, tmp_path, trainer_name):
     trainer.train()
     assert any(p.abs().sum() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)  # LoRA trained
     assert torch.equal(layers[0].base_layer.weight_packed, codes)  # the NVFP4 base is frozen
+
+
+def test_cli_export_adapter_writes_base_and_adapter(tiny, tmp_path):
+    from hfq.cli import main
+
+    ckpt, adapter, out = tmp_path / "ckpt", tmp_path / "adapter", tmp_path / "served"
+    base = _base(tiny)
+    base.save_pretrained(ckpt)  # the hfq NVFP4 checkpoint (`hfq quantize`) the adapter is trained on
+    pm = peft.get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    _randomize_lora(pm)
+    pm.save_pretrained(adapter)
+    x = _ids()
+    y = pm(x).logits
+    assert main(["export", str(ckpt), "--adapter", str(adapter), "--out", str(out), "--device", "cpu"]) == 0
+    cfg = json.load(open(out / "base" / "config.json"))["quantization_config"]
+    assert cfg["format"] == "nvfp4-pack-quantized"
+    re = PeftModel.from_pretrained(_base(tiny), str(out / "adapter"))
+    assert torch.equal(re(x).logits, y)

@@ -1,5 +1,6 @@
 """`hfq export MODEL_DIR --out DIR`: an hfq NVFP4 checkpoint (or a dense model, quantized on the way) to
-compressed-tensors' nvfp4-pack-quantized layout."""
+compressed-tensors' nvfp4-pack-quantized layout; with `--adapter ADAPTER_DIR` (a PEFT LoRA adapter trained on that
+checkpoint) `DIR/base` + `DIR/adapter` side by side, nothing re-quantized (vLLM's --enable-lora serves them)."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +11,8 @@ from . import copy_tokenizer
 def add_arguments(p) -> None:
     p.add_argument("model_dir", help="an hfq NVFP4 checkpoint, or a dense causal-LM directory")
     p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory trained on MODEL_DIR: write "
+                   "OUT/base + OUT/adapter instead of merging")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -29,6 +32,16 @@ def main(args) -> int:
         raise SystemExit(f"{args.model_dir}: quantization_config {method!r} is not hfq_nvfp4 (nor a dense model)")
     kw = {} if method == "hfq_nvfp4" else {"quantization_config": NVFP4Config()}
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16, device_map=args.device, **kw)
+    if args.adapter:
+        from peft import PeftModel
+
+        from hfq.nvfp4.merge import export_with_adapter
+
+        paths = export_with_adapter(PeftModel.from_pretrained(model, args.adapter), args.out)
+        copy_tokenizer(args.model_dir, paths["base"])
+        print(f"exported the NVFP4 base to {os.path.abspath(paths['base'])} and the adapter to "
+              f"{os.path.abspath(paths['adapter'])}")
+        return 0
     export_compressed_tensors(model, args.out)
     copy_tokenizer(args.model_dir, args.out)
     print(f"exported compressed-tensors nvfp4-pack-quantized checkpoint to {os.path.abspath(args.out)}")
