@@ -51,6 +51,31 @@ def _default_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _check_engine_args(max_batch, max_seq_len, graph_mode, batch_buckets, kv_block, gpu_memory_utilization,
+                       kv_cache_gb, check_every, fused_kernels) -> tuple[int, ...]:
+    """RolloutEngine's argument checks (each error names its argument); returns the sorted batch buckets."""
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch: must be a positive int, got {max_batch!r}")
+    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise ValueError(f"max_seq_len: must be an int >= 2, got {max_seq_len!r}")
+    if graph_mode not in GRAPH_MODES:
+        raise ValueError(f"graph_mode: {graph_mode!r} not in {GRAPH_MODES}")
+    if kv_block < 16 or kv_block % 16:
+        raise ValueError(f"kv_block: must be a multiple of 16, got {kv_block}")
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
+    if kv_cache_gb is not None and kv_cache_gb <= 0:
+        raise ValueError(f"kv_cache_gb: must be > 0, got {kv_cache_gb}")
+    if check_every < 1:
+        raise ValueError(f"check_every: must be >= 1, got {check_every}")
+    buckets = tuple(sorted(set(batch_buckets or _default_buckets(max_batch))))
+    if buckets[0] < 1 or buckets[-1] != max_batch:
+        raise ValueError(f"batch_buckets: must be positive and end with max_batch={max_batch}, got {buckets}")
+    if fused_kernels not in ("auto", True, False):
+        raise ValueError(f"fused_kernels: must be 'auto', True or False, got {fused_kernels!r}")
+    return buckets
+
+
 class RolloutEngine:
     """Generation engine for Hugging Face causal LMs (Qwen2/Qwen3/Llama/Mistral).
 
@@ -77,26 +102,8 @@ class RolloutEngine:
                  gpu_memory_utilization: float | None = None, kv_cache_gb: float | None = None,
                  check_every: int = 32, pad_token_id: int | None = None, fused_kernels: bool | str = "auto",
                  skinny_gemm: bool = True):
-        if not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch: must be a positive int, got {max_batch!r}")
-        if not isinstance(max_seq_len, int) or max_seq_len < 2:
-            raise ValueError(f"max_seq_len: must be an int >= 2, got {max_seq_len!r}")
-        if graph_mode not in GRAPH_MODES:
-            raise ValueError(f"graph_mode: {graph_mode!r} not in {GRAPH_MODES}")
-        if kv_block < 16 or kv_block % 16:
-            raise ValueError(f"kv_block: must be a multiple of 16, got {kv_block}")
-        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
-        if kv_cache_gb is not None and kv_cache_gb <= 0:
-            raise ValueError(f"kv_cache_gb: must be > 0, got {kv_cache_gb}")
-        if check_every < 1:
-            raise ValueError(f"check_every: must be >= 1, got {check_every}")
-        buckets = tuple(sorted(set(batch_buckets or _default_buckets(max_batch))))
-        if buckets[0] < 1 or buckets[-1] != max_batch:
-            raise ValueError(f"batch_buckets: must be positive and end with max_batch={max_batch}, got {buckets}")
-
-        if fused_kernels not in ("auto", True, False):
-            raise ValueError(f"fused_kernels: must be 'auto', True or False, got {fused_kernels!r}")
+        buckets = _check_engine_args(max_batch, max_seq_len, graph_mode, batch_buckets, kv_block,
+                                     gpu_memory_utilization, kv_cache_gb, check_every, fused_kernels)
         self.model = model
         self.adapter = DecoderAdapter(model, max_seq_len)
         self.device = self.adapter.embed.weight.device
