@@ -325,7 +325,7 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
             for i in range(n_copies(n * k // 2 + n * k // 64 * 4)):
                 qw, qs = bnbF.quantize_4bit(wb[i % len(wb)], quant_type="nf4", blocksize=64)
                 nf4.append((qw, qs))
-        if getattr(K, "HAS_GLUON", False):
+        if gluon.HAS_GLUON:
             for c in copies:  # the g4 kernel's repacked copies are built lazily; build them outside the graphs
                 gluon.repacked(c[0], c[1])
         for m in MS:
