@@ -334,7 +334,12 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor(args.jobs) as ex, tqdm(total=len(jobs), desc="GRPO runs") as bar:
         futs = [ex.submit(spawn, a, s, lr, args, threads) for a, s, lr in jobs]
         for f in as_completed(futs):
-            r = f.result()
+            try:
+                r = f.result()
+            except RuntimeError as e:  # one failed run is reported, the others still count
+                skipped.append(str(e))
+                bar.update()
+                continue
             if "skipped" in r:
                 skipped.append(f"{r['arm']} ({r['skipped']})")
             else:
