@@ -168,8 +168,12 @@ def _safe_kind(model) -> str | None:
 
 def _plain(v):
     """A YAML-safe scalar (floats to 6 significant digits, enums and other objects to str)."""
-    if isinstance(v, bool) or v is None or isinstance(v, (int, str)):
+    if isinstance(v, bool) or v is None:
         return v
+    if isinstance(v, str):  # str enums (SchedulerType, OptimizerNames) dump as Python objects otherwise
+        return str(getattr(v, "value", v))
+    if isinstance(v, int):
+        return int(v)
     if isinstance(v, float):
         return float(f"{v:.6g}")
     if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
@@ -190,10 +194,8 @@ def training_facts(trainer=None, training_args=None, metrics=None) -> tuple[dict
         hp.pop("num_train_epochs", None)
     elif isinstance(steps, int):
         hp.pop("max_steps")
-    opt = getattr(trainer, "optimizer", None)
-    cls_kw = getattr(trainer, "optimizer_cls_and_kwargs", None)
-    if opt is not None or cls_kw:
-        hp["optimizer"] = type(opt).__name__ if opt is not None else cls_kw[0].__name__
+    if _optimizer_name(trainer):  # a custom optimizer: `optim` in the args was not used
+        hp["optimizer"] = _optimizer_name(trainer)
         hp.pop("optim", None)
     found = {}
     state = getattr(trainer, "state", None)
@@ -207,12 +209,19 @@ def training_facts(trainer=None, training_args=None, metrics=None) -> tuple[dict
     return hp, found
 
 
+def _optimizer_name(trainer) -> str | None:
+    """Class name of the trainer's optimizer (through accelerate's wrapper), or of optimizer_cls_and_kwargs."""
+    opt = getattr(trainer, "optimizer", None)
+    opt = getattr(opt, "optimizer", opt)
+    if opt is not None:
+        return type(opt).__name__
+    cls_kw = getattr(trainer, "optimizer_cls_and_kwargs", None)
+    return cls_kw[0].__name__ if cls_kw else None
+
+
 def _method_from(kind: str, trainer, quant: dict) -> str:
     name = type(trainer).__name__ if trainer is not None else ""
-    opt = type(getattr(trainer, "optimizer", None)).__name__
-    cls_kw = getattr(trainer, "optimizer_cls_and_kwargs", None)
-    if cls_kw:
-        opt = cls_kw[0].__name__
+    opt = _optimizer_name(trainer)
     if kind == "adapter":
         if name == "QeRLGRPOTrainer" or (trainer is None and quant.get("quant_method") == "hfq_nvfp4"):
             return "qerl"
@@ -264,10 +273,13 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
         lora = {"r": cfg.r, "lora_alpha": cfg.lora_alpha, "lora_dropout": _plain(cfg.lora_dropout),
                 "target_modules": sorted(cfg.target_modules) if not isinstance(cfg.target_modules, str)
                 else [cfg.target_modules]}
-        source = base_model or cfg.base_model_name_or_path or _name_or_path(unwrapped)
+        candidates = [cfg.base_model_name_or_path, _name_or_path(unwrapped)]
     else:
-        source = base_model or _name_or_path(model)
-    base = hub_id(source)
+        candidates = [_name_or_path(model)]
+    if base_model:
+        candidates = [base_model]
+    base = next((hub_id(c) for c in candidates if hub_id(c)), None)
+    source = base or next((c for c in candidates if c), "")
     fmt = str(quant.get("format") or "dense")
     tags = ["hfq", method, quant["quant_method"], fmt] + (["lora", "peft"] if kind == "adapter" else []) + (
         ["trl", "grpo"] if method in ("qerl", "grpo") and trainer is not None else [])
@@ -370,28 +382,37 @@ def folder_card(folder: str, repo_id: str):
     if state.is_file():
         _, found = training_facts(_StateOnly(json.loads(state.read_text())))
     quant = {k: qc[k] for k in ("quant_method", "format", "weight_format", "weight_bits", "activation_bits", "grid",
-                                "gradient_bits", "save_format") if qc.get(k) is not None} or {"quant_method": "none"}
+                                "gradient_bits", "save_format", "hadamard", "estimator", "rounding")
+             if qc.get(k) is not None}
+    if kind == "nvfp4":
+        from .nvfp4.config import BLOCK_SIZE
+
+        quant["block_size"] = BLOCK_SIZE[quant.get("format", "nvfp4")]
+    if not quant:  # an adapter folder does not record how its base was quantized on load
+        quant = {"quant_method": "unrecorded"} if kind == "adapter" else {"quant_method": "none"}
     if "weight_format" in quant:
         quant["format"] = quant.pop("weight_format")
     if kind == "quest":
         w, a = quant.get("weight_bits"), quant.get("activation_bits")
         quant["format"] = f"w{w}a{a}" if a else f"w{w}"
-    fmt = str(quant.get("format") or "dense")
+    fmt = str(quant.get("format") or ("unrecorded" if quant["quant_method"] == "unrecorded" else "dense"))
     method = {"adapter": "qerl" if quant.get("quant_method") == "hfq_nvfp4" else "lora", "nvfp4": "nvfp4",
               "quest": "quest", "qft": "qft" if fmt == "int8_dense_sparse" else "eco"}[kind]
     base = hub_id(source)
     has_tok = any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     training = {"method": method, **({"metrics": found} if found else {})}
     data = ModelCardData(base_model=base, library_name="peft" if kind == "adapter" else "transformers",
-                         pipeline_tag="text-generation", tags=["hfq", method, quant["quant_method"], fmt] + (["lora", "peft"] if
-                         kind == "adapter" else []), quantization=quant, training=training)
+                         pipeline_tag="text-generation", quantization=quant, training=training,
+                         tags=[t for t in ["hfq", method, quant["quant_method"], fmt] if t != "unrecorded"] +
+                         (["lora", "peft"] if kind == "adapter" else []))
     fields = dict(model_name=repo_id.split("/")[-1], repo_id=repo_id, base_model=base or "",
                   base_source=_base_source(source), method=method, quant=quant, format=fmt, format_upper=fmt.upper(),
                   hparams={}, metrics=found, training_summary="", tokenizer_repo=repo_id if has_tok else (base or ""),
                   dataset_name="", trainer_name="")
     if kind == "adapter":
         tm = cfg.get("target_modules") or []
-        fields.update(r=cfg.get("r"), lora_alpha=cfg.get("lora_alpha"), base_format=fmt.upper(),
+        fields.update(r=cfg.get("r"), lora_alpha=cfg.get("lora_alpha"),
+                      base_format="(format not recorded in the folder)" if fmt == "unrecorded" else fmt.upper(),
                       target_modules=tm if isinstance(tm, str) else ", ".join(sorted(tm)),
                       base_load=", quantization_config=hfq.NVFP4Config()" if fmt in ("nvfp4", "mxfp4") and not
                       (Path(source) / "config.json").is_file() else "")

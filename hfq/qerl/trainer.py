@@ -89,6 +89,22 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
             return GRPOTrainer._generate_single_turn(self, *args, **kwargs)
         return super()._generate_single_turn(*args, **kwargs)
 
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None, **kwargs):
+        """hfq's QeRL adapter card (base model, NVFP4 format, LoRA and AQN settings, last reward) in
+        `output_dir/README.md` instead of TRL's generic card, so `push_to_hub()` uploads it."""
+        if not self.is_world_process_zero():
+            return
+        import os
+
+        from ..hub import trainer_card
+
+        card = trainer_card(self, dataset_name=dataset_name)
+        if tags:
+            card.data.tags = list(dict.fromkeys(card.data.tags + ([tags] if isinstance(tags, str) else list(tags))))
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        card.save(os.path.join(self.args.output_dir, "README.md"))
+
     # ----------------------------------------------------------------- helpers
     def _noisy_old_logps(self, out, step: int, sigma: float) -> torch.Tensor:
         """Old-policy log-probs of the batch under the noise that generated it (text-only models)."""

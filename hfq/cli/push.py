@@ -1,0 +1,34 @@
+"""`hfq push DIR REPO`: upload a saved hfq model or adapter folder to the Hub as it is (weights, tokenizer files,
+README.md), adding hfq's model card when the folder has none."""
+from __future__ import annotations
+
+
+def add_arguments(p) -> None:
+    p.add_argument("folder", metavar="DIR", help="a folder written by save_pretrained / hfq.hub.save_for_hub")
+    p.add_argument("repo", metavar="REPO", help="Hub repository id, e.g. me/qwen-nvfp4")
+    p.add_argument("--private", action="store_true", help="create the repository as private")
+    p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the `hf auth login` token)")
+
+
+def main(args) -> int:
+    import os
+
+    from huggingface_hub.errors import HFValidationError, LocalTokenNotFoundError
+
+    from hfq import hub
+
+    try:
+        hub.check_push(args.repo, args.token)
+    except HFValidationError as e:
+        raise SystemExit(f"hfq push: REPO {args.repo!r} is not a valid Hub repository id: {e}") from None
+    except LocalTokenNotFoundError as e:
+        raise SystemExit(f"hfq push: no Hub token: {e}") from None
+    if not os.path.isdir(args.folder):
+        raise SystemExit(f"hfq push: DIR {args.folder!r} is not a directory")
+    had_card = os.path.isfile(os.path.join(args.folder, "README.md"))
+    try:
+        url = hub.upload_folder(args.folder, args.repo, private=args.private, token=args.token)
+    except ValueError as e:
+        raise SystemExit(f"hfq push: DIR: {e}") from None
+    print(f"pushed {os.path.abspath(args.folder)} to {url}" + ("" if had_card else " (added README.md model card)"))
+    return 0
