@@ -321,10 +321,10 @@ def adapter_card(peft_model, repo_id: str, method: str = "qerl", training_summar
 
 def trainer_card(trainer, repo_id: str | None = None, **kw):
     """The card of a trainer's model (its args, optimizer and log history filled in); repo id defaults to the
-    trainer's hub_model_id, else `hfq/<output_dir name>`."""
+    trainer's hub_model_id, else the output_dir's name."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     repo_id = repo_id or getattr(trainer, "hub_model_id", None) or trainer.args.hub_model_id or (
-        "hfq/" + re.sub(r"[^\w.-]", "-", Path(trainer.args.output_dir).resolve().name).strip("-.")[:90])
+        re.sub(r"[^\w.-]", "-", Path(trainer.args.output_dir).resolve().name).strip("-.")[:90] or "model")
     tok = getattr(trainer, "processing_class", None)
     return model_card(model, repo_id, trainer=trainer, tokenizer=tok is not None, **kw)
 

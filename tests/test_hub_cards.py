@@ -231,15 +231,16 @@ def test_qerl_trainer_create_model_card_writes_our_card(tiny_dir, tmp_path):
                                                       task_type="CAUSAL_LM"))
     args = QeRLConfig(output_dir=str(tmp_path / "out"), learning_rate=1e-3, num_generations=2,
                       per_device_train_batch_size=2, max_completion_length=4, max_steps=1, logging_steps=1,
-                      save_strategy="no", report_to="none", bf16=False, use_cpu=True, aqn_num_stages=2,
+                      save_strategy="steps", save_steps=1, report_to="none", bf16=False, use_cpu=True, aqn_num_stages=2,
                       hub_model_id="me/tiny-qerl", disable_tqdm=True)
     ds = Dataset.from_list([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}])
     trainer = QeRLGRPOTrainer(model=model, args=args, train_dataset=ds, processing_class=AutoTokenizer.from_pretrained(
         tiny_dir), reward_funcs=[lambda completions, **kw: [float(len(c)) for c in completions]])
     trainer.train()
+    path = tmp_path / "out" / "README.md"
+    assert "qerl" in ModelCard.load(path).data.tags  # TRL's checkpoint save called our create_model_card
     trainer.save_model()  # what push_to_hub saves before it calls create_model_card and uploads output_dir
     trainer.create_model_card(model_name="tiny-qerl", tags=["mine"])
-    path = tmp_path / "out" / "README.md"
     card = ModelCard.load(path)
     assert "fine-tuned version of" not in card.text  # TRL's generic card
     d = card.data
@@ -249,6 +250,20 @@ def test_qerl_trainer_create_model_card_writes_our_card(tiny_dir, tmp_path):
     assert "reward" in d.training["metrics"] and d.training["metrics"]["global_step"] == 1
     assert 'PeftModel.from_pretrained(base, "me/tiny-qerl")' in card.text
     assert {"adapter_model.safetensors", "tokenizer.json"} <= set(os.listdir(tmp_path / "out"))
+
+
+def test_qerl_trainer_on_a_plain_model_keeps_trls_card(tiny_dir, tmp_path):
+    from hfq.qerl import QeRLConfig, QeRLGRPOTrainer
+
+    args = QeRLConfig(output_dir=str(tmp_path / "out"), num_generations=2, per_device_train_batch_size=2,
+                      max_completion_length=4, max_steps=1, save_strategy="no", report_to="none", bf16=False,
+                      use_cpu=True, aqn=False)
+    ds = Dataset.from_list([{"prompt": "1+1=", "answer": "2"}])
+    trainer = QeRLGRPOTrainer(model=AutoModelForCausalLM.from_pretrained(tiny_dir), args=args, train_dataset=ds,
+                              processing_class=AutoTokenizer.from_pretrained(tiny_dir),
+                              reward_funcs=[lambda completions, **kw: [0.0] * len(completions)])
+    trainer.create_model_card(model_name="plain")
+    assert "fine-tuned version of" in (tmp_path / "out" / "README.md").read_text()
 
 
 # --------------------------------------------------------------------------- push: fail fast, offline
@@ -276,6 +291,21 @@ def test_cli_push_bad_repo_and_missing_token(nvfp4, tmp_path, no_token, capsys):
     with pytest.raises(SystemExit, match="no Hub token: .*no token found"):
         main(["push", str(tmp_path / "m"), "me/ok", "--private"])
     assert not (tmp_path / "m" / "README.md").exists()  # nothing touched before the checks pass
+
+
+def test_cli_push_adds_the_card_then_reports_the_upload_error(nvfp4, tiny_dir, tmp_path, monkeypatch):
+    import huggingface_hub.constants as c
+
+    from hfq.cli import main
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)  # the upload itself must fail here, never reach the network
+    nvfp4.save_pretrained(tmp_path / "m")
+    AutoTokenizer.from_pretrained(tiny_dir).save_pretrained(tmp_path / "m")
+    with pytest.raises(SystemExit, match="upload to 'me/ok' failed: .*offline mode"):
+        main(["push", str(tmp_path / "m"), "me/ok", "--token", "hf_not_a_real_token"])
+    card = ModelCard.load(tmp_path / "m" / "README.md")
+    assert card.data.library_name == "transformers" and card.data.quantization["quant_method"] == "hfq_nvfp4"
+    assert 'AutoTokenizer.from_pretrained("me/ok")' in card.text  # the folder's tokenizer goes up with it
 
 
 def test_cli_push_as_a_command(tmp_path):

@@ -30,5 +30,7 @@ def main(args) -> int:
         url = hub.upload_folder(args.folder, args.repo, private=args.private, token=args.token)
     except ValueError as e:
         raise SystemExit(f"hfq push: DIR: {e}") from None
+    except OSError as e:  # huggingface_hub's HTTP, connection and offline-mode errors
+        raise SystemExit(f"hfq push: upload to {args.repo!r} failed: {e}") from None
     print(f"pushed {os.path.abspath(args.folder)} to {url}" + ("" if had_card else " (added README.md model card)"))
     return 0

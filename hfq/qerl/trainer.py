@@ -9,10 +9,13 @@ Only TRL's extension points are overridden:
   base the sync sends re-quantized LoRA-merged layers in compressed-tensors naming, see `vllm_sync`).
 - `_generate_single_turn`: routes to hfq's rollout engine (`hfq.rollout.RolloutMixin`) when `use_hfq_rollout` is
   on and the model is on CUDA without vLLM; otherwise TRL's own path.
+- `create_model_card`: hfq's adapter card (hfq.hub) in `output_dir/README.md`, which `push_to_hub()` uploads.
 `peft_config=LoraConfig(...)` works as in TRL: `import hfq` taught PEFT to wrap NVFP4Linear.
 The policy entropy is TRL's `entropy` metric (computed on every loss call).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 from trl import GRPOTrainer
@@ -95,11 +98,13 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
         `output_dir/README.md` instead of TRL's generic card, so `push_to_hub()` uploads it."""
         if not self.is_world_process_zero():
             return
-        import os
+        from ..hub import detect_kind, trainer_card
 
-        from ..hub import trainer_card
-
-        card = trainer_card(self, dataset_name=dataset_name)
+        try:
+            detect_kind(self.accelerator.unwrap_model(self.model))
+        except ValueError:  # neither an adapter nor hfq-quantized: TRL's card describes it
+            return super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        card = trainer_card(self, dataset_name=dataset_name, license=kwargs.get("license"))
         if tags:
             card.data.tags = list(dict.fromkeys(card.data.tags + ([tags] if isinstance(tags, str) else list(tags))))
         os.makedirs(self.args.output_dir, exist_ok=True)
