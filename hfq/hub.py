@@ -167,7 +167,7 @@ def _safe_kind(model) -> str | None:
 
 
 def _plain(v):
-    """A YAML-safe scalar (floats to 6 significant digits, enums and other objects to str)."""
+    """A YAML-safe value (floats to 6 significant digits, lists element-wise, enums and other objects to str)."""
     if isinstance(v, bool) or v is None:
         return v
     if isinstance(v, str):  # str enums (SchedulerType, OptimizerNames) dump as Python objects otherwise
@@ -176,6 +176,8 @@ def _plain(v):
         return int(v)
     if isinstance(v, float):
         return float(f"{v:.6g}")
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
     if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
         return _plain(v.item())
     return str(getattr(v, "value", v))
@@ -194,7 +196,7 @@ def training_facts(trainer=None, training_args=None, metrics=None) -> tuple[dict
         hp.pop("num_train_epochs", None)
     elif isinstance(steps, int):
         hp.pop("max_steps")
-    if _optimizer_name(trainer):  # a custom optimizer: `optim` in the args was not used
+    if _optimizer_name(trainer):  # the optimizer class actually built or given, more exact than the `optim` name
         hp["optimizer"] = _optimizer_name(trainer)
         hp.pop("optim", None)
     found = {}
@@ -283,7 +285,7 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
     fmt = str(quant.get("format") or "dense")
     tags = ["hfq", method, quant["quant_method"], fmt] + (["lora", "peft"] if kind == "adapter" else []) + (
         ["trl", "grpo"] if method in ("qerl", "grpo") and trainer is not None else [])
-    training = {"method": method}
+    training = {"method": method} if (kind in ("adapter", "qft") or trainer is not None or hp or found) else {}
     if trainer is not None:
         training["trainer"] = type(trainer).__name__
     if hp:
@@ -297,7 +299,7 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
     data = ModelCardData(base_model=base, library_name="peft" if kind == "adapter" else "transformers",
                          pipeline_tag="text-generation", tags=tags, license=license,
                          datasets=[dataset_name] if dataset_name else None, quantization=quant,
-                         training=training, base_model_relation=relation if base else None)
+                         training=training or None, base_model_relation=relation if base else None)
     fields = dict(model_name=repo_id.split("/")[-1], repo_id=repo_id, base_model=base or "",
                   base_source=_base_source(source), method=method, quant=quant, format=fmt,
                   format_upper=fmt.upper(), hparams=hp, metrics=found, training_summary=training_summary,
@@ -400,7 +402,8 @@ def folder_card(folder: str, repo_id: str):
               "quest": "quest", "qft": "qft" if fmt == "int8_dense_sparse" else "eco"}[kind]
     base = hub_id(source)
     has_tok = any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    training = {"method": method, **({"metrics": found} if found else {})}
+    training = {"method": method, **({"metrics": found} if found else {})} if (kind in ("adapter", "qft") or found) \
+        else None
     data = ModelCardData(base_model=base, library_name="peft" if kind == "adapter" else "transformers",
                          pipeline_tag="text-generation", quantization=quant, training=training,
                          tags=[t for t in ["hfq", method, quant["quant_method"], fmt] if t != "unrecorded"] +

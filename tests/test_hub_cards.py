@@ -77,6 +77,7 @@ def test_nvfp4_card_base_model_only_for_a_hub_id(nvfp4):
     assert d.library_name == "transformers" and {"hfq", "nvfp4", "hfq_nvfp4"} <= set(d.tags)
     assert d.quantization["quant_method"] == "hfq_nvfp4" and d.quantization["format"] == "nvfp4"
     assert d.quantization["layers_quantized"] == 14 and d.quantization["block_size"] == 16
+    assert "training" not in d.to_dict()  # loaded and quantized, not trained: no training block
 
 
 def test_nvfp4_save_for_hub_folder_reloads_through_the_card_snippet(nvfp4, tiny_dir, tmp_path):
