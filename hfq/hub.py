@@ -199,16 +199,22 @@ def training_facts(trainer=None, training_args=None, metrics=None) -> tuple[dict
     if _optimizer_name(trainer):  # the optimizer class actually built or given, more exact than the `optim` name
         hp["optimizer"] = _optimizer_name(trainer)
         hp.pop("optim", None)
-    found = {}
     state = getattr(trainer, "state", None)
-    for entry in getattr(state, "log_history", None) or []:
+    found = run_metrics(getattr(state, "log_history", None), getattr(state, "global_step", 0))
+    found.update({k: _plain(v) for k, v in (metrics or {}).items()})
+    return hp, found
+
+
+def run_metrics(log_history, global_step=0) -> dict:
+    """The last logged value of each METRICS key in a Trainer's log_history (+ global_step when any was logged)."""
+    found = {}
+    for entry in log_history or []:
         for k in METRICS:
             if k in entry:
                 found[k] = _plain(entry[k])
-    if found and getattr(state, "global_step", 0):
-        found["global_step"] = int(state.global_step)
-    found.update({k: _plain(v) for k, v in (metrics or {}).items()})
-    return hp, found
+    if found and global_step:
+        found["global_step"] = int(global_step)
+    return found
 
 
 def _optimizer_name(trainer) -> str | None:
@@ -382,7 +388,8 @@ def folder_card(folder: str, repo_id: str):
     state = folder / "trainer_state.json"
     found = {}
     if state.is_file():
-        _, found = training_facts(_StateOnly(json.loads(state.read_text())))
+        saved = json.loads(state.read_text())
+        found = run_metrics(saved.get("log_history"), saved.get("global_step"))
     quant = {k: qc[k] for k in ("quant_method", "format", "weight_format", "weight_bits", "activation_bits", "grid",
                                 "gradient_bits", "save_format", "hadamard", "estimator", "rounding")
              if qc.get(k) is not None}
@@ -420,15 +427,6 @@ def folder_card(folder: str, repo_id: str):
                       base_load=", quantization_config=hfq.NVFP4Config()" if fmt in ("nvfp4", "mxfp4") and not
                       (Path(source) / "config.json").is_file() else "")
     return ModelCard(render(TEMPLATES[kind], data, **fields))
-
-
-class _StateOnly:
-    """A trainer stand-in holding only a saved trainer_state.json (log_history and global_step)."""
-
-    def __init__(self, state: dict):
-        from types import SimpleNamespace
-
-        self.state = SimpleNamespace(log_history=state.get("log_history") or [], global_step=state.get("global_step"))
 
 
 def upload_folder(folder: str, repo_id: str, private: bool = True, token: str | None = None,

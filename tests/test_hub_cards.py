@@ -181,6 +181,10 @@ def test_eco_fine_tune_card_has_hyperparameters_and_run_metrics(tiny_dir, tmp_pa
     last_loss = [h["loss"] for h in trainer.state.log_history if "loss" in h][-1]
     assert metrics["loss"] == pytest.approx(last_loss, rel=1e-5) and metrics["global_step"] == 2
     assert "| optimizer | ECOAdamW |" in card.text and "ECO folds" in card.text
+    trainer.state.save_to_json(os.path.join(out, "trainer_state.json"))  # what a Trainer checkpoint holds
+    folder = hub.folder_card(out, "me/tiny-eco").data
+    assert folder.training["metrics"]["loss"] == metrics["loss"] and folder.training["method"] == "eco"
+    assert folder.quantization["format"] == "fp8_e4m3_row"
     scope = _run_snippet(str(card), {"me/tiny-eco": out})
     from hfq.qparam import QParam
 
