@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .._base.surgery import modules_to_skip, replace_linears
-from ..qparam import QLinear, QParam, qlinear
+from ..qparam import QLinear, QParam, ddp_ignore_int8_grad_weights_, qlinear
 from .config import check_gradient_bits
 
 
@@ -77,6 +77,7 @@ def quantize_model_(model: nn.Module, config) -> list[str]:
     from .quantizer import QFTHfQuantizer
 
     names = convert_linears_(model, config)
+    ddp_ignore_int8_grad_weights_(model)
     if hasattr(model, "config"):
         model.config.quantization_config = config
         model.hf_quantizer = QFTHfQuantizer(config, pre_quantized=False)
