@@ -43,6 +43,7 @@ _NAMES = {
     "int4_group": ("codes", "scales"),
     "int8_dense_sparse": ("codes", "scales", "zeros", "thresholds", "sparse_idx", "sparse_val"),
 }
+MAX_OUTLIER_FRACTION = 0.2  # QFT keeps ~1% outliers; beyond 20% the sparse part costs more than the dense one
 _VARIABLE = {"int8_dense_sparse": ("sparse_idx", "sparse_val")}  # stored tensors whose length varies with the data
 _DEFAULT_META = {
     "fp8_e4m3_row": {},
@@ -65,8 +66,11 @@ def check_format(fmt: str, shape=None, meta: dict | None = None) -> dict:
         full[k] = v
     if fmt == "int4_group" and (not isinstance(full["group_size"], int) or full["group_size"] <= 0):
         raise ValueError(f"int4_group: group_size must be a positive int, got {full['group_size']!r}")
-    if fmt == "int8_dense_sparse" and not 0 <= full["outlier_fraction"] < 1:
-        raise ValueError(f"int8_dense_sparse: outlier_fraction must be in [0, 1), got {full['outlier_fraction']}")
+    if fmt == "int8_dense_sparse":
+        f = full["outlier_fraction"]
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= MAX_OUTLIER_FRACTION:
+            raise ValueError(f"outlier_fraction: expected a number in [0, {MAX_OUTLIER_FRACTION}] (the share of "
+                             f"each int8_dense_sparse weight kept as bf16 outliers), got {f!r}")
     if shape is not None:
         if len(shape) != 2:
             raise ValueError(f"{fmt}: weight must be 2-D [out, in], got shape {tuple(shape)}")
@@ -112,6 +116,30 @@ def empty_qtensors(fmt, shape, meta, device=None) -> dict:
     return {"codes": z((rows, cols), torch.uint8), "scales": z((rows, 1), torch.float32),
             "zeros": z((rows, 1), torch.uint8), "thresholds": z((2,), torch.float32),
             "sparse_idx": z((0,), torch.int32), "sparse_val": z((0,), torch.bfloat16)}
+
+
+def check_qtensors(fmt: str, shape, meta: dict, data: dict, prefix: str = "") -> None:
+    """Refuse stored tensors that do not fit together (e.g. a checkpoint whose dense and sparse parts disagree):
+    ValueError naming the tensor (`prefix` + name), with the expected and found shape/dtype."""
+    exp = empty_qtensors(fmt, tuple(shape), meta, "meta")
+    for k in _NAMES[fmt]:
+        if k not in data:
+            raise ValueError(f"{prefix}{k}: missing ({fmt} needs {_NAMES[fmt]})")
+        t, e = data[k], exp[k]
+        fixed = k not in _VARIABLE.get(fmt, ())
+        if t.dtype != e.dtype or (fixed and tuple(t.shape) != tuple(e.shape)) or (not fixed and t.dim() != 1):
+            want = tuple(e.shape) if fixed else "(nnz,)"
+            raise ValueError(f"{prefix}{k}: expected shape {want} {e.dtype} for a {fmt} weight of shape "
+                             f"{tuple(shape)}, got {tuple(t.shape)} {t.dtype}")
+    if fmt == "int8_dense_sparse":
+        idx, val = data["sparse_idx"], data["sparse_val"]
+        if idx.numel() != val.numel():
+            raise ValueError(f"{prefix}sparse_val: {val.numel()} outlier values for {idx.numel()} indices in "
+                             f"{prefix}sparse_idx (the dense and sparse parts disagree)")
+        n = shape[0] * shape[1]
+        if idx.numel() and idx.device.type != "meta" and bool(((idx < 0) | (idx >= n)).any()):
+            raise ValueError(f"{prefix}sparse_idx: outlier indices must lie in [0, {n}) for a weight of shape "
+                             f"{tuple(shape)}, got [{int(idx.min())}, {int(idx.max())}]")
 
 
 class QParam(torch.Tensor):
@@ -328,7 +356,7 @@ class Int8Grad(torch.Tensor):
 
     `accumulate_(g)`: gradient accumulation as dequantize + add + requantize (1 byte/element between micro-steps; an
     fp32 accumulator would cost 4). Each requantization adds at most half a step of the running sum's row scale, so
-    k micro-steps are within sum_j s_j/2 of the exact sum (tests/test_qft_grads.py measures ~1.3x the one-shot error
+    k micro-steps are within sum_j s_j/2 of the exact sum (tests/test_qft_grads.py measures ~1.4x the one-shot error
     for k=4). `finite` is a device bool that turns False if any added gradient (or clip factor) had NaN/Inf; hfq's
     optimizers refuse the step, reading it in their one per-step sync. `param_name`: the parameter's module path if known."""
 
@@ -551,11 +579,15 @@ class QLinear(nn.Module):
         out.bias = linear.bias
         return out
 
-    def finalize(self) -> None:
-        """Turn loaded placeholder buffers into the QParam weight."""
+    def finalize(self, name: str = "") -> None:
+        """Turn loaded placeholder buffers into the QParam weight (checked first; `name` prefixes errors)."""
         if self.weight is not None:
             return
-        data = {k: self._buffers.pop("weight_" + k) for k in _NAMES[self.weight_format]}
+        names = _NAMES[self.weight_format]
+        check_qtensors(self.weight_format, (self.out_features, self.in_features), self.weight_meta,
+                       {k: self._buffers["weight_" + k] for k in names if "weight_" + k in self._buffers},
+                       f"{name}.weight_" if name else "weight_")
+        data = {k: self._buffers.pop("weight_" + k) for k in names}
         del self.weight
         self.weight = nn.Parameter(QParam(data, self.weight_format, (self.out_features, self.in_features),
                                           self.weight_meta), requires_grad=True)
@@ -583,12 +615,11 @@ class QLinear(nn.Module):
                 self._buffers["weight_" + k] = state_dict[keys[k]]
         elif len(present) == len(names):
             data = {k: state_dict[keys[k]] for k in names}
-            exp = empty_qtensors(self.weight_format, tuple(self.weight.shape), self.weight_meta, "meta")
-            for k in ("codes", "scales"):
-                if tuple(data[k].shape) != tuple(exp[k].shape) or data[k].dtype != exp[k].dtype:
-                    error_msgs.append(f"{keys[k]}: expected {tuple(exp[k].shape)} {exp[k].dtype}, got "
-                                      f"{tuple(data[k].shape)} {data[k].dtype}")
-                    return
+            try:
+                check_qtensors(self.weight_format, tuple(self.weight.shape), self.weight_meta, data, prefix + "weight_")
+            except ValueError as e:
+                error_msgs.append(str(e))
+                return
             self.weight.load_qtensors_(data)
         for k in names:
             if k not in present:

@@ -49,6 +49,7 @@ class QFTConfig(HfqConfig):
         check_choice("weight_format", self.weight_format, FORMATS)
         check_choice("rounding", self.rounding, ROUNDINGS)
         check_format(self.weight_format, None, self.format_options)
+        check_format("int8_dense_sparse", None, {"outlier_fraction": self.outlier_fraction})  # any format: fail early
         check_gradient_bits(self.gradient_bits)
 
     @property

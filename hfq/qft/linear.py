@@ -51,6 +51,9 @@ def layer_maker(config, placeholder: bool = False, generator=None):
                       device=mod.weight.device, dtype=mod.weight.dtype, placeholder=True,
                       **extra, **config.format_options)
         else:
+            if not torch.isfinite(mod.weight).all():
+                raise ValueError(f"{name}.weight: {int((~torch.isfinite(mod.weight)).sum())} NaN/Inf value(s); "
+                                 "cannot quantize a non-finite weight")
             new = cls.from_linear(mod, config.weight_format, config.rounding, generator, **extra,
                                   **config.format_options)
         if cls is QFTLinear:
@@ -66,9 +69,9 @@ def convert_linears_(model: nn.Module, config, placeholder: bool = False, genera
 
 
 def finalize_(model: nn.Module) -> None:
-    for m in model.modules():
+    for name, m in model.named_modules():
         if isinstance(m, QLinear):
-            m.finalize()
+            m.finalize(name)
 
 
 def quantize_model_(model: nn.Module, config) -> list[str]:

@@ -1,0 +1,333 @@
+"""QFTConfig(gradient_bits=8) INT8 weight gradients with what training wraps around them: gradient accumulation
+(micro-steps vs one large batch, by hand and through Trainer), Trainer's max_grad_norm (the INT8 store is counted in
+the norm and scaled), DDP over 2 CPU processes (gloo; ranks bit-identical, = one process on the global batch within
+INT8 error), Trainer resume, and bad inputs (outlier_fraction, NaN weights/gradients, inconsistent checkpoints).
+
+This file is also the DDP worker script: `python tests/test_qft_grads.py ddp OUT` spawns 2 ranks.
+"""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+STEPS, SHARD, SEQ, WORLD = 3, 4, 16, 2
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny(seed=0, gradient_bits=8):
+    from hfq.qft import QFTConfig, quantize_model_
+    from hfq.tiny import tiny_model
+
+    model = tiny_model("llama", seed=seed, hidden=64, intermediate=128, kv_heads=4).train()
+    quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=gradient_bits))
+    return model
+
+
+def _grads(model):
+    """name -> fp32 gradient (INT8 stores dequantized)."""
+    from hfq.qparam import Int8Grad
+
+    return {n: (p.grad.dequantize() if isinstance(p.grad, Int8Grad) else p.grad.float()).clone()
+            for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _int8(model):
+    from hfq.qft import int8_grad
+
+    return {n: int8_grad(p) for n, p in model.named_parameters() if int8_grad(p) is not None}
+
+
+# ---------------------------------------------------------------------------------------- gradient accumulation
+def test_accumulation_error_is_bounded_by_int8_steps():
+    """k=4 micro-batches into one INT8 store vs the exact fp32 gradient of the whole batch: every element is within
+    sum_j s_j/2 (s_j: the row scale after micro-step j, each requantization rounds to nearest once)."""
+    from hfq.qft import QFTLinear, int8_grad
+
+    torch.manual_seed(0)
+    lin = QFTLinear.from_linear(nn.Linear(96, 48), "int8_dense_sparse", gradient_bits=8)
+    x, t = torch.randn(32, 96), torch.randn(32, 48)
+    w = lin.weight.dequantize(torch.float32)
+    exact = ((x @ w.t() + lin.bias.detach().float() - t) * 2 / x.shape[0]).t() @ x  # d/dW mean-free sum of squares
+    bound, errs = torch.zeros(48, 1), {}
+    for k in (1, 4):
+        lin.weight.grad = None
+        bound.zero_()
+        for xb, tb in zip(x.chunk(k), t.chunk(k)):
+            ((lin(xb) - tb) ** 2).sum().div(x.shape[0]).backward()
+            bound += int8_grad(lin.weight).scales / 2
+        got = int8_grad(lin.weight)
+        assert got.count == k
+        err = (got.dequantize() - exact).abs()
+        assert (err <= bound * (1 + 1e-4) + 1e-7).all(), k
+        errs[k] = float(err.mean() / exact.abs().mean())
+    assert errs[4] < 3 * errs[1] and errs[4] < 0.01, errs  # the accumulated error stays a few one-shot errors
+
+
+def _data(n=32):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = (torch.randint(0, 90, (1,), generator=g) + torch.arange(SEQ)) % 90 + 3
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+class _Record:
+    """Trainer callback: INT8 scales after each accumulation micro-step, and every gradient right before the
+    optimizer step (after Trainer's clipping), plus the optimizer state after it."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Rec(TrainerCallback):
+            def __init__(self):
+                self.micro, self.pre, self.after = [], [], []
+
+            def on_substep_end(self, args, state, control, model=None, **kw):
+                self.micro.append({n: q.scales.clone() for n, q in _int8(model).items()})
+
+            def on_pre_optimizer_step(self, args, state, control, model=None, **kw):
+                self.micro.append({n: q.scales.clone() for n, q in _int8(model).items()})
+                self.pre.append(_grads(model))
+
+            def on_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+                opt = getattr(optimizer, "optimizer", optimizer)
+                names = {id(p): n for n, p in model.named_parameters()}
+                self.after.append({names[id(p)]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()})
+
+        return Rec()
+
+
+def _trainer_run(out, steps=1, batch=8, accum=1, max_grad_norm=0.0, resume=None, save_steps=0, **opt_kw):
+    from transformers import Trainer, TrainingArguments
+
+    from hfq.qft import QLion
+
+    model = _tiny()
+    opt = QLion(model.parameters(), **dict(dict(lr=1e-3, weight_decay=0.01, seed=1), **opt_kw))
+    rec = _Record()
+    args = TrainingArguments(out, max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
+                             max_grad_norm=max_grad_norm, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                             disable_tqdm=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 1,
+                             lr_scheduler_type="constant")
+    tr = Trainer(model=model, args=args, train_dataset=_data(), optimizers=(opt, None), callbacks=[rec])
+    tr.train(resume_from_checkpoint=resume)
+    logs = [h for h in tr.state.log_history if "loss" in h]
+    return model, rec, logs
+
+
+def _qvalue(model):
+    from hfq.qparam import QParam
+
+    return {n: (p.dequantize(torch.float32) if isinstance(p, QParam) else p.detach().float()).clone()
+            for n, p in model.named_parameters()}
+
+
+def test_trainer_accumulation_matches_one_large_batch(tmp_path):
+    """gradient_accumulation_steps=4 x batch 2 vs 1 x batch 8 (the same 8 sequences): the INT8 gradients agree within
+    the sum of the half-steps of both stores' requantizations; Lion's update direction differs only where the
+    gradient itself is within that bound of zero; the weights after the step differ only there (2*lr) and by the
+    SR grid of rows whose range moved (one INT8 step)."""
+    lr = 1e-3
+    m1, r1, l1 = _trainer_run(str(tmp_path / "one"), batch=8, accum=1, lr=lr)
+    m4, r4, l4 = _trainer_run(str(tmp_path / "acc"), batch=2, accum=4, lr=lr)
+    assert len(r4.micro) == 4 and len(r1.micro) == 1
+    g1, g4 = r1.pre[0], r4.pre[0]
+    q_names = list(r1.micro[0])
+    assert q_names and g1.keys() == g4.keys()
+    flips = 0
+    for n in q_names:
+        bound = sum(m[n] for m in r4.micro) / 2 + r1.micro[0][n] / 2  # rows
+        err = (g4[n] - g1[n]).abs()
+        assert (err <= bound * (1 + 1e-4) + 1e-7).all(), n
+        rows = g1[n].shape[0]
+        flipped = torch.sign(g1[n]) != torch.sign(g4[n])
+        assert (g1[n][flipped].abs() <= bound.expand(rows, g1[n].shape[1])[flipped] * (1 + 1e-4) + 1e-7).all(), n
+        flips += int(flipped.sum())
+    total = sum(g1[n].numel() for n in q_names)
+    assert flips / total < 0.02, flips / total
+    for n, p in m1.named_parameters():  # plain parameters: float accumulation, fp32 rounding only
+        if n not in q_names:
+            torch.testing.assert_close(g4[n], g1[n], rtol=1e-4, atol=1e-6)
+    v1, v4 = _qvalue(m1), _qvalue(m4)
+    for n in q_names:
+        step = dict(m1.named_parameters())[n].scales.max()
+        assert float((v1[n] - v4[n]).abs().max()) <= 2 * lr + float(step) * 1.01, n
+        assert float((v1[n] - v4[n]).abs().mean()) < 0.05 * lr, n
+    assert abs(l1[0]["loss"] - l4[0]["loss"]) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------- clipping
+def test_clip_grad_norm_sees_and_scales_int8_gradients():
+    """torch.nn.utils.clip_grad_norm_ (what accelerate and Trainer call): the INT8 store counts in the norm and is
+    scaled by exactly the clip factor (row scales only); max_norm=inf (Trainer with max_grad_norm=0) changes nothing."""
+    model = _tiny()
+    x = torch.randint(3, 90, (4, SEQ), generator=torch.Generator().manual_seed(0))
+    model(input_ids=x, labels=x).loss.backward()
+    stores = _int8(model)
+    before = _grads(model)
+    snap = {n: (q.codes.clone(), q.scales.clone(), q.zeros.clone()) for n, q in stores.items()}
+    total = torch.stack([g.norm() for g in before.values()]).norm()
+    plain_only = torch.stack([g.norm() for n, g in before.items() if n not in stores]).norm()
+    assert float(total) > 1.05 * float(plain_only)  # the INT8 gradients matter for the norm
+    for max_norm in (float("inf"), 1e9):
+        got = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        torch.testing.assert_close(got, total, rtol=1e-5, atol=0)
+        for n, q in stores.items():
+            assert all(torch.equal(a, b) for a, b in zip((q.codes, q.scales, q.zeros), snap[n])), n
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    coef = 0.01 / (float(total) + 1e-6)
+    after = _grads(model)
+    for n, g in before.items():
+        torch.testing.assert_close(after[n], g * coef, rtol=1e-6, atol=1e-12)
+    for n, q in stores.items():
+        assert torch.equal(q.codes, snap[n][0]) and torch.equal(q.zeros, snap[n][2])
+    torch.testing.assert_close(torch.stack([g.norm() for g in after.values()]).norm(), torch.tensor(0.01), rtol=1e-4,
+                               atol=0)
+
+
+def test_trainer_max_grad_norm_clips_int8_gradients(tmp_path):
+    """Trainer(max_grad_norm=tiny) vs max_grad_norm=0 on the same batch: every gradient the optimizer sees (INT8 and
+    plain) is the unclipped one times max/(total+1e-6), total being the norm over all of them, as Trainer logs it;
+    the step's momentum is (1-beta2) times the clipped gradient. max_grad_norm=0 equals a plain backward outside
+    Trainer on that batch."""
+    tiny, b2 = 1e-3, 0.99
+    m0, r0, l0 = _trainer_run(str(tmp_path / "noclip"), max_grad_norm=0.0, momentum_bits=None, betas=(0.9, b2))
+    mc, rc, lc = _trainer_run(str(tmp_path / "clip"), max_grad_norm=tiny, momentum_bits=None, betas=(0.9, b2))
+    g0, gc = r0.pre[0], rc.pre[0]
+    total = torch.stack([g.norm() for g in g0.values()]).norm()
+    assert abs(l0[0]["grad_norm"] - float(total)) <= 1e-5 * float(total)
+    assert abs(lc[0]["grad_norm"] - float(total)) <= 1e-5 * float(total)
+    coef = tiny / (float(total) + 1e-6)
+    assert coef < 0.1
+    for n, g in g0.items():
+        torch.testing.assert_close(gc[n], g * coef, rtol=1e-5, atol=1e-12)
+        torch.testing.assert_close(rc.after[0][n]["exp_avg"], gc[n] * (1 - b2), rtol=1e-5, atol=1e-12)
+    # max_grad_norm=0: the gradient Trainer hands the optimizer is the backward's, untouched
+    from transformers import Trainer, TrainingArguments
+
+    ref = _tiny()
+    args = TrainingArguments(str(tmp_path / "ref"), per_device_train_batch_size=8, use_cpu=True, seed=0, report_to=[])
+    batch = next(iter(Trainer(model=ref, args=args, train_dataset=_data()).get_train_dataloader()))
+    ref(**batch).loss.backward()
+    for n, g in _grads(ref).items():
+        q = _int8(ref).get(n)
+        tol = float(q.scales.max()) if q is not None else 1e-6  # an fp32 rounding may move a code by one step
+        assert float((g0[n] - g).abs().max()) <= tol, n
+
+
+# --------------------------------------------------------------------------------------------------------- DDP
+def _shard(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(4, 90, (SHARD, SEQ), generator=g)
+
+
+def _snapshot(model):
+    from hfq.qparam import QParam
+
+    out = {}
+    for n, p in model.named_parameters():
+        if isinstance(p, QParam):
+            for k, t in p.qtensors().items():
+                out[f"{n}.{k}"] = t.clone()
+        else:
+            out[n] = p.detach().clone()
+    return out
+
+
+def _opt(params):
+    from hfq.qft import QLion
+
+    return QLion(params, lr=3e-3, weight_decay=0.01, seed=1)
+
+
+def _ddp_worker(rank, port, out):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    model = _tiny()
+    ddp = DDP(model)
+    opt = _opt(ddp.parameters())
+    res = {"snaps": [], "losses": [], "norms": [], "int8": None}
+    for step in range(STEPS):
+        x = _shard(step, rank)
+        loss = ddp(input_ids=x, labels=x).loss
+        loss.backward()
+        if step == 0:
+            res["int8"] = {n: (q.codes.clone(), q.scales.clone()) for n, q in _int8(model).items()}
+            res["grads"] = _grads(model)
+        res["norms"].append(float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)))
+        opt.step()
+        opt.zero_grad()
+        res["snaps"].append(_snapshot(model))
+        res["losses"].append(float(loss.detach()))
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+
+
+def test_ddp_two_processes_int8_gradients(tmp_path):
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "ddp", str(tmp_path)], env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    a, b = (torch.load(tmp_path / f"rank{i}.pt") for i in range(WORLD))
+    assert a["losses"] != b["losses"]  # different data per rank
+    assert a["int8"] and a["int8"].keys() == b["int8"].keys()
+    for n in a["int8"]:  # the INT8 gradients were averaged before storage: the same codes and scales on both ranks
+        assert all(torch.equal(x, y) for x, y in zip(a["int8"][n], b["int8"][n])), n
+    for n in a["grads"]:
+        assert torch.equal(a["grads"][n], b["grads"][n]), n
+    for sa, sb in zip(a["snaps"], b["snaps"]):
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    # one process on the concatenated global batch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _tiny()
+        opt = _opt(model.parameters())
+        losses, norms = [], []
+        for step in range(STEPS):
+            x = torch.cat([_shard(step, r) for r in range(WORLD)])
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            if step == 0:
+                ref = _grads(model)
+                stores = _int8(model)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+    finally:
+        torch.set_num_threads(threads)
+    for n, g in ref.items():  # one INT8 rounding each side; plain grads: fp32 summation order
+        tol = float(stores[n].scales.max()) * 1.01 if n in stores else 1e-6
+        assert float((a["grads"][n] - g).abs().max()) <= tol, n
+    mean = [(x + y) / 2 for x, y in zip(a["losses"], b["losses"])]
+    assert mean[0] == pytest.approx(losses[0], abs=1e-5)
+    assert max(abs(x - y) for x, y in zip(mean, losses)) < 2e-3, (mean, losses)
+    assert a["norms"] == b["norms"] and a["norms"][0] == pytest.approx(norms[0], rel=1e-3)
+    assert a["norms"][0] > 1.0  # clipping was active, on the same global norm on both ranks
+    k = "model.layers.0.mlp.down_proj.weight.codes"
+    assert not torch.equal(a["snaps"][-1][k], _snapshot(_tiny())[k])  # the quantized weights were trained
+
+
+if __name__ == "__main__":
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(port, sys.argv[2]), nprocs=WORLD)
