@@ -220,6 +220,117 @@ def test_trainer_max_grad_norm_clips_int8_gradients(tmp_path):
         assert float((g0[n] - g).abs().max()) <= tol, n
 
 
+# ------------------------------------------------------------------------------------------------------ resume
+def test_trainer_resume_bit_exact_with_accumulation_and_clipping(tmp_path):
+    """QLion + gradient_bits=8 + gradient_accumulation_steps=2 + max_grad_norm: resuming from the step-3 checkpoint
+    gives the uninterrupted run's losses, weights and optimizer state, bit for bit."""
+    kw = dict(steps=6, batch=4, accum=2, max_grad_norm=0.5, lr=3e-3)
+    m_a, r_a, l_a = _trainer_run(str(tmp_path / "a"), save_steps=3, **kw)
+    assert all(h["grad_norm"] > 0.5 for h in l_a[:3])  # the clip was active
+    m_b, r_b, l_b = _trainer_run(str(tmp_path / "b"), resume=str(tmp_path / "a" / "checkpoint-3"), **kw)
+    assert [h["loss"] for h in l_a[3:]] == [h["loss"] for h in l_b[-3:]]
+    assert [h["grad_norm"] for h in l_a[3:]] == [h["grad_norm"] for h in l_b[-3:]]
+    sa, sb = m_a.state_dict(), m_b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    oa, ob = r_a.after[-1], r_b.after[-1]
+    assert oa.keys() == ob.keys()
+    for n in oa:
+        for k, v in oa[n].items():
+            assert v.dtype == ob[n][k].dtype and torch.equal(v, ob[n][k]), (n, k)
+    start = _tiny().state_dict()
+    assert not torch.equal(sa["model.layers.0.mlp.up_proj.weight_codes"], start["model.layers.0.mlp.up_proj.weight_codes"])
+
+
+# -------------------------------------------------------------------------------------------------- bad input
+def test_outlier_fraction_range():
+    from hfq.qft import QFTConfig, QFTLinear
+
+    for bad in (-0.01, 0.21, 1.0, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match=r"outlier_fraction: expected a number in \[0, 0\.2\]"):
+            QFTConfig(outlier_fraction=bad)
+        with pytest.raises(ValueError, match="outlier_fraction"):
+            QFTConfig(weight_format="fp8_e4m3_row", outlier_fraction=bad)  # refused whatever the format
+    with pytest.raises(ValueError, match="outlier_fraction"):
+        QFTLinear.from_linear(nn.Linear(32, 8), "int8_dense_sparse", outlier_fraction=0.5)
+    for ok in (0, 0.0, 0.01, 0.2):
+        assert QFTConfig(outlier_fraction=ok).format_options == {"outlier_fraction": ok}
+    lin = QFTLinear.from_linear(nn.Linear(32, 8), "int8_dense_sparse", outlier_fraction=0.2)
+    assert 0 < lin.weight.sparse_idx.numel() <= 0.2 * 32 * 8 + 2
+
+
+def test_nan_weight_refused_at_quantization_naming_the_layer():
+    from hfq.qft import QFTConfig, quantize_model_
+    from hfq.tiny import tiny_model
+
+    model = tiny_model("llama", hidden=64, intermediate=128, kv_heads=4)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight[2, 3] = float("inf")
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.v_proj\.weight: 1 NaN/Inf"):
+        quantize_model_(model, QFTConfig(gradient_bits=8))
+
+
+def test_nan_gradient_refused_after_clipping_and_int8_grad_not_writable():
+    """A NaN reaching one INT8 store: clip_grad_norm_ (as Trainer runs it) spreads the NaN norm into every factor;
+    QLion then refuses the step and no weight or state changes. In-place ops other than scaling are refused,
+    naming the weight."""
+    from hfq.qft import QLion
+
+    model = _tiny()
+    opt = QLion(model.parameters(), lr=1e-2)
+    x = torch.randint(3, 90, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    snap, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    up = model.model.layers[0].mlp.up_proj
+    def poison(mod, inp, out):
+        out.register_hook(lambda g: g * float("nan"))
+
+    h = up.register_forward_hook(poison)
+    model(input_ids=x, labels=x).loss.backward()
+    h.remove()
+    with pytest.raises(TypeError, match=r"INT8 gradient of model\.layers\.0\.mlp\.up_proj\.weight"):
+        up.weight.grad.add_(1.0)
+    with pytest.raises(TypeError, match="only scaling by a scalar"):
+        up.weight.grad.mul_(torch.ones(up.weight.shape))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    assert not torch.isfinite(norm)
+    with pytest.raises(ValueError, match=r"non-finite gradient \(NaN/Inf\) in .*no parameter was updated"):
+        opt.step()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, snap[k]), k
+    for i, st in opt.state_dict()["state"].items():
+        assert all(torch.equal(v, state["state"][i][k]) for k, v in st.items()), i
+    model.zero_grad()  # nn.Module.zero_grad drops the INT8 gradients too (they are the .grad)
+    assert not _int8(model)
+
+
+def test_checkpoint_with_inconsistent_dense_and_sparse_parts_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model = _tiny()
+    key = "model.layers.0.mlp.down_proj.weight_sparse_val"
+    sd = model.state_dict()
+    assert sd[key].numel() > 1
+    bad = dict(sd, **{key: sd[key][:-1]})
+    with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp\.down_proj\.weight_sparse_val: \d+ outlier values"):
+        _tiny().load_state_dict(bad)
+    bad = dict(sd, **{"model.layers.0.mlp.down_proj.weight_zeros": sd["model.layers.0.mlp.down_proj.weight_zeros"][:3]})
+    with pytest.raises(RuntimeError, match=r"down_proj\.weight_zeros: expected shape \(64, 1\)"):
+        _tiny().load_state_dict(bad)
+    idx_key = "model.layers.0.mlp.down_proj.weight_sparse_idx"
+    bad = dict(sd, **{idx_key: sd[idx_key] + 64 * 128})
+    with pytest.raises(RuntimeError, match=r"down_proj\.weight_sparse_idx: outlier indices must lie in \[0, 8192\)"):
+        _tiny().load_state_dict(bad)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors[key] = tensors[key][:-1].contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj\.weight_sparse_val"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
 # --------------------------------------------------------------------------------------------------------- DDP
 def _shard(step, rank):
     g = torch.Generator().manual_seed(1000 * step + rank)
