@@ -433,12 +433,56 @@ def test_ddp_two_processes_int8_gradients(tmp_path):
     assert not torch.equal(a["snaps"][-1][k], _snapshot(_tiny())[k])  # the quantized weights were trained
 
 
-if __name__ == "__main__":
-    import socket
+def _trainer_worker(out):
+    """One rank of `accelerate launch`: Trainer + QLion, batch 2 x accumulation 2 x 2 ranks, max_grad_norm."""
+    torch.set_num_threads(1)
+    model, rec, logs = _trainer_run(os.path.join(out, "run"), steps=STEPS, batch=2, accum=2, max_grad_norm=0.5,
+                                    lr=3e-3)
+    import torch.distributed as dist
 
-    import torch.multiprocessing as mp
+    torch.save({"world": dist.get_world_size(), "snap": _snapshot(model), "logs": logs,
+                "ignored": sorted(getattr(model, "_ddp_params_and_buffers_to_ignore", []))},
+               os.path.join(out, f"trainer_rank{dist.get_rank()}.pt"))
+
+
+def _free_port():
+    import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(port, sys.argv[2]), nprocs=WORLD)
+        return s.getsockname()[1]
+
+
+def test_trainer_ddp_accelerate_launch_accumulation_and_clipping(tmp_path):
+    """Trainer under `accelerate launch` (2 CPU processes, DDP over gloo) with gradient accumulation and
+    max_grad_norm: ranks end bit-identical; losses and gradient norms are the single-process run's on the same
+    global batch of 8 within INT8 gradient error."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--main_process_port", str(_free_port()), "--mixed_precision", "no",
+           "--dynamo_backend", "no", os.path.abspath(__file__), "trainer", str(tmp_path)]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    a, b = (torch.load(tmp_path / f"trainer_rank{i}.pt") for i in range(WORLD))
+    assert a["world"] == 2 and "model.layers.0.self_attn.q_proj.weight" in a["ignored"]
+    assert a["snap"].keys() == b["snap"].keys() and all(torch.equal(a["snap"][k], b["snap"][k]) for k in a["snap"])
+    assert a["logs"] == b["logs"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _, _, ref = _trainer_run(str(tmp_path / "single"), steps=STEPS, batch=8, accum=1, max_grad_norm=0.5, lr=3e-3)
+    finally:
+        torch.set_num_threads(threads)
+    assert a["logs"][0]["loss"] == pytest.approx(ref[0]["loss"], abs=1e-5)
+    for x, y in zip(a["logs"], ref):
+        assert x["loss"] == pytest.approx(y["loss"], abs=2e-3), (a["logs"], ref)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-2), (a["logs"], ref)
+    assert ref[0]["grad_norm"] > 0.5  # the clip was active
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "trainer":
+        _trainer_worker(sys.argv[2])
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_ddp_worker, args=(_free_port(), sys.argv[2]), nprocs=WORLD)
