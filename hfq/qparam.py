@@ -296,8 +296,8 @@ class QParam(torch.Tensor):
 
 
 def _written_qparam(func, args, kwargs, cls=None) -> QParam | None:
-    """The first QParam (or `cls` instance) that a mutable op writes to (an argument marked `(a!)` in its schema, or a member of a
-    written tensor list, as foreach and fused optimizer kernels take), else None."""
+    """The first QParam (or `cls` instance) that a mutable op writes to (an argument marked `(a!)` in its schema, or a
+    member of a written tensor list, as foreach and fused optimizer kernels take), else None."""
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
@@ -358,7 +358,8 @@ class Int8Grad(torch.Tensor):
     fp32 accumulator would cost 4). Each requantization adds at most half a step of the running sum's row scale, so
     k micro-steps are within sum_j s_j/2 of the exact sum (tests/test_qft_grads.py measures ~1.4x the one-shot error
     for k=4). `finite` is a device bool that turns False if any added gradient (or clip factor) had NaN/Inf; hfq's
-    optimizers refuse the step, reading it in their one per-step sync. `param_name`: the parameter's module path if known."""
+    optimizers refuse the step, reading it in their one per-step sync. `param_name`: the parameter's module path if
+    known."""
 
     @staticmethod
     def __new__(cls, g: torch.Tensor, name: str | None = None, dtype: torch.dtype = torch.bfloat16):
@@ -375,7 +376,8 @@ class Int8Grad(torch.Tensor):
     def accumulate_(self, g: torch.Tensor) -> "Int8Grad":
         """Add a float gradient of the same shape (the sum is requantized per row, round-to-nearest)."""
         if tuple(g.shape) != tuple(self.shape):
-            raise ValueError(f"INT8 gradient of {self.param_name or 'a weight'}: added gradient has shape {tuple(g.shape)}, "
+            raise ValueError(f"INT8 gradient of {self.param_name or 'a weight'}: added gradient has shape "
+                             f"{tuple(g.shape)}, "
                              f"expected {tuple(self.shape)}")
         self.finite &= torch.isfinite(g).all()
         g = torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0)
@@ -407,7 +409,8 @@ class Int8Grad(torch.Tensor):
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
 
     def __repr__(self):
-        return f"Int8Grad(param_name={self.param_name}, shape={tuple(self.shape)}, count={self.count}, device={self.device})"
+        return (f"Int8Grad(param_name={self.param_name}, shape={tuple(self.shape)}, count={self.count}, "
+                f"device={self.device})")
 
     def __reduce_ex__(self, proto):
         raise TypeError("Int8Grad is not picklable: optimizers consume it at their step; checkpoints hold no gradients")
@@ -436,7 +439,8 @@ class Int8Grad(torch.Tensor):
         if func._schema.is_mutable:
             q = _written(func, args, kwargs, Int8Grad)
             if q is not None:
-                raise TypeError(f"{func} would modify the INT8 gradient of {q.param_name or 'a quantized weight'} in place; "
+                raise TypeError(f"{func} would modify the INT8 gradient of {q.param_name or 'a quantized weight'} "
+                                "in place; "
                                 "supported: scaling by a scalar (mul_), zero_, or setting .grad = None")
         unwrap = lambda a: a.dequantize(a.dtype) if isinstance(a, Int8Grad) else a  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))

@@ -112,7 +112,8 @@ def _trainer_run(out, steps=1, batch=8, accum=1, max_grad_norm=0.0, resume=None,
     rec = _Record()
     args = TrainingArguments(out, max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
                              max_grad_norm=max_grad_norm, logging_steps=1, report_to=[], use_cpu=True, seed=0,
-                             disable_tqdm=True, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 1,
+                             disable_tqdm=True, save_strategy="steps" if save_steps else "no",
+                             save_steps=save_steps or 1,
                              lr_scheduler_type="constant")
     tr = Trainer(model=model, args=args, train_dataset=_data(), optimizers=(opt, None), callbacks=[rec])
     tr.train(resume_from_checkpoint=resume)
@@ -238,7 +239,8 @@ def test_trainer_resume_bit_exact_with_accumulation_and_clipping(tmp_path):
         for k, v in oa[n].items():
             assert v.dtype == ob[n][k].dtype and torch.equal(v, ob[n][k]), (n, k)
     start = _tiny().state_dict()
-    assert not torch.equal(sa["model.layers.0.mlp.up_proj.weight_codes"], start["model.layers.0.mlp.up_proj.weight_codes"])
+    k = "model.layers.0.mlp.up_proj.weight_codes"
+    assert not torch.equal(sa[k], start[k])
 
 
 # -------------------------------------------------------------------------------------------------- bad input
