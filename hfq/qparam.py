@@ -351,8 +351,8 @@ def broadcast_qparams_(module: nn.Module, src: int = 0, group=None, bucket_bytes
 class Int8Grad(torch.Tensor):
     """A weight gradient stored as INT8 codes + per-row scale/zero point (QFT Algorithm 1: 'store as INT8'), held as
     the weight's `.grad` so that generic gradient code sees it: norms (torch/accelerate/Trainer `clip_grad_norm_`),
-    in-place scaling by a scalar (the clip: only the fp32 row scales change), `zero_grad` (drops it). Other read-only
-    ops see the dequantized value; any other in-place op is refused.
+    in-place scaling by a scalar (the clip: only the fp32 row scales change), GradScaler's unscale, `zero_grad` (drops
+    it). Other read-only ops see the dequantized value (`.float()` exactly); any other in-place op is refused.
 
     `accumulate_(g)`: gradient accumulation as dequantize + add + requantize (1 byte/element between micro-steps; an
     fp32 accumulator would cost 4). Each requantization adds at most half a step of the running sum's row scale, so
@@ -427,8 +427,24 @@ class Int8Grad(torch.Tensor):
             for t in args[0]:
                 t.scale_(args[1]) if isinstance(t, Int8Grad) else t.mul_(args[1])
             return None
+        if func is aten._amp_foreach_non_finite_check_and_unscale_.default:  # GradScaler.unscale_ (fp16 AMP)
+            grads, found_inf, inv_scale = args
+            plain = [t for t in grads if not isinstance(t, Int8Grad)]
+            if plain:
+                func(plain, found_inf, inv_scale)
+            for t in grads:
+                if isinstance(t, Int8Grad):
+                    t.scale_(inv_scale)
+                    torch.maximum(found_inf, (~t.finite).to(found_inf), out=found_inf)
+            return None
+        fp32 = lambda a: a.dequantize(torch.float32) if isinstance(a, Int8Grad) else a  # noqa: E731
         if func is aten.linalg_vector_norm.default and isinstance(args[0], Int8Grad):
-            return func(args[0].dequantize(torch.float32), *args[1:], **kwargs)  # fp32, as the codes allow
+            return func(fp32(args[0]), *args[1:], **kwargs)  # fp32, as the codes allow
+        if func is aten._foreach_norm.Scalar:
+            return func([fp32(t) for t in args[0]], *args[1:], **kwargs)
+        if func is aten._to_copy.default and isinstance(args[0], Int8Grad):
+            g = args[0]
+            return g.dequantize(kwargs.get("dtype") or g.dtype).to(kwargs.get("device") or g.device)
         if func in (aten.detach.default, aten.detach_.default, aten.alias.default):
             return args[0]
         if func is aten.zero_.default:

@@ -191,6 +191,48 @@ def test_clip_grad_norm_sees_and_scales_int8_gradients():
                                atol=0)
 
 
+def test_grad_scaler_unscales_int8_gradients_and_module_zero_grad():
+    """fp16-style loss scaling (torch.amp.GradScaler, power-of-two scale): the unscaled INT8 store is bit-identical
+    to the unscaled run's (quantization is per-row scale invariant); a NaN store makes the scaler skip the step.
+    nn.Module.zero_grad(set_to_none=False) zeroes it; `.float()` reads the exact dequantized value."""
+    from hfq.qft import QLion
+
+    x = torch.randint(3, 90, (4, SEQ), generator=torch.Generator().manual_seed(2))
+    ref = _tiny()
+    ref(input_ids=x, labels=x).loss.backward()
+    model = _tiny()
+    opt = QLion(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(input_ids=x, labels=x).loss).backward()
+    scaler.unscale_(opt)
+    want, got = _int8(ref), _int8(model)
+    assert want.keys() == got.keys() and want
+    for n, q in got.items():
+        assert all(torch.equal(a, b) for a, b in zip((q.codes, q.scales, q.zeros), (want[n].codes, want[n].scales,
+                                                                                   want[n].zeros))), n
+        assert torch.equal(q.float(), want[n].dequantize())
+    scaler.step(opt)
+    scaler.update()
+    assert not _int8(model) and scaler.get_scale() == 1024.0  # stepped, consumed
+    opt.zero_grad()
+    snap = copy.deepcopy(model.state_dict())
+    up = model.model.layers[1].mlp.up_proj
+
+    def poison(mod, inp, out):
+        out.register_hook(lambda g: g * float("inf"))
+
+    h = up.register_forward_hook(poison)
+    scaler.scale(model(input_ids=x, labels=x).loss).backward()
+    h.remove()
+    scaler.step(opt)  # unscale_ finds the non-finite INT8 store: the step is skipped
+    scaler.update()
+    assert scaler.get_scale() == 512.0
+    assert all(torch.equal(v, snap[k]) for k, v in model.state_dict().items())
+    model.zero_grad(set_to_none=False)
+    stores = _int8(model)
+    assert stores and all(float(q.float().abs().max()) == 0 and bool(q.finite) for q in stores.values())
+
+
 def test_trainer_max_grad_norm_clips_int8_gradients(tmp_path):
     """Trainer(max_grad_norm=tiny) vs max_grad_norm=0 on the same batch: every gradient the optimizer sees (INT8 and
     plain) is the unclipped one times max/(total+1e-6), total being the norm over all of them, as Trainer logs it;
