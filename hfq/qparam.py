@@ -456,8 +456,9 @@ class Int8Grad(torch.Tensor):
             q = _written(func, args, kwargs, Int8Grad)
             if q is not None:
                 raise TypeError(f"{func} would modify the INT8 gradient of {q.param_name or 'a quantized weight'} "
-                                "in place; "
-                                "supported: scaling by a scalar (mul_), zero_, or setting .grad = None")
+                                "in place; supported: scaling by a scalar (mul_), zero_, or setting .grad = None. "
+                                "Under DistributedDataParallel: wrap the model hfq.qft converted, or call "
+                                "hfq.qft.ddp_ignore_int8_grad_weights_(module) on the module you wrap, before wrapping")
         unwrap = lambda a: a.dequantize(a.dtype) if isinstance(a, Int8Grad) else a  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 

@@ -1,5 +1,5 @@
 """What hfq's optimizers for quantized weights share: hyper-parameter checks, the start of `step()` with one NaN/Inf
-check of every gradient (one host sync per step), gradients read from `.grad` and/or the INT8 store, SR draws from
+check of every gradient (one host sync per step), gradients read from `.grad` (float, or an INT8 store), SR draws from
 seeded per-device generators, and checkpoints that keep the state's own dtypes and the generators' states, so a
 resumed run continues bit-exactly."""
 from __future__ import annotations
@@ -49,7 +49,7 @@ class QParamOptimizer(torch.optim.Optimizer):
 
     Subclasses call `_begin_step(closure)` first in `step()`: it runs the closure and queues the NaN/Inf check,
     whose verdict `_finish_check` waits for before any parameter is touched. Gradients come from `_grad32(p)`
-    (`.grad` plus a pending INT8 store, which it consumes)."""
+    (`.grad`; an INT8 store (hfq.qparam.Int8Grad) is consumed)."""
 
     updates_qparams = True  # read by hfq.qparam's guard that refuses other optimizers on trainable QParams
 
