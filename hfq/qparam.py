@@ -501,7 +501,8 @@ def _mean_over_ranks(g: torch.Tensor) -> torch.Tensor:
 
     Done per layer in backward, before INT8 storage: every rank then quantizes the same fp32 sum and stores
     bit-identical codes, and the only INT8 error is one rounding of the global gradient (an INT8 all-reduce would
-    add one rounding per rank and need a scale agreed on first)."""
+    add one rounding per rank and need a scale agreed on first). It runs on every micro-step, DDP's no_sync included
+    (the sum stays exact; accumulation steps cost one all-reduce each), and for any multi-rank run, DDP or not."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:

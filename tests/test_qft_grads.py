@@ -51,7 +51,7 @@ def test_accumulation_error_is_bounded_by_int8_steps():
     lin = QFTLinear.from_linear(nn.Linear(96, 48), "int8_dense_sparse", gradient_bits=8)
     x, t = torch.randn(32, 96), torch.randn(32, 48)
     w = lin.weight.dequantize(torch.float32)
-    exact = ((x @ w.t() + lin.bias.detach().float() - t) * 2 / x.shape[0]).t() @ x  # d/dW mean-free sum of squares
+    exact = ((x @ w.t() + lin.bias.detach().float() - t) * 2 / x.shape[0]).t() @ x  # d/dW sum((y - t)^2) / N
     bound, errs = torch.zeros(48, 1), {}
     for k in (1, 4):
         lin.weight.grad = None
