@@ -6,8 +6,8 @@ its codes, and hfq's optimizers (hfq.optim: ECO, QLion) call `dequantize()` / `r
 update path can silently do nothing: any in-place write into a QParam (single-tensor, or inside the tensor lists of
 foreach/fused kernels) raises, and a global optimizer step pre-hook refuses every other torch optimizer holding a
 trainable QParam before its step touches anything, with a TypeError naming the hfq optimizer to use.
-With `qlinear(..., store_int8=True)` (QFTConfig(gradient_bits=8)) dL/dW is kept as INT8 codes (`Int8Grad`, read
-through `int8_grad(p)`) instead of a bf16 `.grad`; hfq's optimizers consume it.
+With `qlinear(..., store_int8=True)` (QFTConfig(gradient_bits=8)) dL/dW is kept as INT8 codes: the weight's `.grad`
+is an `Int8Grad` (no float copy), which gradient clipping can measure and scale and hfq's optimizers consume.
 
 `QLinear` is the Linear-like module that owns one: its forward never materialises a persistent
 full-precision weight (the dequantized weight is a temporary, recomputed in backward), and its state_dict
@@ -17,7 +17,9 @@ stores the codes and scales as such (`<prefix>weight_codes`, `<prefix>weight_sca
 DistributedDataParallel: gradients are ordinary bf16 tensors, bucketed and all-reduced like any others. DDP's
 construction-time broadcast goes through the logical value (a dequantized view copied back with `copy_`); copying a
 QParam's own value back is a no-op, so ranks that hold the same codes keep them bit-exactly. Ranks that may hold
-different codes call `broadcast_qparams_(model)` first (an exact broadcast of codes and scales).
+different codes call `broadcast_qparams_(model)` first (an exact broadcast of codes and scales). INT8 gradients
+(store_int8) are averaged over ranks in backward, in fp32, before storage; DDP is told to ignore those weights
+(`ddp_ignore_int8_grad_weights_`, which hfq.qft applies when it converts a model).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ _NAMES = {
     "int4_group": ("codes", "scales"),
     "int8_dense_sparse": ("codes", "scales", "zeros", "thresholds", "sparse_idx", "sparse_val"),
 }
+MAX_OUTLIER_FRACTION = 0.2  # QFT keeps ~1% outliers; beyond 20% the sparse part costs more than the dense one
 _VARIABLE = {"int8_dense_sparse": ("sparse_idx", "sparse_val")}  # stored tensors whose length varies with the data
 _DEFAULT_META = {
     "fp8_e4m3_row": {},
@@ -63,8 +66,11 @@ def check_format(fmt: str, shape=None, meta: dict | None = None) -> dict:
         full[k] = v
     if fmt == "int4_group" and (not isinstance(full["group_size"], int) or full["group_size"] <= 0):
         raise ValueError(f"int4_group: group_size must be a positive int, got {full['group_size']!r}")
-    if fmt == "int8_dense_sparse" and not 0 <= full["outlier_fraction"] < 1:
-        raise ValueError(f"int8_dense_sparse: outlier_fraction must be in [0, 1), got {full['outlier_fraction']}")
+    if fmt == "int8_dense_sparse":
+        f = full["outlier_fraction"]
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= MAX_OUTLIER_FRACTION:
+            raise ValueError(f"outlier_fraction: expected a number in [0, {MAX_OUTLIER_FRACTION}] (the share of "
+                             f"each int8_dense_sparse weight kept as bf16 outliers), got {f!r}")
     if shape is not None:
         if len(shape) != 2:
             raise ValueError(f"{fmt}: weight must be 2-D [out, in], got shape {tuple(shape)}")
@@ -110,6 +116,30 @@ def empty_qtensors(fmt, shape, meta, device=None) -> dict:
     return {"codes": z((rows, cols), torch.uint8), "scales": z((rows, 1), torch.float32),
             "zeros": z((rows, 1), torch.uint8), "thresholds": z((2,), torch.float32),
             "sparse_idx": z((0,), torch.int32), "sparse_val": z((0,), torch.bfloat16)}
+
+
+def check_qtensors(fmt: str, shape, meta: dict, data: dict, prefix: str = "") -> None:
+    """Refuse stored tensors that do not fit together (e.g. a checkpoint whose dense and sparse parts disagree):
+    ValueError naming the tensor (`prefix` + name), with the expected and found shape/dtype."""
+    exp = empty_qtensors(fmt, tuple(shape), meta, "meta")
+    for k in _NAMES[fmt]:
+        if k not in data:
+            raise ValueError(f"{prefix}{k}: missing ({fmt} needs {_NAMES[fmt]})")
+        t, e = data[k], exp[k]
+        fixed = k not in _VARIABLE.get(fmt, ())
+        if t.dtype != e.dtype or (fixed and tuple(t.shape) != tuple(e.shape)) or (not fixed and t.dim() != 1):
+            want = tuple(e.shape) if fixed else "(nnz,)"
+            raise ValueError(f"{prefix}{k}: expected shape {want} {e.dtype} for a {fmt} weight of shape "
+                             f"{tuple(shape)}, got {tuple(t.shape)} {t.dtype}")
+    if fmt == "int8_dense_sparse":
+        idx, val = data["sparse_idx"], data["sparse_val"]
+        if idx.numel() != val.numel():
+            raise ValueError(f"{prefix}sparse_val: {val.numel()} outlier values for {idx.numel()} indices in "
+                             f"{prefix}sparse_idx (the dense and sparse parts disagree)")
+        n = shape[0] * shape[1]
+        if idx.numel() and idx.device.type != "meta" and bool(((idx < 0) | (idx >= n)).any()):
+            raise ValueError(f"{prefix}sparse_idx: outlier indices must lie in [0, {n}) for a weight of shape "
+                             f"{tuple(shape)}, got [{int(idx.min())}, {int(idx.max())}]")
 
 
 class QParam(torch.Tensor):
@@ -265,17 +295,20 @@ class QParam(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
-def _written_qparam(func, args, kwargs) -> QParam | None:
-    """The first QParam that a mutable op writes to (an argument marked `(a!)` in its schema, or a member of a
-    written tensor list, as foreach and fused optimizer kernels take), else None."""
+def _written_qparam(func, args, kwargs, cls=None) -> QParam | None:
+    """The first QParam (or `cls` instance) that a mutable op writes to (an argument marked `(a!)` in its schema, or a
+    member of a written tensor list, as foreach and fused optimizer kernels take), else None."""
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         v = args[i] if i < len(args) else kwargs.get(arg.name)
         for t in (v if isinstance(v, (list, tuple)) else (v,)):
-            if isinstance(t, QParam):
+            if isinstance(t, cls or QParam):
                 return t
     return None
+
+
+_written = _written_qparam
 
 
 def _holds_value(q: QParam, value: torch.Tensor) -> bool:
@@ -315,27 +348,37 @@ def broadcast_qparams_(module: nn.Module, src: int = 0, group=None, bucket_bytes
     return len(qps)
 
 
-class Int8Grad:
-    """A weight gradient stored as INT8 codes + per-row scale/zero point (QFT Algorithm 1: 'store as INT8').
+class Int8Grad(torch.Tensor):
+    """A weight gradient stored as INT8 codes + per-row scale/zero point (QFT Algorithm 1: 'store as INT8'), held as
+    the weight's `.grad` so that generic gradient code sees it: norms (torch/accelerate/Trainer `clip_grad_norm_`),
+    in-place scaling by a scalar (the clip: only the fp32 row scales change), GradScaler's unscale, `zero_grad` (drops
+    it). Other read-only ops see the dequantized value (`.float()` exactly); any other in-place op is refused.
 
-    `add_(g)` accumulates (gradient accumulation: dequantize, add, requantize); `finite` is a device bool that
-    turns False if any added gradient had NaN/Inf (the value is then unusable: hfq's optimizers refuse the step,
-    reading the flag in their one per-step sync). `name` is the parameter's module path when known."""
+    `accumulate_(g)`: gradient accumulation as dequantize + add + requantize (1 byte/element between micro-steps; an
+    fp32 accumulator would cost 4). Each requantization adds at most half a step of the running sum's row scale, so
+    k micro-steps are within sum_j s_j/2 of the exact sum (tests/test_qft_grads.py measures ~1.4x the one-shot error
+    for k=4). `finite` is a device bool that turns False if any added gradient (or clip factor) had NaN/Inf; hfq's
+    optimizers refuse the step, reading it in their one per-step sync. `param_name`: the parameter's module path if
+    known."""
 
-    __slots__ = ("shape", "codes", "scales", "zeros", "finite", "count", "name")
+    @staticmethod
+    def __new__(cls, g: torch.Tensor, name: str | None = None, dtype: torch.dtype = torch.bfloat16):
+        return torch.Tensor._make_wrapper_subclass(cls, g.shape, dtype=dtype, device=g.device, requires_grad=False)
 
-    def __init__(self, g: torch.Tensor, name: str | None = None):
-        self.shape = tuple(g.shape)
-        self.name = name
+    def __init__(self, g, name=None, dtype=torch.bfloat16):
+        self.param_name = name
         self.count = 0
         self.codes = self.scales = self.zeros = None
         self.finite = torch.ones((), dtype=torch.bool, device=g.device)
-        self.add_(g)
+        self.accumulate_(g)
 
     @torch.no_grad()
-    def add_(self, g: torch.Tensor) -> "Int8Grad":
-        if tuple(g.shape) != self.shape:
-            raise ValueError(f"Int8Grad: gradient shape {tuple(g.shape)} != {self.shape}")
+    def accumulate_(self, g: torch.Tensor) -> "Int8Grad":
+        """Add a float gradient of the same shape (the sum is requantized per row, round-to-nearest)."""
+        if tuple(g.shape) != tuple(self.shape):
+            raise ValueError(f"INT8 gradient of {self.param_name or 'a weight'}: added gradient has shape "
+                             f"{tuple(g.shape)}, "
+                             f"expected {tuple(self.shape)}")
         self.finite &= torch.isfinite(g).all()
         g = torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0)
         if self.count:
@@ -345,37 +388,106 @@ class Int8Grad:
         return self
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return _intq.dequantize_int_asym(self.codes, self.scales, self.zeros, dtype, self.shape)
+        with torch._C.DisableTorchFunctionSubclass():
+            return _intq.dequantize_int_asym(self.codes, self.scales, self.zeros, dtype, tuple(self.shape))
+
+    @torch.no_grad()
+    def scale_(self, factor) -> "Int8Grad":
+        """Multiply the stored gradient by a scalar (a 0-d tensor or a number): exact up to fp32 rounding of the
+        row scales, codes untouched."""
+        f = torch.as_tensor(factor, dtype=torch.float32, device=self.scales.device)
+        if f.numel() != 1:
+            raise TypeError(f"INT8 gradient of {self.param_name or 'a weight'}: only scaling by a scalar is supported, "
+                            f"got a tensor of shape {tuple(f.shape)}")
+        f = f.reshape(())
+        self.finite &= torch.isfinite(f).to(self.finite.device)
+        self.scales = self.scales * f
+        return self
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
 
+    def __repr__(self):
+        return (f"Int8Grad(param_name={self.param_name}, shape={tuple(self.shape)}, count={self.count}, "
+                f"device={self.device})")
 
-_INT8_GRAD = "_hfq_int8_grad"
+    def __reduce_ex__(self, proto):
+        raise TypeError("Int8Grad is not picklable: optimizers consume it at their step; checkpoints hold no gradients")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func in (aten.mul_.Tensor, aten.mul_.Scalar) and isinstance(args[0], Int8Grad):
+            return args[0].scale_(args[1])
+        if func in (aten._foreach_mul_.Tensor, aten._foreach_mul_.Scalar):
+            for t in args[0]:
+                t.scale_(args[1]) if isinstance(t, Int8Grad) else t.mul_(args[1])
+            return None
+        if func is aten._amp_foreach_non_finite_check_and_unscale_.default:  # GradScaler.unscale_ (fp16 AMP)
+            grads, found_inf, inv_scale = args
+            plain = [t for t in grads if not isinstance(t, Int8Grad)]
+            if plain:
+                func(plain, found_inf, inv_scale)
+            for t in grads:
+                if isinstance(t, Int8Grad):
+                    t.scale_(inv_scale)
+                    torch.maximum(found_inf, (~t.finite).to(found_inf), out=found_inf)
+            return None
+        fp32 = lambda a: a.dequantize(torch.float32) if isinstance(a, Int8Grad) else a  # noqa: E731
+        if func is aten.linalg_vector_norm.default and isinstance(args[0], Int8Grad):
+            return func(fp32(args[0]), *args[1:], **kwargs)  # fp32, as the codes allow
+        if func is aten._foreach_norm.Scalar:
+            return func([fp32(t) for t in args[0]], *args[1:], **kwargs)
+        if func is aten._to_copy.default and isinstance(args[0], Int8Grad):
+            g = args[0]
+            return g.dequantize(kwargs.get("dtype") or g.dtype).to(kwargs.get("device") or g.device)
+        if func in (aten.detach.default, aten.detach_.default, aten.alias.default):
+            return args[0]
+        if func is aten.zero_.default:
+            g = args[0]
+            g.codes = g.zeros.expand_as(g.codes).clone()
+            g.finite.fill_(True)
+            return g
+        if func._schema.is_mutable:
+            q = _written(func, args, kwargs, Int8Grad)
+            if q is not None:
+                raise TypeError(f"{func} would modify the INT8 gradient of {q.param_name or 'a quantized weight'} "
+                                "in place; supported: scaling by a scalar (mul_), zero_, or setting .grad = None. "
+                                "Under DistributedDataParallel: wrap the model hfq.qft converted, or call "
+                                "hfq.qft.ddp_ignore_int8_grad_weights_(module) on the module you wrap, before wrapping")
+        unwrap = lambda a: a.dequantize(a.dtype) if isinstance(a, Int8Grad) else a  # noqa: E731
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
 def int8_grad(p: torch.Tensor) -> Int8Grad | None:
-    """The INT8 gradient stored for parameter `p` (None if none is pending)."""
-    return getattr(p, _INT8_GRAD, None)
+    """The INT8 gradient stored for parameter `p` (its `.grad` when that is an Int8Grad; else None)."""
+    g = p.grad
+    return g if isinstance(g, Int8Grad) else None
 
 
 def accumulate_int8_grad_(p: torch.Tensor, g: torch.Tensor, name: str | None = None) -> Int8Grad:
-    """Add a float weight gradient to p's INT8 store (creating it); the float `g` can be freed right after."""
-    cur = int8_grad(p)
+    """Add a float weight gradient to p's INT8 store (creating it as p.grad); the float `g` can be freed right after."""
+    cur = p.grad
     if cur is None:
-        cur = Int8Grad(g, name)
-        setattr(p, _INT8_GRAD, cur)
+        cur = Int8Grad(g, name, p.dtype)
+        p.grad = cur
+    elif isinstance(cur, Int8Grad):
+        cur.accumulate_(g)
     else:
-        cur.add_(g)
+        raise TypeError(f"{name or 'a quantized weight'}: has an ordinary .grad ({cur.dtype}) and an INT8 gradient "
+                        "arrives; zero the gradients (set_to_none) before switching gradient_bits")
     return cur
 
 
 def pop_int8_grad(p: torch.Tensor) -> Int8Grad | None:
-    """Take p's INT8 gradient out of the store (the optimizer consumes it, like the paper's stack pop)."""
+    """Take p's INT8 gradient out (p.grad becomes None): the optimizer consumes it, like the paper's stack pop."""
     cur = int8_grad(p)
     if cur is not None:
-        delattr(p, _INT8_GRAD)
+        p.grad = None
     return cur
 
 
@@ -384,19 +496,40 @@ def clear_int8_grads_(params) -> int:
     return sum(pop_int8_grad(p) is not None for p in params)
 
 
-def _refuse_distributed():
+def _mean_over_ranks(g: torch.Tensor) -> torch.Tensor:
+    """Under torch.distributed (world > 1, default group): the fp32 mean of `g` over ranks, as DDP averages a .grad.
+
+    Done per layer in backward, before INT8 storage: every rank then quantizes the same fp32 sum and stores
+    bit-identical codes, and the only INT8 error is one rounding of the global gradient (an INT8 all-reduce would
+    add one rounding per rank and need a scale agreed on first). It runs on every micro-step, DDP's no_sync included
+    (the sum stays exact; accumulation steps cost one all-reduce each), and for any multi-rank run, DDP or not."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise NotImplementedError("QFTConfig(gradient_bits=8): the INT8 gradient store is not all-reduced across "
-                                  "processes; use gradient_bits=None (bf16 .grad) for distributed training")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return g
+    g = g.float().contiguous()
+    dist.all_reduce(g)
+    return g.div_(dist.get_world_size())
+
+
+def ddp_ignore_int8_grad_weights_(model: nn.Module) -> list[str]:
+    """Tell DistributedDataParallel to leave the weights whose gradient is an INT8 store (QFTConfig(gradient_bits=8))
+    alone: they are averaged over ranks in backward (see `_mean_over_ranks`) and never reach DDP's reducer. Sets
+    `model._ddp_params_and_buffers_to_ignore` (DDP's own attribute, read when it wraps `model`); returns the names."""
+    names = [n for n, m in model.named_modules() if getattr(m, "gradient_bits", None) == 8
+             and isinstance(getattr(m, "weight", None), QParam)]
+    names = [f"{n}.weight" if n else "weight" for n in names]
+    prev = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    model._ddp_params_and_buffers_to_ignore = prev + [n for n in names if n not in prev]
+    return names
 
 
 class _QLinearFn(torch.autograd.Function):
     """y = x W^T + b with W dequantized on the fly; backward re-dequantizes (nothing full-precision saved).
 
-    dL/dW becomes W's bf16 `.grad`, or with `store_int8` goes to W's INT8 store: the float dL/dW then exists only
-    inside this backward (one layer at a time) and autograd gets None for W."""
+    dL/dW becomes W's bf16 `.grad`, or with `store_int8` goes to W's INT8 store (W.grad, an Int8Grad), averaged over
+    ranks first when distributed: the float dL/dW then exists only inside this backward (one layer at a time) and
+    autograd gets None for W."""
 
     @staticmethod
     def forward(ctx, x, w, b, store_int8=False, name=None):
@@ -413,11 +546,9 @@ class _QLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             gx = gy @ w.dequantize(gy.dtype)
         if ctx.needs_input_grad[1]:
-            if ctx.store_int8:
-                _refuse_distributed()
             gw = gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(gy.dtype)
             if ctx.store_int8:
-                accumulate_int8_grad_(w, gw, ctx.name)
+                accumulate_int8_grad_(w, _mean_over_ranks(gw), ctx.name)
                 gw = None
             else:
                 gw = gw.to(w.dtype)
@@ -470,11 +601,15 @@ class QLinear(nn.Module):
         out.bias = linear.bias
         return out
 
-    def finalize(self) -> None:
-        """Turn loaded placeholder buffers into the QParam weight."""
+    def finalize(self, name: str = "") -> None:
+        """Turn loaded placeholder buffers into the QParam weight (checked first; `name` prefixes errors)."""
         if self.weight is not None:
             return
-        data = {k: self._buffers.pop("weight_" + k) for k in _NAMES[self.weight_format]}
+        names = _NAMES[self.weight_format]
+        check_qtensors(self.weight_format, (self.out_features, self.in_features), self.weight_meta,
+                       {k: self._buffers["weight_" + k] for k in names if "weight_" + k in self._buffers},
+                       f"{name}.weight_" if name else "weight_")
+        data = {k: self._buffers.pop("weight_" + k) for k in names}
         del self.weight
         self.weight = nn.Parameter(QParam(data, self.weight_format, (self.out_features, self.in_features),
                                           self.weight_meta), requires_grad=True)
@@ -502,12 +637,11 @@ class QLinear(nn.Module):
                 self._buffers["weight_" + k] = state_dict[keys[k]]
         elif len(present) == len(names):
             data = {k: state_dict[keys[k]] for k in names}
-            exp = empty_qtensors(self.weight_format, tuple(self.weight.shape), self.weight_meta, "meta")
-            for k in ("codes", "scales"):
-                if tuple(data[k].shape) != tuple(exp[k].shape) or data[k].dtype != exp[k].dtype:
-                    error_msgs.append(f"{keys[k]}: expected {tuple(exp[k].shape)} {exp[k].dtype}, got "
-                                      f"{tuple(data[k].shape)} {data[k].dtype}")
-                    return
+            try:
+                check_qtensors(self.weight_format, tuple(self.weight.shape), self.weight_meta, data, prefix + "weight_")
+            except ValueError as e:
+                error_msgs.append(str(e))
+                return
             self.weight.load_qtensors_(data)
         for k in names:
             if k not in present:

@@ -103,7 +103,7 @@ def test_inplace_writes_into_a_qparam_raise():
 @pytest.mark.parametrize("opt_fn", [lambda ps: ECOAdamW(ps, lr=1e-2), lambda ps: ECOSGD(ps, lr=1e-1),
                                     lambda ps: QLion(ps, lr=1e-2)], ids=["ECOAdamW", "ECOSGD", "QLion"])
 def test_hfq_optimizers_train_int8_gradient_weights(opt_fn):
-    """QFTConfig(gradient_bits=8): the weights have no .grad; ECO and QLion read (and consume) the INT8 store."""
+    """QFTConfig(gradient_bits=8): the weights' .grad is the INT8 store; ECO and QLion read (and consume) it."""
     model = tiny_model("llama", layers=1)
     quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
     w = model.model.layers[0].mlp.down_proj.weight
@@ -116,7 +116,7 @@ def test_hfq_optimizers_train_int8_gradient_weights(opt_fn):
     for _ in range(4):
         loss = model(x, labels=x).loss
         loss.backward()
-        assert w.grad is None and int8_grad(w) is not None
+        assert int8_grad(w) is w.grad and w.grad.codes.dtype == torch.uint8  # the .grad is the INT8 store
         opt.step()
         assert int8_grad(w) is None  # consumed
         losses.append(loss.item())

@@ -13,7 +13,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, Trainer, TrainingAr
 
 import hfq
 from hfq_kernels.reference.intq import quantize_int_asym
-from hfq.qft import QFTConfig, QFTLinear, QLion, int8_grad, quantize_model_, quantize_rows, state_bytes
+from hfq.qft import Int8Grad, QFTConfig, QFTLinear, QLion, int8_grad, quantize_model_, quantize_rows, state_bytes
 from hfq.qft import dequantize_rows
 from hfq.qparam import QLinear, QParam
 
@@ -153,9 +153,9 @@ def test_int8_gradient_store_and_bytes_per_param():
     m8(x, labels=x).loss.backward()
     m16(x, labels=x).loss.backward()
     w8, w16 = lin8.weight, lin16.weight
-    assert w8.grad is None and w16.grad is not None  # no full-size float gradient is kept
+    assert isinstance(w8.grad, Int8Grad) and type(w16.grad) is torch.Tensor  # no full-size float gradient is kept
     q8 = int8_grad(w8)
-    assert q8.name == "model.layers.0.mlp.down_proj.weight" and q8.codes.dtype == torch.uint8
+    assert q8.param_name == "model.layers.0.mlp.down_proj.weight" and q8.codes.dtype == torch.uint8
     ref = w16.grad.float()  # bf16 .grad: itself rounded to 2^-8 relative
     assert ((q8.dequantize() - ref).abs() <= max_error(q8.scales, ref.shape) + ref.abs() * 2 ** -8).all()
     # gradient accumulation: a second backward adds into the INT8 store

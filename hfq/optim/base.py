@@ -1,5 +1,5 @@
 """What hfq's optimizers for quantized weights share: hyper-parameter checks, the start of `step()` with one NaN/Inf
-check of every gradient (one host sync per step), gradients read from `.grad` and/or the INT8 store, SR draws from
+check of every gradient (one host sync per step), gradients read from `.grad` (float, or an INT8 store), SR draws from
 seeded per-device generators, and checkpoints that keep the state's own dtypes and the generators' states, so a
 resumed run continues bit-exactly."""
 from __future__ import annotations
@@ -49,7 +49,7 @@ class QParamOptimizer(torch.optim.Optimizer):
 
     Subclasses call `_begin_step(closure)` first in `step()`: it runs the closure and queues the NaN/Inf check,
     whose verdict `_finish_check` waits for before any parameter is touched. Gradients come from `_grad32(p)`
-    (`.grad` plus a pending INT8 store, which it consumes)."""
+    (`.grad`; an INT8 store (hfq.qparam.Int8Grad) is consumed)."""
 
     updates_qparams = True  # read by hfq.qparam's guard that refuses other optimizers on trainable QParams
 
@@ -64,24 +64,22 @@ class QParamOptimizer(torch.optim.Optimizer):
     # ---- gradients ------------------------------------------------------------------------------------
     @staticmethod
     def _has_grad(p) -> bool:
-        return p.grad is not None or int8_grad(p) is not None
+        return p.grad is not None
 
     @staticmethod
     def _grad32(p) -> torch.Tensor:
-        """p's gradient in float32: `.grad`, plus the INT8 store (QFTConfig(gradient_bits=8)), which is consumed."""
+        """p's gradient in float32: `.grad`, or the INT8 store (QFTConfig(gradient_bits=8)), which is consumed."""
         q8 = pop_int8_grad(p)
-        g = q8.dequantize(torch.float32) if q8 is not None else None
-        if p.grad is not None:
-            pg = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-            g = pg if g is None else g + pg
-        return g
+        if q8 is not None:
+            return q8.dequantize(torch.float32)
+        return p.grad if p.grad.dtype == torch.float32 else p.grad.float()
 
     def zero_grad(self, set_to_none: bool = True):
         """Also drops pending INT8 gradients of this optimizer's parameters (they play the role of .grad)."""
-        super().zero_grad(set_to_none)
         for group in self.param_groups:
             for p in group["params"]:
                 pop_int8_grad(p)
+        super().zero_grad(set_to_none)
 
     # ---- the start of step(): closure and the NaN/Inf check --------------------------------------------
     def _begin_step(self, closure):
@@ -103,7 +101,7 @@ class QParamOptimizer(torch.optim.Optimizer):
                     order.append(len(items))
                     items.append((gi, pi, p))
                     flags.append(q8.finite.reshape(1))
-                if p.grad is not None:
+                elif p.grad is not None:
                     groups.setdefault((p.grad.device, p.grad.dtype), []).append(len(items))
                     items.append((gi, pi, p))
         for idx in groups.values():
@@ -131,8 +129,8 @@ class QParamOptimizer(torch.optim.Optimizer):
         if names:
             return names[pi]
         q8 = int8_grad(p)
-        if q8 is not None and q8.name:
-            return q8.name
+        if q8 is not None and q8.param_name:
+            return q8.param_name
         kind = f"QParam {p.fmt}" if isinstance(p, QParam) else "param"
         return f"param_groups[{gi}]['params'][{pi}] ({kind} {tuple(p.shape)})"
 

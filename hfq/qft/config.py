@@ -25,11 +25,16 @@ class QFTConfig(HfqConfig):
 
     weight_format: "int8_dense_sparse" (QFT: INT8 per channel + bf16 outliers), "fp8_e4m3_row" (ECO),
         "int4_tensor" or "int4_group" (ECO fine-tuning).
-    group_size: int4_group's group (input elements per scale). outlier_fraction: int8_dense_sparse's tails.
+    group_size: int4_group's group (input elements per scale). outlier_fraction: int8_dense_sparse's tails, in
+        [0, 0.2] (checked for every format).
     rounding: rounding of the initial quantization ("rtn" | "sr").
     gradient_bits: None (default: weight gradients are ordinary bf16 `.grad`, all-reduced by DDP) or 8 (QFT's INT8
-        gradients: each quantized linear stores dL/dW as INT8 codes + per-row scale/zero point instead of a `.grad`;
-        hfq's QLion / ECO read that store; single process only; Trainer's max_grad_norm does not see it).
+        gradients: each quantized linear's `.grad` is an hfq.qparam.Int8Grad, INT8 codes + per-row scale/zero point,
+        read by hfq's QLion / ECO). Gradient accumulation dequantizes, adds and requantizes (1 byte/element between
+        micro-steps; error within the sum of the half-steps). Trainer's max_grad_norm (torch's clip_grad_norm_) counts
+        it in the norm and scales its row scales. Under torch.distributed it is averaged over ranks in fp32 inside
+        backward, before storage, so ranks hold identical codes; DDP is told to skip those weights
+        (`_ddp_params_and_buffers_to_ignore`, set on the converted model: wrap that model, not a submodule).
     modules_to_not_convert: modules kept in high precision, matched by transformers' rule (hfq._base.surgery);
         None = transformers' defaults (the output embedding and modules tied to it).
     Train with hfq.qft.QLion (QFT) or hfq.eco.ECOAdamW / ECOSGD: plain torch optimizers are refused.
@@ -49,6 +54,7 @@ class QFTConfig(HfqConfig):
         check_choice("weight_format", self.weight_format, FORMATS)
         check_choice("rounding", self.rounding, ROUNDINGS)
         check_format(self.weight_format, None, self.format_options)
+        check_format("int8_dense_sparse", None, {"outlier_fraction": self.outlier_fraction})  # any format: fail early
         check_gradient_bits(self.gradient_bits)
 
     @property

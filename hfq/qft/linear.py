@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .._base.surgery import modules_to_skip, replace_linears
-from ..qparam import QLinear, QParam, qlinear
+from ..qparam import QLinear, QParam, ddp_ignore_int8_grad_weights_, qlinear
 from .config import check_gradient_bits
 
 
@@ -51,6 +51,9 @@ def layer_maker(config, placeholder: bool = False, generator=None):
                       device=mod.weight.device, dtype=mod.weight.dtype, placeholder=True,
                       **extra, **config.format_options)
         else:
+            if not torch.isfinite(mod.weight).all():
+                raise ValueError(f"{name}.weight: {int((~torch.isfinite(mod.weight)).sum())} NaN/Inf value(s); "
+                                 "cannot quantize a non-finite weight")
             new = cls.from_linear(mod, config.weight_format, config.rounding, generator, **extra,
                                   **config.format_options)
         if cls is QFTLinear:
@@ -66,9 +69,9 @@ def convert_linears_(model: nn.Module, config, placeholder: bool = False, genera
 
 
 def finalize_(model: nn.Module) -> None:
-    for m in model.modules():
+    for name, m in model.named_modules():
         if isinstance(m, QLinear):
-            m.finalize()
+            m.finalize(name)
 
 
 def quantize_model_(model: nn.Module, config) -> list[str]:
@@ -77,6 +80,7 @@ def quantize_model_(model: nn.Module, config) -> list[str]:
     from .quantizer import QFTHfQuantizer
 
     names = convert_linears_(model, config)
+    ddp_ignore_int8_grad_weights_(model)
     if hasattr(model, "config"):
         model.config.quantization_config = config
         model.hf_quantizer = QFTHfQuantizer(config, pre_quantized=False)

@@ -32,7 +32,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
         q8 = int8_grad(p)
         if q8 is not None:
             out["grads"] += q8.nbytes
-        if p.grad is not None:
+        elif p.grad is not None:
             out["grads"] += _nbytes(p.grad)
         if opt is not None and p in opt.state:
             out["optimizer"] += sum(_nbytes(t) for t in opt.state[p].values() if torch.is_tensor(t))

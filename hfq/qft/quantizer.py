@@ -13,7 +13,7 @@ from torch import nn
 
 from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, modules_to_skip, raise_load_errors, set_submodule,
                              should_convert)
-from ..qparam import QLinear
+from ..qparam import QLinear, ddp_ignore_int8_grad_weights_
 from .config import QFTConfig
 from .linear import convert_linears_, finalize_, layer_maker
 
@@ -70,4 +70,5 @@ class QFTHfQuantizer(HfqQuantizer):
             if left:
                 raise ValueError(f"QFT: no weight was found in the checkpoint for {left[:10]}")
             self.converted = [n for n, m in model.named_modules() if isinstance(m, QLinear)]
+        ddp_ignore_int8_grad_weights_(model)
         return model
