@@ -165,7 +165,7 @@ def main():
         elif arm == "FP32 Lion":
             model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
             opt = QLion(model.parameters(), lr=args.lr_lion, weight_decay=args.weight_decay, momentum_bits=None)
-            clip = 0.0  # Lion's update is a sign, so clipping does not change it (kept off for both Lion arms)
+            clip = 0.0  # off for both Lion arms, so FP32 Lion and QFT compare like for like
         else:
             qcfg = QFTConfig(weight_format="int8_dense_sparse", outlier_fraction=0.01, gradient_bits=8)
             model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16, quantization_config=qcfg)
