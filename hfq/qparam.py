@@ -49,7 +49,7 @@ _DEFAULT_META = {
     "fp8_e4m3_row": {},
     "int4_tensor": {},
     "int4_group": {"group_size": 128},
-    "int8_dense_sparse": {"outlier_fraction": 0.01},
+    "int8_dense_sparse": {"outlier_fraction": 0.01, "outlier_refresh_steps": 0},
 }
 
 
@@ -71,6 +71,10 @@ def check_format(fmt: str, shape=None, meta: dict | None = None) -> dict:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= MAX_OUTLIER_FRACTION:
             raise ValueError(f"outlier_fraction: expected a number in [0, {MAX_OUTLIER_FRACTION}] (the share of "
                              f"each int8_dense_sparse weight kept as bf16 outliers), got {f!r}")
+        n = full["outlier_refresh_steps"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"outlier_refresh_steps: expected an int >= 0 (optimizer steps between re-selections "
+                             f"of the outliers; 0 = never), got {n!r}")
     if shape is not None:
         if len(shape) != 2:
             raise ValueError(f"{fmt}: weight must be 2-D [out, in], got shape {tuple(shape)}")
@@ -189,7 +193,9 @@ class QParam(torch.Tensor):
                     refresh_thresholds: bool = False) -> torch.Tensor:
         """Store Q(value) in place; returns the quantization error value - Q(value) (float32).
 
-        int8_dense_sparse keeps its outlier thresholds (QFT's lazy update) unless refresh_thresholds."""
+        int8_dense_sparse: the outliers are the elements of `value` outside the stored thresholds (T_min, T_max),
+        which are kept (QFT's lazy update, App. C) unless `refresh_thresholds`: then they are re-set to the
+        outlier_fraction tails of `value` first, so the outlier count returns to that fraction of the weight."""
         _fp8.check_rounding(rounding)
         if tuple(value.shape) != tuple(self.shape):
             raise ValueError(f"requantize_: value shape {tuple(value.shape)} != weight shape {tuple(self.shape)}")

@@ -136,9 +136,28 @@ class QParamOptimizer(torch.optim.Optimizer):
 
     # ---- weights ----------------------------------------------------------------------------------------
     def _requantize(self, p: QParam, value: torch.Tensor, **kw) -> torch.Tensor:
-        """Store Q(value) in p with the optimizer's rounding (SR from p's device generator); returns the error."""
+        """Store Q(value) in p with the optimizer's rounding (SR from p's device generator); returns the error.
+        Called once per step of p: re-selects its outliers when `_outlier_refresh_due` says so."""
+        if "refresh_thresholds" not in kw:
+            kw["refresh_thresholds"] = self._outlier_refresh_due(p)
         gen = self._generator(p.device) if self.rounding == "sr" else None
         return p.requantize_(value, self.rounding, gen, **kw)
+
+    def _outlier_refresh_due(self, p) -> bool:
+        """True on every n-th step of an int8_dense_sparse weight (QFT App. C lazy update), n = the optimizer's
+        `refresh_thresholds_every` if set, else the weight's `outlier_refresh_steps` (QFTConfig; 0 = never).
+        Counted by the step in p's optimizer state (checkpointed), so DDP ranks and resumed runs agree; an
+        optimizer without one (ECOSGD) counts calls in state["outlier_step"]."""
+        if not (isinstance(p, QParam) and p.fmt == "int8_dense_sparse"):
+            return False
+        n = getattr(self, "refresh_thresholds_every", None) or p.meta.get("outlier_refresh_steps", 0)
+        if not n:
+            return False
+        state = self.state[p]
+        if "step" in state:
+            return int(state["step"]) % n == 0
+        state["outlier_step"] = int(state.get("outlier_step", 0)) + 1
+        return state["outlier_step"] % n == 0
 
     def _generator(self, device) -> torch.Generator:
         key = str(torch.device(device))

@@ -41,8 +41,9 @@ class QLion(QParamOptimizer):
     Args: lr (> 0), betas (beta1: interpolation for the update, beta2: momentum EMA; both in (0, 1)),
     weight_decay (decoupled, >= 0), rounding ("sr" default / "rtn": weight requantization), momentum_bits
     (8 default; None keeps fp32 momentum, the float reference), seed (SR generator), check_finite,
-    refresh_thresholds_every (None: int8_dense_sparse outlier thresholds stay as set at quantization; N: recomputed
-    on every N-th step of a parameter. The paper refreshes them once per epoch (App. C): pass steps per epoch).
+    refresh_thresholds_every (None: each int8_dense_sparse weight follows its QFTConfig.outlier_refresh_steps;
+    N > 0 overrides it: its outlier thresholds are re-set from the updated weight on every N-th step of it. The
+    paper refreshes them once per epoch (App. C): pass steps per epoch).
     """
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,
@@ -100,20 +101,18 @@ class QLion(QParamOptimizer):
                     self._init_state(state, p)
                 state["step"] += 1
                 m = self._load_m(state, p.shape)
-                if lr != 0:
-                    d = lion_direction(m, g, b1)
-                    if isinstance(p, QParam):
+                if isinstance(p, QParam):
+                    refresh = self._outlier_refresh_due(p)
+                    if lr != 0 or refresh:  # a refresh due at lr == 0 still re-selects the outliers
                         w = p.dequantize(torch.float32)
                         if wd:
                             w.mul_(1 - lr * wd)
-                        w.sub_(d, alpha=lr)
-                        n = self.refresh_thresholds_every
-                        refresh = bool(n) and p.fmt == "int8_dense_sparse" and int(state["step"]) % n == 0
+                        w.sub_(lion_direction(m, g, b1), alpha=lr)
                         self._requantize(p, w, refresh_thresholds=refresh)
-                    else:
-                        if wd:
-                            p.mul_(1 - lr * wd)
-                        p.sub_(d.to(p.dtype), alpha=lr)
+                elif lr != 0:
+                    if wd:
+                        p.mul_(1 - lr * wd)
+                    p.sub_(lion_direction(m, g, b1).to(p.dtype), alpha=lr)
                 m.mul_(b2).add_(g, alpha=1 - b2)
                 self._store_m(state, m)
         return loss

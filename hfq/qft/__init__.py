@@ -10,7 +10,7 @@ from hfq_kernels.reference.intq import dequantize_int_asym, quantize_int_asym
 from ..optim import QLion
 from ..qparam import Int8Grad, clear_int8_grads_, ddp_ignore_int8_grad_weights_, int8_grad
 from .config import QFTConfig
-from .linear import QFTLinear, convert_linears_, quantize_model_
+from .linear import QFTLinear, convert_linears_, quantize_model_, refresh_outliers_
 from .memory import state_bytes
 from .quantizer import QFTHfQuantizer
 
@@ -28,4 +28,4 @@ def dequantize_rows(codes, scales, zeros, shape, dtype=torch.float32):
 
 __all__ = ["Int8Grad", "QFTConfig", "QFTHfQuantizer", "QFTLinear", "QLion", "clear_int8_grads_", "convert_linears_",
            "ddp_ignore_int8_grad_weights_", "dequantize_rows", "int8_grad", "quantize_model_", "quantize_rows",
-           "state_bytes"]
+           "refresh_outliers_", "state_bytes"]

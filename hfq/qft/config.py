@@ -26,7 +26,16 @@ class QFTConfig(HfqConfig):
     weight_format: "int8_dense_sparse" (QFT: INT8 per channel + bf16 outliers), "fp8_e4m3_row" (ECO),
         "int4_tensor" or "int4_group" (ECO fine-tuning).
     group_size: int4_group's group (input elements per scale). outlier_fraction: int8_dense_sparse's tails, in
-        [0, 0.2] (checked for every format).
+        [0, 0.2] (checked for every format): per weight, the thresholds (T_min, T_max) are its fraction/2 lower and
+        upper quantiles, set at load; elements outside them are kept as bf16 (int32 flat index + value, 6 bytes each,
+        counted by hfq.qft.state_bytes), the rest is INT8 per row.
+    outlier_refresh_steps: QFT's lazy threshold update (App. C). Between refreshes each optimizer step re-splits the
+        updated weight with the thresholds set at load (an element that grows past them becomes an outlier); every
+        `outlier_refresh_steps`-th optimizer step of a weight (QLion, ECOAdamW, ECOSGD) the thresholds are re-set
+        from the current weight, so the outlier count returns to outlier_fraction x numel. The paper refreshes
+        once per epoch: pass your optimizer steps per epoch. 0 (default) = never: the thresholds from load are
+        kept, as the paper does within an epoch (a fixed step count cannot know an epoch's length). Deterministic
+        and a function of the weights and the optimizer's step count only, so DDP ranks and resumed runs agree.
     rounding: rounding of the initial quantization ("rtn" | "sr").
     gradient_bits: None (default: weight gradients are ordinary bf16 `.grad`, all-reduced by DDP) or 8 (QFT's INT8
         gradients: each quantized linear's `.grad` is an hfq.qparam.Int8Grad, INT8 codes + per-row scale/zero point,
@@ -43,6 +52,7 @@ class QFTConfig(HfqConfig):
     weight_format: str = "int8_dense_sparse"
     group_size: int = 128
     outlier_fraction: float = 0.01
+    outlier_refresh_steps: int = 0
     rounding: str = "rtn"
     gradient_bits: int | None = None
     modules_to_not_convert: list[str] | None = field(default_factory=lambda: ["lm_head", "embed_tokens"])
@@ -54,7 +64,7 @@ class QFTConfig(HfqConfig):
         check_choice("weight_format", self.weight_format, FORMATS)
         check_choice("rounding", self.rounding, ROUNDINGS)
         check_format(self.weight_format, None, self.format_options)
-        check_format("int8_dense_sparse", None, {"outlier_fraction": self.outlier_fraction})  # any format: fail early
+        check_format("int8_dense_sparse", None, self._outlier_options)  # any format: fail early
         check_gradient_bits(self.gradient_bits)
 
     @property
@@ -62,5 +72,9 @@ class QFTConfig(HfqConfig):
         if self.weight_format == "int4_group":
             return {"group_size": self.group_size}
         if self.weight_format == "int8_dense_sparse":
-            return {"outlier_fraction": self.outlier_fraction}
+            return self._outlier_options
         return {}
+
+    @property
+    def _outlier_options(self) -> dict:
+        return {"outlier_fraction": self.outlier_fraction, "outlier_refresh_steps": self.outlier_refresh_steps}

@@ -87,3 +87,18 @@ def quantize_model_(model: nn.Module, config) -> list[str]:
         model.is_quantized = True
         model.quantization_method = config.quant_method
     return names
+
+
+@torch.no_grad()
+def refresh_outliers_(model: nn.Module) -> int:
+    """Re-select the outliers of every int8_dense_sparse weight of `model` now (QFT App. C), outside an optimizer
+    step (e.g. at an epoch boundary): thresholds re-set to the outlier_fraction tails of the current weight, which
+    is re-split and re-quantized (round to nearest: each element moves by at most half an INT8 step of its row,
+    the larger of the old and the new step).
+    The optimizers do this themselves every QFTConfig.outlier_refresh_steps steps. Returns the number refreshed."""
+    n = 0
+    for p in model.parameters():
+        if isinstance(p, QParam) and p.fmt == "int8_dense_sparse":
+            p.requantize_(p.dequantize(torch.float32), "rtn", refresh_thresholds=True)
+            n += 1
+    return n
