@@ -245,8 +245,10 @@ def _data(n=32):
 
 
 def _train(model_dir, out, steps=10, resume=None):
+    # outliers re-selected on steps 3 (before the step-5 checkpoint), 6 and 9 (after a resume from it)
     m = AutoModelForCausalLM.from_pretrained(
-        model_dir, quantization_config=QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
+        model_dir, quantization_config=QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8,
+                                                 outlier_refresh_steps=3))
     opt = QLion(m.parameters(), lr=3e-3, weight_decay=0.01, rounding="sr", seed=1)
     sched = get_cosine_schedule_with_warmup(opt, 2, steps)
     args = TrainingArguments(out, max_steps=steps, per_device_train_batch_size=8, save_steps=steps // 2,
@@ -260,6 +262,8 @@ def _train(model_dir, out, steps=10, resume=None):
 def test_trainer_qlion_llama_learns_and_resumes_bit_exact(tmp_path):
     _tiny_llama().save_pretrained(tmp_path / "base")
     base = str(tmp_path / "base")
+    m_0 = AutoModelForCausalLM.from_pretrained(base, quantization_config=QFTConfig(gradient_bits=8))
+    thr_0 = m_0.model.layers[0].self_attn.q_proj.weight.thresholds.clone()  # as set at load
     m_a, opt_a, loss_a = _train(base, str(tmp_path / "a"))
     assert isinstance(m_a.model.layers[0].self_attn.q_proj, QFTLinear)
     assert loss_a[-1] < loss_a[0] - 0.3, loss_a
@@ -275,9 +279,13 @@ def test_trainer_qlion_llama_learns_and_resumes_bit_exact(tmp_path):
     for i in da["state"]:
         for k, v in da["state"][i].items():
             assert v.dtype == db["state"][i][k].dtype and torch.equal(v, db["state"][i][k]), (i, k)
-    # the checkpoint reloads as a gradient_bits=8 QFT model
+    # the checkpoint reloads as a gradient_bits=8 QFT model, with the outliers re-selected on step 3
     re = AutoModelForCausalLM.from_pretrained(tmp_path / "a" / "checkpoint-5")
     assert isinstance(re.model.layers[1].mlp.gate_proj, QFTLinear) and re.config.quantization_config.gradient_bits == 8
+    assert re.config.quantization_config.outlier_refresh_steps == 3
+    thr_5 = re.model.layers[0].self_attn.q_proj.weight.thresholds
+    assert not torch.equal(thr_5, thr_0) and not torch.equal(q.thresholds, thr_5)  # refreshed on 3, then on 6 or 9
+    assert torch.equal(q.thresholds, m_b.model.layers[0].self_attn.q_proj.weight.thresholds)
 
 
 def test_optimizer_state_dict_round_trip_bit_exact():
