@@ -5,10 +5,11 @@ import io
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainerCallback, TrainingArguments
 
 from hfq.eco import ECOAdamW, ECOSGD
-from hfq.qft import QFTConfig, QFTLinear, QLion, quantize_model_, refresh_outliers_, state_bytes
+from hfq.qft import (OutlierRefreshPerEpoch, QFTConfig, QFTLinear, QLion, quantize_model_, refresh_outliers_,
+                     state_bytes)
 from hfq.qparam import QParam
 from hfq_kernels.reference.intq import outlier_thresholds
 
@@ -174,3 +175,36 @@ def test_refreshed_outliers_round_trip_save_pretrained(tmp_path):
     assert isinstance(q2, QParam) and q2.meta["outlier_refresh_steps"] == 2
     sa, sb = m.state_dict(), m2.state_dict()
     assert sa.keys() == sb.keys() and all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]) for k in sa)
+
+
+class _Thresholds(TrainerCallback):
+    def __init__(self, q):
+        self.q, self.seen = q, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append(self.q.thresholds.clone())
+
+
+def test_trainer_callback_refreshes_once_per_epoch(tmp_path):
+    m = _tiny_llama()
+    quantize_model_(m, QFTConfig(gradient_bits=8))  # outlier_refresh_steps=0: only the callback's schedule
+    q = m.model.layers[1].self_attn.o_proj.weight
+    thr0 = q.thresholds.clone()
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, 96, (16, 12), generator=g)]
+    opt = QLion(m.parameters(), lr=3e-3)
+    rec = _Thresholds(q)
+    # 16 rows / batch 4 = 4 batches, 2 per optimizer step: 2 steps per epoch, 2 epochs
+    args = TrainingArguments(str(tmp_path), num_train_epochs=2, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                             save_strategy="no", max_grad_norm=0.0)
+    Trainer(model=m, args=args, train_dataset=data, optimizers=(opt, None),
+            callbacks=[OutlierRefreshPerEpoch(), rec]).train()
+    assert opt.refresh_thresholds_every == 2 and len(rec.seen) == 4
+    changed = [not torch.equal(a, b) for a, b in zip([thr0] + rec.seen, rec.seen)]
+    assert changed == [False, True, False, True]  # the steps that end epoch 1 and epoch 2
+    with pytest.raises(TypeError, match="hfq optimizer"):
+        OutlierRefreshPerEpoch().on_train_begin(args, None, None, optimizer=torch.optim.SGD([nn.Parameter(
+            torch.zeros(1))], lr=0.1), train_dataloader=[0])
+    with pytest.raises(ValueError, match="outlier_refresh_steps"):
+        OutlierRefreshPerEpoch().on_train_begin(args, None, None, optimizer=opt, train_dataloader=iter([0]))

@@ -9,6 +9,7 @@ import torch
 from hfq_kernels.reference.intq import dequantize_int_asym, quantize_int_asym
 from ..optim import QLion
 from ..qparam import Int8Grad, clear_int8_grads_, ddp_ignore_int8_grad_weights_, int8_grad
+from .callback import OutlierRefreshPerEpoch
 from .config import QFTConfig
 from .linear import QFTLinear, convert_linears_, quantize_model_, refresh_outliers_
 from .memory import state_bytes
@@ -26,6 +27,6 @@ def dequantize_rows(codes, scales, zeros, shape, dtype=torch.float32):
     return dequantize_int_asym(codes, scales, zeros, dtype, shape)
 
 
-__all__ = ["Int8Grad", "QFTConfig", "QFTHfQuantizer", "QFTLinear", "QLion", "clear_int8_grads_", "convert_linears_",
-           "ddp_ignore_int8_grad_weights_", "dequantize_rows", "int8_grad", "quantize_model_", "quantize_rows",
-           "refresh_outliers_", "state_bytes"]
+__all__ = ["Int8Grad", "OutlierRefreshPerEpoch", "QFTConfig", "QFTHfQuantizer", "QFTLinear", "QLion",
+           "clear_int8_grads_", "convert_linears_", "ddp_ignore_int8_grad_weights_", "dequantize_rows", "int8_grad",
+           "quantize_model_", "quantize_rows", "refresh_outliers_", "state_bytes"]

@@ -33,9 +33,10 @@ class QFTConfig(HfqConfig):
         updated weight with the thresholds set at load (an element that grows past them becomes an outlier); every
         `outlier_refresh_steps`-th optimizer step of a weight (QLion, ECOAdamW, ECOSGD) the thresholds are re-set
         from the current weight, so the outlier count returns to outlier_fraction x numel. The paper refreshes
-        once per epoch: pass your optimizer steps per epoch. 0 (default) = never: the thresholds from load are
-        kept, as the paper does within an epoch (a fixed step count cannot know an epoch's length). Deterministic
-        and a function of the weights and the optimizer's step count only, so DDP ranks and resumed runs agree.
+        once per epoch: pass your optimizer steps per epoch, or give Trainer the callback
+        hfq.qft.OutlierRefreshPerEpoch(), which counts them. 0 (default) = never: the thresholds from load are
+        kept, as the paper does within an epoch (a config cannot know an epoch's length). Deterministic and a
+        function of the weights and the optimizer's step count only, so DDP ranks and resumed runs agree.
     rounding: rounding of the initial quantization ("rtn" | "sr").
     gradient_bits: None (default: weight gradients are ordinary bf16 `.grad`, all-reduced by DDP) or 8 (QFT's INT8
         gradients: each quantized linear's `.grad` is an hfq.qparam.Int8Grad, INT8 codes + per-row scale/zero point,
