@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hfq_kernels.reference.fp8 import check_rounding
-from ..qparam import QParam, int8_grad, pop_int8_grad
+from ..qparam import QParam, int8_grad, pop_int8_grad, sharding_refusal
 
 
 def _is_real(x) -> bool:
@@ -60,6 +60,18 @@ class QParamOptimizer(torch.optim.Optimizer):
         self._seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}
         super().__init__(params, dict(defaults, betas=tuple(defaults["betas"])) if "betas" in defaults else defaults)
+        self._refuse_sharded()
+
+    def _refuse_sharded(self) -> None:
+        """Parameters sharded by FSDP2 are DTensors: a QParam among them was already dequantized by the sharding,
+        so training would go on as a plain model. Refuse at construction, naming the first such parameter."""
+        from torch.distributed.tensor import DTensor
+
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if isinstance(p, DTensor):
+                    raise ValueError(f"{type(self).__name__}: " + sharding_refusal(
+                        f"parameter {self._param_name(gi, pi, p)} is a sharded DTensor (FSDP2)"))
 
     # ---- gradients ------------------------------------------------------------------------------------
     @staticmethod
