@@ -83,26 +83,39 @@ def snapshot(model):
 
 
 def full_state(acc, model, opt):
-    """Full (unsharded) model + optimizer state, as one process can load it; {} on ranks other than 0."""
-    if acc.is_fsdp2:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    """Full (unsharded) model + optimizer state, as any world size can load it; {} on ranks other than 0.
+    hfq's optimizers (replicated state under DDP) save their own state_dict; torch optimizers go through
+    torch.distributed.checkpoint's full state dicts (keyed by parameter name), which FSDP2 and one process share."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {"model": msd, "optim": osd} if acc.is_main_process else {}
-    m = acc.unwrap_model(model)
-    return {"model": m.state_dict(), "optim": opt.state_dict()} if acc.is_main_process else {}
+    if getattr(opt, "optimizer", opt).__class__.__module__.startswith("hfq"):
+        m = acc.unwrap_model(model)
+        return {"model": m.state_dict(), "optim": opt.state_dict(), "dcp": False} if acc.is_main_process else {}
+    msd, osd = get_state_dict(acc.unwrap_model(model), getattr(opt, "optimizer", opt),
+                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": msd, "optim": osd, "dcp": True} if acc.is_main_process else {}
 
 
 def load_full_state(acc, model, opt, ckpt):
-    """Load a full checkpoint of full_state (written by any world size) into this run's model and optimizer."""
-    if acc.is_fsdp2:
+    """Load a checkpoint of full_state (written by any world size) into this run's model and optimizer."""
+    if ckpt["dcp"]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        set_state_dict(model, opt, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optim"],
-                       options=StateDictOptions(full_state_dict=True))
+        set_state_dict(acc.unwrap_model(model), getattr(opt, "optimizer", opt), model_state_dict=ckpt["model"],
+                       optim_state_dict=ckpt["optim"], options=StateDictOptions(full_state_dict=True))
         return
     acc.unwrap_model(model).load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["optim"])
+
+
+def layout(model):
+    """What FSDP2 sharded: (names of DTensor parameters with their local numel, names of DTensor buffers,
+    numel of every parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = {n: p.to_local().numel() for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    bufs = [n for n, b in model.named_buffers() if isinstance(b, DTensor)]
+    return sharded, bufs, {n: p.numel() for n, p in model.named_parameters()}
 
 
 def run(acc, method, tiny_dir, out, resume):
@@ -116,10 +129,6 @@ def run(acc, method, tiny_dir, out, resume):
         model, opt = acc.prepare(model, make_opt(model))
     first = 0
     if resume is not None:
-        if acc.is_fsdp2:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-            get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))  # creates the optimizer state
         ckpt = torch.load(os.path.join(out, f"{method}_w{resume}.ckpt"), weights_only=False)
         load_full_state(acc, model, opt, ckpt)
         first = SAVE_AT
@@ -139,10 +148,12 @@ def run(acc, method, tiny_dir, out, resume):
             state = full_state(acc, model, opt)
             if acc.is_main_process:
                 torch.save(state, os.path.join(out, f"{method}_w{world}.ckpt"))
-    snap = snapshot(acc.unwrap_model(model) if not acc.is_fsdp2 else model)
+    sharded, sharded_bufs, numel = layout(model)
+    snap = snapshot(acc.unwrap_model(model))
     tag = f"{method}_w{world}" + (f"_from{resume}" if resume is not None else "")
     torch.save({"losses": losses, "snap": snap, "world": world, "wrapper": type(model).__name__,
-                "strategy": str(acc.distributed_type)}, os.path.join(out, f"{tag}_rank{rank}.pt"))
+                "strategy": str(acc.distributed_type),
+                "sharded": sharded, "sharded_buffers": sharded_bufs, "numel": numel}, os.path.join(out, f"{tag}_rank{rank}.pt"))
     acc.wait_for_everyone()
 
 
