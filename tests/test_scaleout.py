@@ -170,6 +170,20 @@ def test_fsdp2_refused_for_eco_at_start(tmp_path):
     assert not list(tmp_path.glob("eco_*"))
 
 
+def test_fsdp2_refused_for_qerl_trainer_at_construction(tmp_path):
+    """QeRLGRPOTrainer given an FSDP2-sharded NVFP4 + LoRA policy refuses at construction (AQN and the rollout
+    need the full norm weights and policy), naming QeRL, FSDP2 and DDP."""
+    from hfq.tiny import save_tiny
+
+    tiny = str(save_tiny(tmp_path / "tiny", arch="qwen2"))
+    r = _fsdp2(tmp_path, tiny, ["qerl"], ok=False)
+    assert r.returncode != 0
+    msg = "QeRL (QeRLGRPOTrainer: NVFP4 + LoRA + AQN) does not support FSDP/FSDP2 (the model has sharded DTensor"
+    assert r.stderr.count(msg) >= 2, r.stderr[-4000:]
+    assert "examples/accelerate/ddp.yaml" in r.stderr
+    assert not list(tmp_path.glob("qerl_constructed_*"))
+
+
 def test_qparam_split_and_sharded_optimizer_params_refused():
     """The two refusal points without a process group: splitting a QParam (what fully_shard does) and an hfq
     optimizer given DTensor (sharded) parameters, for QFT's format and optimizer."""

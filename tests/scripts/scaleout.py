@@ -118,6 +118,25 @@ def layout(model):
     return sharded, bufs, {n: p.numel() for n, p in model.named_parameters()}
 
 
+def qerl_trainer(acc, tiny_dir, out):
+    """QeRLGRPOTrainer on the (sharded, under FSDP2) NVFP4 + LoRA policy: refused at construction under FSDP."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from hfq.qerl import QeRLConfig, QeRLGRPOTrainer
+
+    model, _ = build("nvfp4_lora", tiny_dir)
+    if acc.is_fsdp2:
+        model, _ = acc.prepare(model, lambda m: None)
+    args = QeRLConfig(output_dir=f"{out}/qerl", num_generations=2, per_device_train_batch_size=2,
+                      max_completion_length=4, max_steps=1, report_to="none", use_cpu=True, bf16=False)
+    QeRLGRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
+                    train_dataset=Dataset.from_list([{"prompt": "1+1=", "answer": "2"}] * 4),
+                    processing_class=AutoTokenizer.from_pretrained(tiny_dir))
+    with open(os.path.join(out, f"qerl_constructed_rank{acc.process_index}"), "w"):
+        pass
+
+
 def run(acc, method, tiny_dir, out, resume):
     import torch.distributed as dist
 
@@ -201,6 +220,9 @@ def main(out, tiny_dir, methods, resume=None):
 
         acc = Accelerator(cpu=not torch.cuda.is_available())
     for method in methods.split(","):
+        if method == "qerl":
+            qerl_trainer(acc, tiny_dir, out)
+            continue
         run(acc, method, tiny_dir, out, None if resume is None else int(resume))
 
 
