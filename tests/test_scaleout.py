@@ -185,14 +185,20 @@ def test_fsdp2_refused_for_qerl_trainer_at_construction(tmp_path):
 
 
 def test_qparam_split_and_sharded_optimizer_params_refused():
-    """The two refusal points without a process group: splitting a QParam (what fully_shard does) and an hfq
-    optimizer given DTensor (sharded) parameters, for QFT's format and optimizer."""
+    """The refusal points, in one process (a world of 1): splitting a QParam (what fully_shard does), hfq's
+    optimizers given DTensor (FSDP2) parameters at construction or swapped in before the first step (as accelerate
+    does with an optimizer built before `prepare`), and parameters flattened by FSDP1 (in bf16, where FSDP1 would
+    otherwise dequantize the QParams without an error)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from hfq.eco import ECOAdamW
     from hfq.optim.lion import QLion
+    from hfq.qft import QFTConfig, quantize_model_
     from hfq.qparam import QParam
+    from hfq.tiny import tiny_model
 
     q = torch.nn.Parameter(QParam.from_float(torch.randn(8, 64), "int8_dense_sparse"))
     with pytest.raises(NotImplementedError, match=r"int8_dense_sparse \(8, 64\).*DDP"):
@@ -204,5 +210,18 @@ def test_qparam_split_and_sharded_optimizer_params_refused():
         p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 64), mesh, [Shard(0)]))
         with pytest.raises(ValueError, match=r"QLion: ECO / QFT .* FSDP2.*sharded DTensor"):
             QLion([p], lr=1e-3)
+        w = torch.nn.Parameter(torch.randn(8, 64))
+        opt = ECOAdamW([w], lr=1e-3)
+        opt.param_groups[0]["params"] = [p]
+        p.grad = torch.ones_like(p)
+        before = p.detach().full_tensor().clone()
+        with pytest.raises(ValueError, match=r"ECOAdamW: ECO / QFT .* FSDP2.*sharded DTensor"):
+            opt.step()
+        assert torch.equal(p.detach().full_tensor(), before) and not opt.state  # nothing was touched
+        model = tiny_model("llama", hidden=64, intermediate=128, kv_heads=4, dtype=torch.bfloat16).train()
+        quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
+        wrapped = FSDP1(model, device_id=torch.device("cpu"), use_orig_params=False)
+        with pytest.raises(ValueError, match=r"QLion: ECO / QFT .*flattened by FSDP \(FullyShardedDataParallel\)"):
+            QLion(wrapped.parameters(), lr=1e-3)
     finally:
         dist.destroy_process_group()
