@@ -157,7 +157,7 @@ def test_fsdp2_matches_single_process_and_resumes_on_one(runs, method):
 
 
 def test_fsdp2_refused_for_eco_at_start(tmp_path):
-    """fully_shard on a model holding QParams fails in fully_shard itself, on every rank, before any step,
+    """fully_shard on a model holding QParams fails in fully_shard itself, before any step,
     naming the methods, the strategy and what is supported; the launch exits instead of hanging."""
     from hfq.tiny import save_tiny
 
@@ -165,7 +165,8 @@ def test_fsdp2_refused_for_eco_at_start(tmp_path):
     r = _fsdp2(tmp_path, tiny, ["eco"], ok=False)
     assert r.returncode != 0
     msg = "ECO / QFT (QParam quantized weights) do not support FSDP2 (fully_shard)"
-    assert r.stderr.count(msg) >= 2, r.stderr[-4000:]  # both ranks
+    # the first rank to fail prints it; torchrun may stop the other before it does
+    assert msg in r.stderr, r.stderr[-4000:]
     assert "Supported for ECO / QFT: DDP" in r.stderr and "fully_shard" in r.stderr
     assert not list(tmp_path.glob("eco_*"))
 
@@ -179,7 +180,7 @@ def test_fsdp2_refused_for_qerl_trainer_at_construction(tmp_path):
     r = _fsdp2(tmp_path, tiny, ["qerl"], ok=False)
     assert r.returncode != 0
     msg = "QeRL (QeRLGRPOTrainer: NVFP4 + LoRA + AQN) does not support FSDP/FSDP2 (the model has sharded DTensor"
-    assert r.stderr.count(msg) >= 2, r.stderr[-4000:]
+    assert msg in r.stderr, r.stderr[-4000:]
     assert "examples/accelerate/ddp.yaml" in r.stderr
     assert not list(tmp_path.glob("qerl_constructed_*"))
 
