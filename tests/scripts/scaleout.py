@@ -1,12 +1,15 @@
-"""Worker for tests/test_scaleout.py: train tiny models of each hfq method under whatever `accelerate launch`
-set up (DDP or FSDP2 from examples/accelerate/*.yaml, or one plain process), and save what the test compares.
+"""Worker for tests/test_scaleout.py: train tiny models of each hfq method on several processes and save what the
+test compares. DDP: under `accelerate launch --config_file examples/accelerate/ddp.yaml` (or one plain process).
+FSDP2: under `torchrun` with SCALEOUT_FSDP2=1 (the `FSDP2` class below stands in for accelerate, which runs FSDP on
+GPUs only).
 
-python scaleout.py OUT TINY_DIR METHODS [RESUME_TAG]
-  For each method: STEPS optimizer steps on a fixed global batch split over the ranks; the mean loss over ranks per
-  step, every parameter and buffer (full, gathered under FSDP2) after the run, and a full checkpoint after SAVE_AT
-  steps (saved by rank 0; model + optimizer state) go to OUT/<method>_w<world>.pt and
-  OUT/<method>_w<world>.ckpt. With RESUME_TAG (a world size): start from OUT/<method>_w<RESUME_TAG>.ckpt and run the
-  remaining steps, results in OUT/<method>_w<world>_from<RESUME_TAG>.pt.
+python scaleout.py OUT TINY_DIR METHODS [RESUME_FROM_WORLD]
+  METHODS: comma-separated, of quest, nvfp4_lora, eco, qft, and qerl (only builds QeRLGRPOTrainer).
+  For each method: STEPS optimizer steps on a fixed global batch split over the ranks. The mean loss over ranks per
+  step, every parameter and buffer (full, gathered under FSDP2) and what was sharded go to
+  OUT/<method>_w<world>_rank<r>.pt; a full checkpoint after SAVE_AT steps (model + optimizer, saved by rank 0) to
+  OUT/<method>_w<world>.ckpt. With RESUME_FROM_WORLD: start from OUT/<method>_w<RESUME_FROM_WORLD>.ckpt and run the
+  remaining steps, results in OUT/<method>_w<world>_from<RESUME_FROM_WORLD>_rank<r>.pt.
 """
 import os
 import sys
@@ -17,8 +20,8 @@ STEPS, SAVE_AT, GLOBAL_BATCH, SEQ = 4, 2, 8, 16
 
 
 def build(method, tiny_dir):
-    """(model, function model -> optimizer) for a method: QuEST QAT + AdamW, NVFP4 base + LoRA + AdamW, ECO (fp8 QParams + ECOAdamW),
-    QFT (INT8 dense+sparse QParams with INT8 gradients + QLion)."""
+    """(model, function model -> optimizer) for a method: QuEST QAT + AdamW, NVFP4 base + LoRA + AdamW,
+    ECO (fp8 QParams + ECOAdamW), QFT (INT8 dense+sparse QParams with INT8 gradients + QLion)."""
     from hfq.tiny import tiny_model
 
     torch.manual_seed(0)
@@ -172,7 +175,8 @@ def run(acc, method, tiny_dir, out, resume):
     tag = f"{method}_w{world}" + (f"_from{resume}" if resume is not None else "")
     torch.save({"losses": losses, "snap": snap, "world": world, "wrapper": type(model).__name__,
                 "strategy": str(acc.distributed_type),
-                "sharded": sharded, "sharded_buffers": sharded_bufs, "numel": numel}, os.path.join(out, f"{tag}_rank{rank}.pt"))
+                "sharded": sharded, "sharded_buffers": sharded_bufs, "numel": numel},
+               os.path.join(out, f"{tag}_rank{rank}.pt"))
     acc.wait_for_everyone()
 
 
