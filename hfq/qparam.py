@@ -20,6 +20,9 @@ QParam's own value back is a no-op, so ranks that hold the same codes keep them 
 different codes call `broadcast_qparams_(model)` first (an exact broadcast of codes and scales). INT8 gradients
 (store_int8) are averaged over ranks in backward, in fp32, before storage; DDP is told to ignore those weights
 (`ddp_ignore_int8_grad_weights_`, which hfq.qft applies when it converts a model).
+
+FSDP2 (`fully_shard`) and other parameter sharding are refused: splitting a QParam raises (FSDP2 chunks every
+parameter along dim 0 in `fully_shard`), and hfq's optimizers refuse sharded (DTensor) parameters.
 """
 from __future__ import annotations
 
@@ -291,6 +294,8 @@ class QParam(torch.Tensor):
             # else: src is this weight's own value (e.g. DDP's construction-time broadcast of a dequantized view):
             # keep the codes. Requantizing a bf16 round trip would move codes and scales on every rank.
             return dst
+        if func in _SHARDING_OPS and isinstance(args[0], QParam):
+            raise NotImplementedError(sharding_refusal(f"{func} on a QParam {args[0].fmt} {tuple(args[0].shape)}"))
         if func._schema.is_mutable:
             q = _written_qparam(func, args, kwargs)
             if q is not None:
@@ -299,6 +304,18 @@ class QParam(torch.Tensor):
                     f"changes only a dequantized temporary. {USE_HFQ_OPTIMIZER}")
         unwrap = lambda a: a.dequantize() if isinstance(a, QParam) else a  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+_SHARDING_OPS = {torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
+                 torch.ops.aten.chunk.default, torch.ops.aten.tensor_split.sections}
+
+
+def sharding_refusal(what: str) -> str:
+    """The error for parameter sharding (FSDP2's fully_shard, FSDP1) of a model holding QParams (ECO, QFT)."""
+    return (f"ECO / QFT (QParam quantized weights) do not support FSDP2 (fully_shard) or other parameter "
+            f"sharding: {what}. Sharding would split the codes and scales into plain dequantized tensors, "
+            "which no longer train as quantized weights. Supported for ECO / QFT: DDP (`accelerate launch "
+            "--config_file examples/accelerate/ddp.yaml ...`); QuEST and NVFP4/QeRL + LoRA also run under FSDP2.")
 
 
 def _written_qparam(func, args, kwargs, cls=None) -> QParam | None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from hfq_kernels.reference.fp8 import check_rounding
-from ..qparam import QParam, int8_grad, pop_int8_grad
+from ..qparam import QParam, int8_grad, pop_int8_grad, sharding_refusal
 
 
 def _is_real(x) -> bool:
@@ -60,6 +60,24 @@ class QParamOptimizer(torch.optim.Optimizer):
         self._seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}
         super().__init__(params, dict(defaults, betas=tuple(defaults["betas"])) if "betas" in defaults else defaults)
+        self._refuse_sharded()
+        self._layout_checked = False
+
+    def _refuse_sharded(self) -> None:
+        """Parameters sharded by FSDP2 (DTensors) or flattened by FSDP (FullyShardedDataParallel): a QParam among
+        them was already dequantized by the sharding, so training would go on as a plain model. Refused at
+        construction and again before the first step (accelerate swaps the parameters of an optimizer built
+        before `prepare`), naming the first such parameter."""
+        from torch.distributed.tensor import DTensor
+
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                how = ("is a sharded DTensor (FSDP2)" if isinstance(p, DTensor) else
+                       "was flattened by FSDP (FullyShardedDataParallel)" if getattr(p, "_fsdp_flattened", False)
+                       else None)
+                if how:
+                    raise ValueError(f"{type(self).__name__}: " + sharding_refusal(
+                        f"parameter {self._param_name(gi, pi, p)} {how}"))
 
     # ---- gradients ------------------------------------------------------------------------------------
     @staticmethod
@@ -84,6 +102,9 @@ class QParamOptimizer(torch.optim.Optimizer):
     # ---- the start of step(): closure and the NaN/Inf check --------------------------------------------
     def _begin_step(self, closure):
         """Run the closure (with grad enabled); queue the NaN/Inf check. Returns (loss, pending check)."""
+        if not getattr(self, "_layout_checked", False):
+            self._refuse_sharded()
+            self._layout_checked = True
         loss = None
         if closure is not None:
             with torch.enable_grad():

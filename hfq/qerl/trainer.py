@@ -35,6 +35,7 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
         if not isinstance(args, QeRLConfig):
             raise ValueError(f"args must be a QeRLConfig (GRPOConfig + AQN fields), got {type(args).__name__}")
         super().__init__(model, reward_funcs, args=args, **kwargs)
+        self._refuse_fsdp()
         self.aqn_schedule = args.aqn_schedule_obj
         seed = args.seed if args.aqn_seed is None else args.aqn_seed
         self.aqn = (AdaptiveQuantizationNoise(self.accelerator.unwrap_model(self.model), args.aqn_norm_names, seed)
@@ -45,6 +46,20 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
             from .vllm_sync import install_vllm_sync
 
             install_vllm_sync(self)
+
+    def _refuse_fsdp(self) -> None:
+        """QeRL runs under DDP only: AQN writes whole-shape noise into the norm weights and the rollout reads the
+        full policy, neither of which knows about FSDP's sharded (DTensor) parameters. Raised at construction,
+        whether accelerate will shard the model (FSDP config) or the model arrives already sharded."""
+        from torch.distributed.tensor import DTensor
+
+        sharded = any(isinstance(p, DTensor) for p in self.model.parameters())
+        if self.is_fsdp_enabled or sharded:
+            raise ValueError(
+                "QeRL (QeRLGRPOTrainer: NVFP4 + LoRA + AQN) does not support FSDP/FSDP2"
+                f"{' (the model has sharded DTensor parameters)' if sharded else ' (accelerate FSDP config)'}; "
+                "use DDP: `accelerate launch --config_file examples/accelerate/ddp.yaml ...`. The NVFP4 + LoRA "
+                "model itself trains under FSDP2 (e.g. with transformers.Trainer), see examples/accelerate.")
 
     # ----------------------------------------------------------------- schedule
     def aqn_sigma(self, step: int | None = None) -> tuple[int, float]:

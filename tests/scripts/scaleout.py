@@ -1,0 +1,234 @@
+"""Worker for tests/test_scaleout.py: train tiny models of each hfq method on several processes and save what the
+test compares. DDP: under `accelerate launch --config_file examples/accelerate/ddp.yaml` (or one plain process).
+FSDP2: under `torchrun` with SCALEOUT_FSDP2=1 (the `FSDP2` class below stands in for accelerate, which runs FSDP on
+GPUs only).
+
+python scaleout.py OUT TINY_DIR METHODS [RESUME_FROM_WORLD]
+  METHODS: comma-separated, of quest, nvfp4_lora, eco, qft, and qerl (only builds QeRLGRPOTrainer).
+  For each method: STEPS optimizer steps on a fixed global batch split over the ranks. The mean loss over ranks per
+  step, every parameter and buffer (full, gathered under FSDP2) and what was sharded go to
+  OUT/<method>_w<world>_rank<r>.pt; a full checkpoint after SAVE_AT steps (model + optimizer, saved by rank 0) to
+  OUT/<method>_w<world>.ckpt. With RESUME_FROM_WORLD: start from OUT/<method>_w<RESUME_FROM_WORLD>.ckpt and run the
+  remaining steps, results in OUT/<method>_w<world>_from<RESUME_FROM_WORLD>_rank<r>.pt.
+"""
+import os
+import sys
+
+import torch
+
+STEPS, SAVE_AT, GLOBAL_BATCH, SEQ = 4, 2, 8, 16
+
+
+def build(method, tiny_dir):
+    """(model, function model -> optimizer) for a method: QuEST QAT + AdamW, NVFP4 base + LoRA + AdamW,
+    ECO (fp8 QParams + ECOAdamW), QFT (INT8 dense+sparse QParams with INT8 gradients + QLion)."""
+    from hfq.tiny import tiny_model
+
+    torch.manual_seed(0)
+    if method == "quest":
+        from hfq.quest import QuESTConfig, quantize_model
+
+        model = quantize_model(tiny_model("llama", seed=0, hidden=64, intermediate=128, kv_heads=4).train(),
+                               QuESTConfig(weight_bits=4, activation_bits=4))
+        return model, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)
+    if method == "nvfp4_lora":
+        from peft import LoraConfig
+        from transformers import AutoModelForCausalLM
+
+        from hfq.nvfp4 import NVFP4Config, get_peft_model
+
+        base = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=NVFP4Config(), dtype=torch.float32)
+        torch.manual_seed(0)
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                task_type="CAUSAL_LM")).train()
+        for n, p in model.named_parameters():  # LoRA B starts at zero; random B makes the loss depend on A too
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.02)
+        return model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    from hfq.qft import QFTConfig, quantize_model_
+
+    model = tiny_model("llama", seed=0, hidden=64, intermediate=128, kv_heads=4).train()
+    if method == "eco":
+        from hfq.eco import ECOAdamW
+
+        quantize_model_(model, QFTConfig(weight_format="fp8_e4m3_row"))
+        return model, lambda m: ECOAdamW(m.parameters(), lr=1e-2, rounding="sr", seed=3)
+    if method == "qft":
+        from hfq.qft import QLion
+
+        quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
+        return model, lambda m: QLion(m.parameters(), lr=1e-3, seed=3)
+    raise ValueError(method)
+
+
+def batch(step, rank, world):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(4, 90, (GLOBAL_BATCH, SEQ), generator=g)
+    n = GLOBAL_BATCH // world
+    return x[rank * n:(rank + 1) * n]
+
+
+def snapshot(model):
+    """name -> full plain tensor of every parameter and buffer (QParam: its stored tensors; DTensor: gathered)."""
+    from hfq.qparam import QParam
+
+    out = {}
+    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
+        t = t.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        if isinstance(t, QParam):
+            for k, v in t.qtensors().items():
+                out[f"{n}.{k}"] = (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).clone()
+        else:
+            out[n] = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone()
+    return out
+
+
+def full_state(acc, model, opt):
+    """Full (unsharded) model + optimizer state, as any world size can load it; {} on ranks other than 0.
+    hfq's optimizers (replicated state under DDP) save their own state_dict; torch optimizers go through
+    torch.distributed.checkpoint's full state dicts (keyed by parameter name), which FSDP2 and one process share."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    if getattr(opt, "optimizer", opt).__class__.__module__.startswith("hfq"):
+        m = acc.unwrap_model(model)
+        return {"model": m.state_dict(), "optim": opt.state_dict(), "dcp": False} if acc.is_main_process else {}
+    msd, osd = get_state_dict(acc.unwrap_model(model), getattr(opt, "optimizer", opt),
+                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": msd, "optim": osd, "dcp": True} if acc.is_main_process else {}
+
+
+def load_full_state(acc, model, opt, ckpt):
+    """Load a checkpoint of full_state (written by any world size) into this run's model and optimizer."""
+    if ckpt["dcp"]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(acc.unwrap_model(model), getattr(opt, "optimizer", opt), model_state_dict=ckpt["model"],
+                       optim_state_dict=ckpt["optim"], options=StateDictOptions(full_state_dict=True))
+        return
+    acc.unwrap_model(model).load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["optim"])
+
+
+def layout(model):
+    """What FSDP2 sharded: (names of DTensor parameters with their local numel, names of DTensor buffers,
+    numel of every parameter)."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = {n: p.to_local().numel() for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    bufs = [n for n, b in model.named_buffers() if isinstance(b, DTensor)]
+    return sharded, bufs, {n: p.numel() for n, p in model.named_parameters()}
+
+
+def qerl_trainer(acc, tiny_dir, out):
+    """QeRLGRPOTrainer on the (sharded, under FSDP2) NVFP4 + LoRA policy: refused at construction under FSDP."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from hfq.qerl import QeRLConfig, QeRLGRPOTrainer
+
+    model, _ = build("nvfp4_lora", tiny_dir)
+    if acc.is_fsdp2:
+        model, _ = acc.prepare(model, lambda m: None)
+    args = QeRLConfig(output_dir=f"{out}/qerl", num_generations=2, per_device_train_batch_size=2,
+                      max_completion_length=4, max_steps=1, report_to="none", use_cpu=True, bf16=False)
+    QeRLGRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
+                    train_dataset=Dataset.from_list([{"prompt": "1+1=", "answer": "2"}] * 4),
+                    processing_class=AutoTokenizer.from_pretrained(tiny_dir))
+    with open(os.path.join(out, f"qerl_constructed_rank{acc.process_index}"), "w"):
+        pass
+
+
+def run(acc, method, tiny_dir, out, resume):
+    import torch.distributed as dist
+
+    world, rank = acc.num_processes, acc.process_index
+    model, make_opt = build(method, tiny_dir)
+    if acc.is_fsdp2:  # the optimizer is built on the sharded parameters, as Trainer does under FSDP
+        model, opt = acc.prepare(model, make_opt)
+    else:
+        model, opt = acc.prepare(model, make_opt(model))
+    first = 0
+    if resume is not None:
+        ckpt = torch.load(os.path.join(out, f"{method}_w{resume}.ckpt"), weights_only=False)
+        load_full_state(acc, model, opt, ckpt)
+        first = SAVE_AT
+    losses = []
+    for step in range(first, STEPS):
+        x = batch(step, rank, world)
+        loss = model(input_ids=x, labels=x).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(mean)
+            mean /= world
+        losses.append(float(mean))
+        if step + 1 == SAVE_AT and resume is None:
+            state = full_state(acc, model, opt)
+            if acc.is_main_process:
+                torch.save(state, os.path.join(out, f"{method}_w{world}.ckpt"))
+    sharded, sharded_bufs, numel = layout(model)
+    snap = snapshot(acc.unwrap_model(model))
+    tag = f"{method}_w{world}" + (f"_from{resume}" if resume is not None else "")
+    torch.save({"losses": losses, "snap": snap, "world": world, "wrapper": type(model).__name__,
+                "strategy": str(acc.distributed_type),
+                "sharded": sharded, "sharded_buffers": sharded_bufs, "numel": numel},
+               os.path.join(out, f"{tag}_rank{rank}.pt"))
+    acc.wait_for_everyone()
+
+
+class FSDP2:
+    """The part of accelerate's Accelerator this script uses, for FSDP2 on CPU (accelerate runs FSDP on GPUs
+    only): a gloo process group from torchrun's environment and `fully_shard` on every decoder layer, then on the
+    root (what examples/accelerate/fsdp2.yaml's TRANSFORMER_BASED_WRAP does)."""
+
+    is_fsdp2, distributed_type = True, "FSDP2"
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        self.num_processes, self.process_index = dist.get_world_size(), dist.get_rank()
+        self.is_main_process = self.process_index == 0
+
+    def prepare(self, model, make_opt):
+        from torch.distributed.fsdp import fully_shard
+
+        for m in model.modules():
+            if type(m).__name__.endswith("DecoderLayer"):
+                fully_shard(m)
+        fully_shard(model)
+        return model, make_opt(model)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def unwrap_model(self, model):
+        return model
+
+    def wait_for_everyone(self):
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def main(out, tiny_dir, methods, resume=None):
+    torch.set_num_threads(1)
+    if os.environ.get("SCALEOUT_FSDP2") == "1":
+        acc = FSDP2()
+    else:
+        from accelerate import Accelerator
+
+        acc = Accelerator(cpu=not torch.cuda.is_available())
+    for method in methods.split(","):
+        if method == "qerl":
+            qerl_trainer(acc, tiny_dir, out)
+            continue
+        run(acc, method, tiny_dir, out, None if resume is None else int(resume))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
