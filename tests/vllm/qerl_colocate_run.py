@@ -64,8 +64,8 @@ def main(model_dir, out_json, base="bf16"):
         output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, report_to="none", save_strategy="no", seed=0,
         max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=8, logging_steps=1,
         learning_rate=2e-2, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=256,
-        # K=2 stages over 2 steps: step 0 is noise-free, step 1 samples with sigma = 0.1
-        aqn_sigma_start=0.1, aqn_sigma_end=0.05, aqn_num_stages=2)
+        # K=2 stages over 2 steps: step 0 is noise-free, step 1 samples with sigma = 0.03
+        aqn_sigma_start=0.03, aqn_sigma_end=0.01, aqn_num_stages=2)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
                       task_type="CAUSAL_LM")
     trainer = QeRLGRPOTrainer(model, vowels, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
@@ -83,7 +83,7 @@ def main(model_dir, out_json, base="bf16"):
         orig()
         syncs.append({"step": trainer.state.global_step, "aqn": trainer._aqn_now,
                       "lora": {n: p.detach().clone() for n, p in policy.named_parameters() if ".lora_" in n},
-                      "vllm": vllm_logprobs(gen.llm, ids)})
+                      "vllm": vllm_logprobs(gen.llm, ids), "ours_at_sync": token_logprobs(policy, ids)})
 
     gen.sync_weights = observed_sync
     t1 = time.time()
@@ -107,7 +107,7 @@ def main(model_dir, out_json, base="bf16"):
     result = {
         "base": base, "layout": trainer.vllm_layout, "n_tokens": len(ids) - 1,
         "syncs": [{"step": s["step"], "aqn": s["aqn"]} for s in syncs],
-        "vllm_first": syncs[0]["vllm"], "vllm": last["vllm"], "ours": ours, "clean": clean, "untrained": untrained,
+        "vllm_first": syncs[0]["vllm"], "ours_first": syncs[0]["ours_at_sync"], "ours_at_sync": last["ours_at_sync"], "vllm": last["vllm"], "ours": ours, "clean": clean, "untrained": untrained,
         "lora_abs_max": max(v.abs().max().item() for k, v in last["lora"].items() if "lora_B" in k),
         "frozen_drift": drift, "log_history": trainer.state.log_history,
         "seconds": {"setup": t1 - t0, "train": t2 - t1, "total": time.time() - t0},

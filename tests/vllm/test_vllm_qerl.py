@@ -35,17 +35,20 @@ def _mean_abs(a, b):
 def _check_sync(r):
     """vLLM samples with the trained adapter merged into the base plus the noisy norms of the step."""
     assert [s["step"] for s in r["syncs"]] == [0, 1]  # one sync per optimizer step
-    assert r["syncs"][0]["aqn"] == [0, 0.0] and r["syncs"][1]["aqn"] == [1, 0.1]
+    assert r["syncs"][0]["aqn"] == [0, 0.0] and r["syncs"][1]["aqn"] == [1, 0.03]
     assert r["lora_abs_max"] > 0  # GRPO moved the adapter before the second sync
     assert r["frozen_drift"] == 0.0  # the sync never wrote into the policy's frozen weights
+    base_match = _mean_abs(r["vllm_first"], r["ours_first"])  # first sync: no noise, adapter still zero
     match = _mean_abs(r["vllm"], r["ours"])
     off_clean = _mean_abs(r["vllm"], r["clean"])
     off_untrained = _mean_abs(r["vllm"], r["untrained"])
     moved = _mean_abs(r["vllm"], r["vllm_first"])  # vLLM's weights changed between the two syncs
-    print(f"{r['base']}: |vllm-ours| {match:.4f}  |vllm-clean| {off_clean:.4f}  "
-          f"|vllm-untrained| {off_untrained:.4f}  |sync1-sync0| {moved:.4f}  ({r['n_tokens']} tokens)")
-    assert match < 0.05  # bf16 engine vs bf16 transformers forward, mean over the text's tokens
-    assert off_clean > 4 * match and off_untrained > 4 * match and moved > 4 * match
+    print(f"{r['base']}: |vllm-ours| first sync {base_match:.4f}, second {match:.4f}; second sync vs "
+          f"clean {off_clean:.4f}, untrained {off_untrained:.4f}, first sync {moved:.4f} ({r['n_tokens']} tokens)")
+    assert r["ours"] == r["ours_at_sync"]  # the references are rebuilt from the synced adapter and noise exactly
+    # bf16 engine vs bf16 transformers forward: mean |d log p| over the text's tokens
+    assert base_match < 0.1 and match < 0.1
+    assert min(off_clean, off_untrained, moved) > 5 * match
 
 
 def test_colocate_bf16_lora_aqn(smollm2_dir, tmp_path):
