@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+import torch
+
 TEXT = ("The capital of France is Paris. It is known for the Eiffel Tower, the Louvre museum and its cafes. "
         "Many tourists visit the city every year.")
 PROMPTS = ["Write a short poem about the sea.", "Name three fruits.", "What is two plus three?",
@@ -25,11 +27,14 @@ def vowels(completions, **kwargs):
 
 
 def token_logprobs(model, ids):
-    import torch
-
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
     return logits.log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def _bits(t):
+    """The tensor's raw bytes where comparisons are not implemented (float8 scales)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def vllm_logprobs(llm, ids):
@@ -44,7 +49,6 @@ def main(model_dir, out_json, base="bf16"):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import tempfile
 
-    import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,8 +94,8 @@ def main(model_dir, out_json, base="bf16"):
     trainer.train()
     t2 = time.time()
 
-    drift = max((p - frozen[n]).abs().max().item() for n, p in
-                list(policy.named_parameters()) + list(policy.named_buffers()) if n in frozen)
+    changed = [n for n, t in list(policy.named_parameters()) + list(policy.named_buffers())
+               if n in frozen and not torch.equal(_bits(t), _bits(frozen[n]))]
     last = syncs[-1]
     step, sigma = last["aqn"]
     policy.eval()
@@ -109,7 +113,7 @@ def main(model_dir, out_json, base="bf16"):
         "syncs": [{"step": s["step"], "aqn": s["aqn"]} for s in syncs],
         "vllm_first": syncs[0]["vllm"], "ours_first": syncs[0]["ours_at_sync"], "ours_at_sync": last["ours_at_sync"], "vllm": last["vllm"], "ours": ours, "clean": clean, "untrained": untrained,
         "lora_abs_max": max(v.abs().max().item() for k, v in last["lora"].items() if "lora_B" in k),
-        "frozen_drift": drift, "log_history": trainer.state.log_history,
+        "frozen_changed": changed, "log_history": trainer.state.log_history,
         "seconds": {"setup": t1 - t0, "train": t2 - t1, "total": time.time() - t0},
     }
     with open(out_json, "w") as f:
