@@ -3,10 +3,19 @@
 the last recorded result. Where vLLM is not importable (the main venv) the folder is not collected, and the
 session summary says so."""
 import importlib.util
+from pathlib import Path
 
 import pytest
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def _have_vllm() -> bool:
+    """vLLM installed: a real package, not this folder (pytest puts tests/ on sys.path, where `vllm` is us)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None and Path(spec.origin).parent != Path(__file__).parent
+
+
+HAVE_VLLM = _have_vllm()
 collect_ignore_glob = [] if HAVE_VLLM else ["*.py"]
 
 
