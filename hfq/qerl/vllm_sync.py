@@ -78,7 +78,8 @@ def vllm_weights(model: nn.Module, layout: str = "dense", include_frozen: tuple[
         base = mod.get_base_layer()
         nv = isinstance(base, NVFP4Linear)
         if not nv and not isinstance(base, nn.Linear):
-            raise ValueError(f"{out}: LoRA on {type(base).__name__} cannot be synced to vLLM (only Linear, NVFP4Linear)")
+            raise ValueError(f"{out}: LoRA on {type(base).__name__} cannot be synced to vLLM "
+                             "(only Linear, NVFP4Linear)")
         if layout == "packed" and not nv:
             continue  # a dense layer is sent below only when trainable/norm, as before
         w = base.dequantize(torch.float32) if nv else base.weight
@@ -177,10 +178,10 @@ def install_vllm_sync(trainer) -> str | None:
 
 
 def _reload_sync(gen, runner) -> None:
-    """Colocate sync through vLLM's in-place reload (`model_runner.reload_weights`, vLLM >= 0.32): each layer is
-    restored to checkpoint format, loaded from the stream and re-processed. TRL's per-tensor `load_weights` cannot
-    update a processed model: vLLM's CPU backend prepacks every linear weight for oneDNN and drops the
-    `weight_loader` of the parameter it leaves behind."""
+    """Colocate sync through vLLM's in-place reload (`model_runner.reload_weights`, present in vLLM 0.32; where it
+    is missing TRL's path is kept): each layer is restored to checkpoint format, loaded from the stream and
+    re-processed. TRL's per-tensor `load_weights` cannot update a processed model: vLLM's CPU backend prepacks
+    every linear weight for oneDNN and drops the `weight_loader` of the parameter it leaves behind."""
     if getattr(gen, "enable_sleep_mode", False):
         gen.llm.wake_up(tags=["weights"])
         gen._llm_weights_sleeping = False

@@ -111,7 +111,8 @@ def main(model_dir, out_json, base="bf16"):
     result = {
         "base": base, "layout": trainer.vllm_layout, "n_tokens": len(ids) - 1,
         "syncs": [{"step": s["step"], "aqn": s["aqn"]} for s in syncs],
-        "vllm_first": syncs[0]["vllm"], "ours_first": syncs[0]["ours_at_sync"], "ours_at_sync": last["ours_at_sync"], "vllm": last["vllm"], "ours": ours, "clean": clean, "untrained": untrained,
+        "vllm_first": syncs[0]["vllm"], "ours_first": syncs[0]["ours_at_sync"], "vllm": last["vllm"],
+        "ours_at_sync": last["ours_at_sync"], "ours": ours, "clean": clean, "untrained": untrained,
         "lora_abs_max": max(v.abs().max().item() for k, v in last["lora"].items() if "lora_B" in k),
         "frozen_changed": changed, "log_history": trainer.state.log_history,
         "seconds": {"setup": t1 - t0, "train": t2 - t1, "total": time.time() - t0},
