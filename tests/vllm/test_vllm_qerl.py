@@ -82,6 +82,7 @@ def test_nvfp4_export_refused_by_vllm_cpu(nvfp4_export):
     assert rc != 0
     assert "compressed-tensors" in log or "CompressedTensors" in log
     assert "MarlinNvFp4LinearKernel is not supported: Marlin FP4 not available" in log, log[-4000:]
+    print(next(line for line in log.splitlines() if "Marlin FP4 not available" in line))
 
 
 def test_colocate_nvfp4_base_dense_sync(smollm2_dir, tmp_path):
