@@ -62,3 +62,35 @@ def test_stream_carries_aqn_noise(tiny_dir):
         assert 0.5e-2 < d.std().item() < 2e-2, (k, d.std().item())
     after = {k: v for k, v in nvfp4_vllm_weights(pm) if "layernorm" in k}
     assert all(torch.equal(after[k], clean[k]) for k in clean)
+
+
+def test_dense_stream_is_the_policy_weights(tiny_dir):
+    """Dense layout (vLLM serving the un-quantized checkpoint): every tensor under the base model's names, LoRA
+    layers as dequant(W) + BA, NVFP4 layers without LoRA dequantized, the policy untouched."""
+    from hfq.qerl.vllm_sync import vllm_weights
+
+    pm = _policy(tiny_dir)
+    before = {n: t.clone() for n, t in list(pm.named_buffers()) + list(pm.named_parameters())}
+    stream = dict(vllm_weights(pm, "dense"))
+    after = dict(list(pm.named_buffers()) + list(pm.named_parameters()))
+    assert all(torch.equal(after[n], before[n]) for n in before)
+    base = pm.get_base_model()
+    expected = {n for n, _ in base.named_parameters() if ".lora_" not in n}
+    expected = {n.replace(".base_layer", "") for n in expected}
+    expected |= {n.rsplit(".", 1)[0].replace(".base_layer", "") + ".weight" for n, _ in base.named_buffers()
+                 if n.endswith("weight_packed")}
+    assert set(stream) == expected
+    assert not any("weight_packed" in k or "lora_" in k for k in stream)
+    q = pm.base_model.model.model.layers[0].self_attn.q_proj
+    w = q.get_base_layer().dequantize(torch.float32)
+    delta = (q.lora_B["default"].weight.float() @ q.lora_A["default"].weight.float()) * q.scaling["default"]
+    assert torch.equal(stream["model.layers.0.self_attn.q_proj.weight"], (w + delta).to(torch.float32))
+    assert (delta.abs() > 0).any()
+    k = pm.base_model.model.model.layers[0].self_attn.k_proj  # NVFP4, no LoRA
+    assert torch.equal(stream["model.layers.0.self_attn.k_proj.weight"], k.dequantize(k.weight_dtype))
+    try:
+        dict(vllm_weights(pm, "fp8"))
+    except ValueError as e:
+        assert "layout" in str(e)
+    else:
+        raise AssertionError("unknown layout accepted")

@@ -5,8 +5,9 @@ Only TRL's extension points are overridden:
   picks the stage / sigma for `state.global_step`, logs `aqn/sigma`, `aqn/stage`, `aqn/applied_std`, and for
   `aqn_scope="rollout_and_old_logprobs"` recomputes the old-policy log-probs under the same noise.
 - `_generate`: the noise is present exactly while sampling (TRL's `model.generate`, hfq's rollout engine, or
-  vLLM colocate: TRL syncs the weights inside `_generate`, so the noisy norms travel with the sync; for an NVFP4
-  base the sync sends re-quantized LoRA-merged layers in compressed-tensors naming, see `vllm_sync`).
+  vLLM colocate: TRL syncs the weights inside `_generate`, so the noisy norms travel with the sync; LoRA and
+  NVFP4 policies sync through `vllm_sync.vllm_weights`: adapters merged out of place, dense or compressed-tensors
+  NVFP4 layout as vLLM loaded it).
 - `_generate_single_turn`: routes to hfq's rollout engine (`hfq.rollout.RolloutMixin`) when `use_hfq_rollout` is
   on and the model is on CUDA without vLLM; otherwise TRL's own path.
 - `create_model_card`: hfq's adapter card (hfq.hub) in `output_dir/README.md`, which `push_to_hub()` uploads.
@@ -42,10 +43,11 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
                     if args.aqn else None)
         self._aqn_now: tuple[int, float] | None = None  # (step, sigma) while a generation batch is being built
         mark_ddp_ignore(self.model)  # TRL may have wrapped the model with PEFT: names relative to self.model
-        if self.use_vllm:  # NVFP4 base: sync re-quantized LoRA layers + noisy norms (see hfq.qerl.vllm_sync)
+        self.vllm_layout = None  # "dense" / "packed" when hfq's vLLM weight stream is installed
+        if self.use_vllm:  # LoRA / NVFP4: LoRA-merged layers + noisy norms (see hfq.qerl.vllm_sync)
             from .vllm_sync import install_vllm_sync
 
-            install_vllm_sync(self)
+            self.vllm_layout = install_vllm_sync(self)
 
     def _refuse_fsdp(self) -> None:
         """QeRL runs under DDP only: AQN writes whole-shape noise into the norm weights and the rollout reads the
