@@ -331,8 +331,6 @@ def _written_qparam(func, args, kwargs, cls=None) -> QParam | None:
     return None
 
 
-_written = _written_qparam
-
 
 def _holds_value(q: QParam, value: torch.Tensor) -> bool:
     """True when `value` equals q's dequantized value in value's dtype (so storing it again changes nothing)."""
@@ -400,8 +398,7 @@ class Int8Grad(torch.Tensor):
         """Add a float gradient of the same shape (the sum is requantized per row, round-to-nearest)."""
         if tuple(g.shape) != tuple(self.shape):
             raise ValueError(f"INT8 gradient of {self.param_name or 'a weight'}: added gradient has shape "
-                             f"{tuple(g.shape)}, "
-                             f"expected {tuple(self.shape)}")
+                             f"{tuple(g.shape)}, expected {tuple(self.shape)}")
         self.finite &= torch.isfinite(g).all()
         g = torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0)
         if self.count:
@@ -476,7 +473,7 @@ class Int8Grad(torch.Tensor):
             g.finite.fill_(True)
             return g
         if func._schema.is_mutable:
-            q = _written(func, args, kwargs, Int8Grad)
+            q = _written_qparam(func, args, kwargs, Int8Grad)
             if q is not None:
                 raise TypeError(f"{func} would modify the INT8 gradient of {q.param_name or 'a quantized weight'} "
                                 "in place; supported: scaling by a scalar (mul_), zero_, or setting .grad = None. "

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hfq_kernels.reference.fp8 import check_finite
+
 from .._base.surgery import modules_to_skip, replace_linears
 from ..qparam import QLinear, QParam, ddp_ignore_int8_grad_weights_, qlinear
 from .config import check_gradient_bits
@@ -51,9 +53,7 @@ def layer_maker(config, placeholder: bool = False, generator=None):
                       device=mod.weight.device, dtype=mod.weight.dtype, placeholder=True,
                       **extra, **config.format_options)
         else:
-            if not torch.isfinite(mod.weight).all():
-                raise ValueError(f"{name}.weight: {int((~torch.isfinite(mod.weight)).sum())} NaN/Inf value(s); "
-                                 "cannot quantize a non-finite weight")
+            check_finite(mod.weight.detach(), f"{name}.weight")
             new = cls.from_linear(mod, config.weight_format, config.rounding, generator, **extra,
                                   **config.format_options)
         if cls is QFTLinear:
