@@ -91,28 +91,32 @@ class QLion(QParamOptimizer):
         loss, pending = self._begin_step(closure)
         self._finish_check(pending)
         for group in self.param_groups:
-            lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
             for p in group["params"]:
-                if not self._has_grad(p):
-                    continue
-                g = self._grad32(p)
-                state = self.state[p]
-                if not state:
-                    self._init_state(state, p)
-                state["step"] += 1
-                m = self._load_m(state, p.shape)
-                if isinstance(p, QParam):
-                    refresh = self._outlier_refresh_due(p)
-                    if lr != 0 or refresh:  # a refresh due at lr == 0 still re-selects the outliers
-                        w = p.dequantize(torch.float32)
-                        if wd:
-                            w.mul_(1 - lr * wd)
-                        w.sub_(lion_direction(m, g, b1), alpha=lr)
-                        self._requantize(p, w, refresh_thresholds=refresh)
-                elif lr != 0:
-                    if wd:
-                        p.mul_(1 - lr * wd)
-                    p.sub_(lion_direction(m, g, b1).to(p.dtype), alpha=lr)
-                m.mul_(b2).add_(g, alpha=1 - b2)
-                self._store_m(state, m)
+                if self._has_grad(p):
+                    self.update_param_(p, self._grad32(p), group)
         return loss
+
+    @torch.no_grad()
+    def update_param_(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
+        """One Lion step of parameter `p` with its float32 gradient `g` (no NaN/Inf check here: step() checks every
+        gradient first). The unit that step() loops over, and that a step applied during backward calls."""
+        lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
+        state = self.state[p]
+        if not state:
+            self._init_state(state, p)
+        state["step"] += 1
+        m = self._load_m(state, p.shape)
+        if isinstance(p, QParam):
+            refresh = self._outlier_refresh_due(p)
+            if lr != 0 or refresh:  # a refresh due at lr == 0 still re-selects the outliers
+                w = p.dequantize(torch.float32)
+                if wd:
+                    w.mul_(1 - lr * wd)
+                w.sub_(lion_direction(m, g, b1), alpha=lr)
+                self._requantize(p, w, refresh_thresholds=refresh)
+        elif lr != 0:
+            if wd:
+                p.mul_(1 - lr * wd)
+            p.sub_(lion_direction(m, g, b1).to(p.dtype), alpha=lr)
+        m.mul_(b2).add_(g, alpha=1 - b2)
+        self._store_m(state, m)
