@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
+from hfq_kernels import int8 as _int8k
 from hfq_kernels.reference import fp8 as _fp8
 from hfq_kernels.reference import intq as _intq
 
@@ -105,8 +106,20 @@ def _decode(fmt, data, meta, dtype) -> torch.Tensor:
         return _fp8.dequantize_fp8_row(data["codes"], data["scales"], dtype)
     if fmt in ("int4_tensor", "int4_group"):
         return _intq.dequantize_int4(data["codes"], data["scales"], meta.get("group_size"), dtype)
+    if int8_kernels(data["codes"]):
+        return _int8k.int8_dequantize(data["codes"], data["scales"], data["zeros"], data["sparse_idx"],
+                                      data["sparse_val"], dtype)
     return _intq.dequantize_dense_sparse(data["codes"], data["scales"], data["zeros"], data["sparse_idx"],
                                          data["sparse_val"], dtype)
+
+
+FORCE_INT8_KERNELS = False  # tests: route CPU tensors through the Triton kernels (TRITON_INTERPRET=1)
+
+
+def int8_kernels(t: torch.Tensor) -> bool:
+    """Whether QFT's INT8 paths (decode, INT8 gradients, QLion) take hfq_kernels.int8 for `t`: CUDA tensors with
+    Triton; CPU tensors only when FORCE_INT8_KERNELS (under the interpreter). Elsewhere the torch references."""
+    return (t.is_cuda and _int8k.HAS_TRITON) or (FORCE_INT8_KERNELS and _int8k.kernels_usable(t))
 
 
 def empty_qtensors(fmt, shape, meta, device=None) -> dict:
@@ -399,6 +412,15 @@ class Int8Grad(torch.Tensor):
         if tuple(g.shape) != tuple(self.shape):
             raise ValueError(f"INT8 gradient of {self.param_name or 'a weight'}: added gradient has shape "
                              f"{tuple(g.shape)}, expected {tuple(self.shape)}")
+        if int8_kernels(g):
+            if not self.count:
+                rows, cols = _intq.as_rows(self.shape)
+                self.codes = torch.empty((rows, cols), dtype=torch.uint8, device=g.device)
+                self.scales = torch.empty((rows, 1), dtype=torch.float32, device=g.device)
+                self.zeros = torch.empty((rows, 1), dtype=torch.uint8, device=g.device)
+            self.finite &= _int8k.int8_quantize_rows_(g, self.codes, self.scales, self.zeros, self.count > 0)
+            self.count += 1
+            return self
         self.finite &= torch.isfinite(g).all()
         g = torch.nan_to_num(g.float(), nan=0.0, posinf=0.0, neginf=0.0)
         if self.count:

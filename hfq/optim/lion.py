@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from hfq_kernels.reference.intq import as_rows, dequantize_int_asym, quantize_int_asym
-from ..qparam import QParam
+from ..qparam import Int8Grad, QParam, int8_kernels, pop_int8_grad
 from .base import QParamOptimizer
 
 MOMENTUM_BITS = (None, 8)
@@ -43,18 +43,27 @@ class QLion(QParamOptimizer):
     (8 default; None keeps fp32 momentum, the float reference), seed (SR generator), check_finite,
     refresh_thresholds_every (None: each int8_dense_sparse weight follows its QFTConfig.outlier_refresh_steps;
     N > 0 overrides it: its outlier thresholds are re-set from the updated weight on every N-th step of it. The
-    paper refreshes them once per epoch (App. C): pass steps per epoch).
+    paper refreshes them once per epoch (App. C): pass steps per epoch), fused (None: int8_dense_sparse weights
+    with INT8 momentum on CUDA take the fused Triton step, hfq_kernels.int8, which reads the INT8 gradient store
+    as it is; False: always the torch ops; True: also CPU tensors under TRITON_INTERPRET=1). The fused step's RTN
+    results equal the torch ops'; its SR draws come from a Philox stream per step and weight (keyed by seed, the
+    weight's position in the optimizer and its step count, so resumed runs and DDP ranks draw the same), not from
+    the torch generator.
     """
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,
                  rounding: str = "sr", momentum_bits: int | None = 8, seed: int = 0, check_finite: bool = True,
-                 refresh_thresholds_every: int | None = None):
+                 refresh_thresholds_every: int | None = None, fused: bool | None = None):
         if momentum_bits is not None and (isinstance(momentum_bits, bool) or momentum_bits not in (8,)):
             raise ValueError(f"momentum_bits must be one of {MOMENTUM_BITS}, got {momentum_bits!r}")
         if refresh_thresholds_every is not None and (isinstance(refresh_thresholds_every, bool) or not isinstance(
                 refresh_thresholds_every, int) or refresh_thresholds_every <= 0):
             raise ValueError(f"refresh_thresholds_every must be None or an int > 0, got {refresh_thresholds_every!r}")
+        if fused not in (None, True, False):
+            raise ValueError(f"fused must be None, True or False, got {fused!r}")
         self.momentum_bits = momentum_bits
+        self.fused = fused
+        self._ordinals: dict[int, int] = {}
         self.refresh_thresholds_every = refresh_thresholds_every
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), rounding=rounding, seed=seed,
                          check_finite=check_finite)
@@ -93,17 +102,45 @@ class QLion(QParamOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if self._has_grad(p):
-                    self.update_param_(p, self._grad32(p), group)
+                    fused = self._use_fused(p, group)
+                    g = pop_int8_grad(p) if fused else None
+                    self.update_param_(p, g if g is not None else self._grad32(p), group)
         return loss
 
+    def _use_fused(self, p, group) -> bool:
+        """The fused Triton step applies: an int8_dense_sparse QParam, INT8 momentum, lr > 0, no outlier refresh
+        due on this step (a refresh re-selects thresholds from the whole weight: the torch ops do it)."""
+        if self.fused is False or self.momentum_bits != 8 or not isinstance(p, QParam):
+            return False
+        if p.fmt != "int8_dense_sparse" or group["lr"] == 0 or p.numel() >= 2 ** 31:
+            return False
+        if not (int8_kernels(p.codes) or (self.fused and _kernels_usable(p.codes))):
+            return False
+        n = getattr(self, "refresh_thresholds_every", None) or p.meta.get("outlier_refresh_steps", 0)
+        step = int(self.state[p]["step"]) + 1 if self.state.get(p) else 1
+        return not (n and step % n == 0)
+
+    def _ordinal(self, p) -> int:
+        if id(p) not in self._ordinals:
+            flat = [q for g in self.param_groups for q in g["params"]]
+            self._ordinals = {id(q): i for i, q in enumerate(flat)}
+        return self._ordinals[id(p)]
+
     @torch.no_grad()
-    def update_param_(self, p: torch.Tensor, g: torch.Tensor, group: dict) -> None:
-        """One Lion step of parameter `p` with its float32 gradient `g` (no NaN/Inf check here: step() checks every
-        gradient first). The unit that step() loops over, and that a step applied during backward calls."""
+    def update_param_(self, p: torch.Tensor, g, group: dict) -> None:
+        """One Lion step of parameter `p` with its gradient `g` (float32, or an Int8Grad the fused step reads as
+        codes); no NaN/Inf check here: step() checks every gradient first. The unit that step() loops over, and
+        that a step applied during backward calls."""
         lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
         state = self.state[p]
         if not state:
             self._init_state(state, p)
+        if self._use_fused(p, group):
+            state["step"] += 1
+            self._fused_update(p, g, state, lr, b1, b2, wd)
+            return
+        if isinstance(g, Int8Grad):
+            g = g.dequantize(torch.float32)
         state["step"] += 1
         m = self._load_m(state, p.shape)
         if isinstance(p, QParam):
@@ -120,3 +157,22 @@ class QLion(QParamOptimizer):
             p.sub_(lion_direction(m, g, b1).to(p.dtype), alpha=lr)
         m.mul_(b2).add_(g, alpha=1 - b2)
         self._store_m(state, m)
+
+    def _fused_update(self, p: QParam, g, state, lr, b1, b2, wd) -> None:
+        from hfq_kernels.int8 import qlion_dense_sparse_step_
+
+        grad = ({"codes": g.codes, "scales": g.scales, "zeros": g.zeros} if isinstance(g, Int8Grad)
+                else {"value": g})
+        mom = {"codes": state["exp_avg_codes"], "scales": state["exp_avg_scales"], "zeros": state["exp_avg_zeros"]}
+        seed = (self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(state["step"])) & 0x7FFFFFFF
+        gen = self._generator(p.device) if self.rounding == "sr" else None
+        idx, val = qlion_dense_sparse_step_(p.qtensors(), grad, mom, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
+                                            rounding=self.rounding, seed=seed, generator=gen)
+        p.sparse_idx.set_(idx)  # same tensor objects: aliases of p (DDP's, detach()) follow
+        p.sparse_val.set_(val)
+
+
+def _kernels_usable(t) -> bool:
+    from hfq_kernels.int8 import kernels_usable
+
+    return kernels_usable(t)

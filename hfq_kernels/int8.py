@@ -1,0 +1,375 @@
+"""QFT's INT8 kernels: the dense + sparse weight decoded for the GEMMs, INT8 gradients quantized straight from the
+backward, and the QLion step on INT8 weights and INT8 momentum.
+
+Formats (exact layout: hfq_kernels/reference/intq.py): per-row asymmetric INT8, value = (code - zero) * scale, with
+fp32 scales [R,1] and uint8 zeros [R,1]; dense + sparse weights add bf16 outliers as (flat int32 index, value) pairs
+whose dense code is the zero point (value exactly 0).
+
+  int8_dequantize(codes, scales, zeros, sparse_idx, sparse_val, dtype)   -> [R,C] weight for cuBLAS
+  int8_quantize_rows_(g, codes, scales, zeros, accumulate)               INT8 gradient (+ accumulation), in place
+  qlion_dense_sparse_step_(...)                                          QLion on an int8_dense_sparse weight
+
+Why dequantize + cuBLAS for the linear (and not a GEMM that decodes inside its K loop): the outliers (1% of the
+elements, unstructured) cannot be added inside a tensor-core tile without densifying them there, and applied as a
+separate sparse product they cost M x nnz scattered multiply-adds, about the dense GEMM's own time at M = 2048 on
+7B shapes. Decoding the whole weight reads 1 byte and writes 2 per element (~60 us for 4096 x 11008 on an H100),
+a fraction of the GEMM it feeds; the bf16 weight is a per-call temporary of one layer.
+
+The QLion step runs two passes per row (one program per row): statistics (new row range of the dense weight and of
+the momentum, count of elements that cross the outlier thresholds), then the update and its quantization; the row's
+new scale and zero point come from the same formulas as the reference in between. Outliers that were outliers
+before are updated on the host side (a gather of nnz elements): the kernel sees them as dense zeros. Arithmetic
+follows the reference op for op, compiled without FMA contraction, IEEE divisions; RTN codes equal the reference's
+(tests/test_qft_kernels.py). SR draws come from Philox (tl.rand) keyed by a seed per step and weight.
+"""
+from __future__ import annotations
+
+import torch
+
+from hfq_kernels._triton import HAS_TRITON, INTERPRET, f32_to_bf16_rne, tl, triton  # noqa: F401
+
+BLOCK = 1024
+SCATTER_BLOCK = 1024
+
+
+def kernels_usable(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels can run on `t`'s device: CUDA, or CPU under TRITON_INTERPRET=1."""
+    return HAS_TRITON and (t.is_cuda or (t.device.type == "cpu" and INTERPRET))
+
+
+@triton.jit
+def _rint(x):
+    """Nearest-even integer of |x| < 2^22 (float32), as torch.round."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _store_cast(ptr, v, mask, OUT_BF16: tl.constexpr):
+    if OUT_BF16:
+        tl.store(ptr, f32_to_bf16_rne(v), mask=mask)
+    else:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+# ---- decode ---------------------------------------------------------------------------------------------------
+@triton.jit
+def _dequant_kernel(codes, scales, zeros, out, C, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    c = tl.load(codes + row * C + offs, mask=mask, other=0).to(tl.float32)
+    v = (c - tl.load(zeros + row).to(tl.float32)) * tl.load(scales + row)
+    _store_cast(out + row * C + offs, v, mask, OUT_BF16)
+
+
+@triton.jit
+def _scatter_kernel(out, idx, val, n, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    i = tl.load(idx + offs, mask=mask, other=0).to(tl.int64)
+    v = tl.load(val + offs, mask=mask, other=0.0).to(tl.float32)
+    _store_cast(out + i, v, mask, OUT_BF16)
+
+
+def int8_dequantize(codes, scales, zeros, sparse_idx=None, sparse_val=None, dtype=torch.bfloat16) -> torch.Tensor:
+    """(codes - zeros) * scales per row, then the outliers written over their (zero-valued) dense positions;
+    through the torch.library op hfq::int8_dequantize (Triton on CUDA / under the interpreter, else the torch
+    reference), so torch.compile sees one opaque op."""
+    if sparse_idx is None:
+        sparse_idx = torch.empty(0, dtype=torch.int32, device=codes.device)
+        sparse_val = torch.empty(0, dtype=torch.bfloat16, device=codes.device)
+    return torch.ops.hfq.int8_dequantize(codes, scales, zeros, sparse_idx, sparse_val, dtype)
+
+
+@torch.library.custom_op("hfq::int8_dequantize", mutates_args=())
+def _int8_dequantize_op(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, sparse_idx: torch.Tensor,
+                        sparse_val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if kernels_usable(codes):
+        return int8_dequantize_triton(codes, scales, zeros, sparse_idx, sparse_val, dtype)
+    from hfq_kernels.reference.intq import dequantize_dense_sparse
+
+    return dequantize_dense_sparse(codes, scales, zeros, sparse_idx, sparse_val, dtype)
+
+
+@_int8_dequantize_op.register_fake
+def _(codes, scales, zeros, sparse_idx, sparse_val, dtype):
+    return codes.new_empty(codes.shape, dtype=dtype)
+
+
+def int8_dequantize_triton(codes, scales, zeros, sparse_idx, sparse_val, dtype=torch.bfloat16) -> torch.Tensor:
+    """Host launcher of the decode (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    rows, cols = codes.shape
+    out = torch.empty((rows, cols), dtype=dtype, device=codes.device)
+    if out.numel() == 0:
+        return out
+    bf16 = dtype == torch.bfloat16
+    _dequant_kernel[(rows, triton.cdiv(cols, BLOCK))](codes, scales, zeros, out, cols, BLOCK=BLOCK, OUT_BF16=bf16)
+    if sparse_idx is not None and sparse_idx.numel():
+        n = sparse_idx.numel()
+        _scatter_kernel[(triton.cdiv(n, SCATTER_BLOCK),)](out, sparse_idx, sparse_val, n, BLOCK=SCATTER_BLOCK,
+                                                         OUT_BF16=bf16)
+    return out
+
+
+# ---- INT8 gradients ---------------------------------------------------------------------------------------------
+@triton.jit
+def _grad_value(g, codes, so, zo, offs, mask, ACC: tl.constexpr):
+    """Cleaned float gradient (NaN/Inf -> 0) plus, when accumulating, the stored INT8 value."""
+    x = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+    ok = (x == x) & (tl.abs(x) != float("inf"))
+    x = tl.where(ok, x, 0.0)
+    if ACC:
+        x = x + (tl.load(codes + offs, mask=mask, other=0).to(tl.float32) - zo) * so
+    return x, ok | ~mask
+
+
+@triton.jit
+def _quant_rows_kernel(g, codes, scales, zeros, finite, C, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * C
+    so = tl.load(scales + row)
+    zo = tl.load(zeros + row).to(tl.float32)
+    lo = tl.zeros((BLOCK,), tl.float32)
+    hi = tl.zeros((BLOCK,), tl.float32)
+    ok = tl.full((BLOCK,), 1, tl.int1)
+    for k in range(0, C, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < C
+        x, fin = _grad_value(g, codes, so, zo, base + offs, mask, ACC)
+        lo = tl.minimum(lo, tl.where(mask, x, 0.0))
+        hi = tl.maximum(hi, tl.where(mask, x, 0.0))
+        ok = ok & fin
+    lo = tl.min(lo, 0)
+    hi = tl.max(hi, 0)
+    s = tl.where(hi > lo, tl.div_rn(hi - lo, 255.0), 1.0)
+    z = tl.minimum(tl.maximum(_rint(tl.div_rn(-lo, s)), 0.0), 255.0)
+    for k in range(0, C, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < C
+        x, fin = _grad_value(g, codes, so, zo, base + offs, mask, ACC)
+        q = tl.minimum(tl.maximum(_rint(tl.div_rn(x, s)) + z, 0.0), 255.0)
+        tl.store(codes + base + offs, q.to(tl.uint8), mask=mask)
+    tl.store(scales + row, s)
+    tl.store(zeros + row, z.to(tl.uint8))
+    tl.store(finite + row, tl.min(ok.to(tl.int32), 0).to(tl.int8))
+
+
+def int8_quantize_rows_(g, codes, scales, zeros, accumulate: bool = False) -> torch.Tensor:
+    """Per-row asymmetric INT8 (RTN) of g [R,C] (NaN/Inf counted as 0) into codes/scales/zeros, in place; with
+    `accumulate` the stored value is added first (QFT's INT8 gradient accumulation). Returns a device bool: all
+    elements of g finite."""
+    rows, cols = codes.shape
+    g = g.reshape(rows, cols)
+    if not g.is_contiguous():
+        g = g.contiguous()
+    finite = torch.empty(rows, dtype=torch.int8, device=codes.device)
+    if rows and cols:
+        _quant_rows_kernel[(rows,)](g, codes, scales, zeros, finite, cols, ACC=bool(accumulate), BLOCK=BLOCK,
+                                    enable_fp_fusion=False)
+    return finite.bool().all()
+
+
+# ---- QLion on int8_dense_sparse -------------------------------------------------------------------------------
+@triton.jit
+def _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, offs, mask, row, decay, lr, b1, omb1, b2, omb2,
+                 G_INT8: tl.constexpr):
+    """Updated dense weight (float32, outlier positions seen as 0) and updated momentum at `offs`."""
+    w = (tl.load(wc + offs, mask=mask, other=0).to(tl.float32) - tl.load(wz + row).to(tl.float32)) * tl.load(ws + row)
+    if G_INT8:
+        gv = (tl.load(g + offs, mask=mask, other=0).to(tl.float32) - tl.load(gz + row).to(tl.float32)) \
+            * tl.load(gs + row)
+    else:
+        gv = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
+    m = (tl.load(mc + offs, mask=mask, other=0).to(tl.float32) - tl.load(mz + row).to(tl.float32)) * tl.load(ms + row)
+    c = m * b1 + gv * omb1
+    d = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+    w = w * decay
+    w = w - d * lr
+    m = m * b2
+    m = m + gv * omb2
+    return w, m
+
+
+@triton.jit
+def _qlion_stats_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, stats, counts, C, decay, lr, b1, omb1, b2, omb2,
+                        G_INT8: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * C
+    t0 = tl.load(thr)
+    t1 = tl.load(thr + 1)
+    wlo = tl.zeros((BLOCK,), tl.float32)
+    whi = tl.zeros((BLOCK,), tl.float32)
+    mlo = tl.zeros((BLOCK,), tl.float32)
+    mhi = tl.zeros((BLOCK,), tl.float32)
+    n = tl.zeros((BLOCK,), tl.int32)
+    for k in range(0, C, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < C
+        w, m = _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, base + offs, mask, row, decay, lr, b1, omb1, b2, omb2,
+                            G_INT8)
+        out = ((w < t0) | (w > t1)) & mask
+        dense = tl.where(out | ~mask, 0.0, w)
+        wlo = tl.minimum(wlo, dense)
+        whi = tl.maximum(whi, dense)
+        m = tl.where(mask, m, 0.0)
+        mlo = tl.minimum(mlo, m)
+        mhi = tl.maximum(mhi, m)
+        n += out.to(tl.int32)
+    tl.store(stats + row * 4, tl.min(wlo, 0))
+    tl.store(stats + row * 4 + 1, tl.max(whi, 0))
+    tl.store(stats + row * 4 + 2, tl.min(mlo, 0))
+    tl.store(stats + row * 4 + 3, tl.max(mhi, 0))
+    tl.store(counts + row, tl.sum(n, 0))
+
+
+@triton.jit
+def _qlion_write_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, qs, offsets, new_idx, new_val, C, decay, lr, b1,
+                        omb1, b2, omb2, seed, G_INT8: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * C
+    t0 = tl.load(thr)
+    t1 = tl.load(thr + 1)
+    s_w = tl.load(qs + row * 4)
+    z_w = tl.load(qs + row * 4 + 1)
+    s_m = tl.load(qs + row * 4 + 2)
+    z_m = tl.load(qs + row * 4 + 3)
+    at = tl.load(offsets + row)
+    for k in range(0, C, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < C
+        w, m = _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, base + offs, mask, row, decay, lr, b1, omb1, b2, omb2,
+                            G_INT8)
+        out = ((w < t0) | (w > t1)) & mask
+        x = tl.div_rn(tl.where(out, 0.0, w), s_w)
+        if SR:
+            u = tl.rand(seed, (base + offs).to(tl.int32))
+            r = tl.floor(x + u)
+        else:
+            r = _rint(x)
+        tl.store(wc + base + offs, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=mask)
+        qm = tl.minimum(tl.maximum(_rint(tl.div_rn(m, s_m)) + z_m, 0.0), 255.0)
+        tl.store(mc + base + offs, qm.to(tl.uint8), mask=mask)
+        pos = at + tl.cumsum(out.to(tl.int32), 0) - 1
+        tl.store(new_idx + pos, (base + offs).to(tl.int32), mask=out)
+        tl.store(new_val + pos, f32_to_bf16_rne(w), mask=out)
+        at += tl.sum(out.to(tl.int32), 0)
+
+
+def _row_qparams(lo: torch.Tensor, hi: torch.Tensor):
+    """Scale and zero point per row from the row range (lo <= 0 <= hi), as reference.intq.quantize_int_asym."""
+    s = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
+    z = torch.round(-lo / s).clamp(0, 255)
+    return s, z
+
+
+def _old_outliers(w, grad, mom, lr, decay, b1, thr, rows_of):
+    """Old outliers' updated values (host side of the step: they are dense zeros to the kernel), split into those
+    that stay outside the thresholds and those that return to the dense part."""
+    idx = w["sparse_idx"].long()
+    r = rows_of(idx)
+    cols = w["codes"].shape[1]
+    col = idx - r * cols
+
+    def at(q):
+        c = q["codes"][r, col].float()
+        return (c - q["zeros"][r, 0].float()) * q["scales"][r, 0]
+
+    g = at(grad) if "codes" in grad else grad["value"].reshape(-1, cols)[r, col].float()
+    d = torch.sign(at(mom) * b1 + g * (1 - b1))
+    v = w["sparse_val"].float()
+    if decay != 1.0:
+        v = v * decay
+    v = v - d * lr
+    stay = (v < thr[0]) | (v > thr[1])
+    return idx, r, v, stay
+
+
+def _fix_old_outliers(w, idx, r, v, stay, s_w, z_w, rounding, generator):
+    """Dense codes at the old outlier positions: the zero point where an outlier stays, its quantized value where
+    it returns to the dense part (RTN, or SR from `generator`)."""
+    cols = w["codes"].shape[1]
+    col = idx - r * cols
+    q = torch.where(stay, torch.zeros_like(v), v) / s_w[r]
+    if rounding == "sr":
+        q = torch.floor(q + torch.rand(q.shape, generator=generator, device=q.device, dtype=torch.float32))
+    else:
+        q = torch.round(q)
+    w["codes"][r, col] = (q + z_w[r]).clamp(0, 255).to(torch.uint8)
+
+
+def qlion_dense_sparse_step_(w: dict, grad: dict, mom: dict, *, lr: float, beta1: float, beta2: float,
+                             weight_decay: float, rounding: str = "sr", seed: int = 0,
+                             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One QLion step of an int8_dense_sparse weight with the thresholds kept (QFT's lazy update).
+
+    w: codes uint8 [R,C], scales fp32 [R,1], zeros uint8 [R,1], thresholds fp32 [2], sparse_idx int32, sparse_val
+    bf16 (the weight's stored tensors; codes/scales/zeros updated in place). grad: {codes, scales, zeros} (INT8
+    gradient) or {value} (float [R,C]). mom: INT8 momentum {codes, scales, zeros}, updated in place. Returns the
+    new (sparse_idx, sparse_val), sorted by index, for the caller to store (their length changes)."""
+    rows, cols = w["codes"].shape
+    dev = w["codes"].device
+    decay = 1.0 - lr * weight_decay if weight_decay else 1.0
+    omb1, omb2 = 1.0 - beta1, 1.0 - beta2
+    g_int8 = "codes" in grad
+    gargs = ((grad["codes"], grad["scales"], grad["zeros"]) if g_int8
+             else (grad["value"].reshape(rows, cols).contiguous(), w["scales"], w["zeros"]))
+    thr = w["thresholds"]
+    idx, r, v, stay = _old_outliers(w, grad, mom, lr, decay, beta1, thr, lambda i: torch.div(i, cols,
+                                                                                               rounding_mode="floor"))
+    stats = torch.empty((rows, 4), dtype=torch.float32, device=dev)
+    counts = torch.empty(rows, dtype=torch.int32, device=dev)
+    common = (w["codes"], w["scales"], w["zeros"], *gargs, mom["codes"], mom["scales"], mom["zeros"], thr)
+    hyper = (decay, lr, beta1, omb1, beta2, omb2)
+    _qlion_stats_kernel[(rows,)](*common, stats, counts, cols, *hyper, G_INT8=g_int8, BLOCK=BLOCK,
+                                 enable_fp_fusion=False)
+    ret = ~stay
+    lo_w = stats[:, 0].scatter_reduce(0, r[ret], v[ret], "amin")
+    hi_w = stats[:, 1].scatter_reduce(0, r[ret], v[ret], "amax")
+    s_w, z_w = _row_qparams(lo_w, hi_w)
+    s_m, z_m = _row_qparams(stats[:, 2], stats[:, 3])
+    qs = torch.stack((s_w, z_w, s_m, z_m), 1).contiguous()
+    offsets = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    total = int(counts.sum())  # the one host sync: the new outlier list's length
+    new_idx = torch.empty(total, dtype=torch.int32, device=dev)
+    new_val = torch.empty(total, dtype=torch.bfloat16, device=dev)
+    _qlion_write_kernel[(rows,)](*common, qs, offsets, new_idx, new_val, cols, *hyper, int(seed) & 0x7FFFFFFF,
+                                 G_INT8=g_int8, SR=rounding == "sr", BLOCK=BLOCK, enable_fp_fusion=False)
+    w["scales"].copy_(s_w[:, None])
+    w["zeros"].copy_(z_w[:, None].to(torch.uint8))
+    mom["scales"].copy_(s_m[:, None])
+    mom["zeros"].copy_(z_m[:, None].to(torch.uint8))
+    _fix_old_outliers(w, idx, r, v, stay, s_w, z_w, rounding, generator)
+    if idx.numel() and total:  # the kernel saw old outlier positions as dense zeros: drop any it flagged there
+        keep = ~torch.isin(new_idx, w["sparse_idx"])
+        new_idx, new_val = new_idx[keep], new_val[keep]
+    all_idx = torch.cat((idx[stay].to(torch.int32), new_idx))
+    all_val = torch.cat((v[stay].to(torch.bfloat16), new_val))
+    order = torch.argsort(all_idx)
+    return all_idx[order], all_val[order]
+
+
+def qlion_dense_sparse_step_ref(w: dict, grad: dict, mom: dict, *, lr, beta1, beta2, weight_decay, rounding="sr",
+                                seed=0, generator=None):
+    """Torch reference of qlion_dense_sparse_step_ (hfq.qft.QLion's unfused update, same in/out contract)."""
+    from hfq_kernels.reference import intq
+
+    rows, cols = w["codes"].shape
+    val = intq.dequantize_dense_sparse(w["codes"], w["scales"], w["zeros"], w["sparse_idx"], w["sparse_val"])
+    g = (intq.dequantize_int_asym(grad["codes"], grad["scales"], grad["zeros"]) if "codes" in grad
+         else grad["value"].reshape(rows, cols).float())
+    m = intq.dequantize_int_asym(mom["codes"], mom["scales"], mom["zeros"])
+    if weight_decay:
+        val.mul_(1 - lr * weight_decay)
+    val.sub_(torch.sign(m * beta1 + g * (1 - beta1)), alpha=lr)
+    if rounding == "sr" and generator is None:
+        generator = torch.Generator(device=val.device)
+        generator.manual_seed(int(seed))
+    new = intq.quantize_dense_sparse(val, w["thresholds"], rounding, generator)
+    for k in ("codes", "scales", "zeros"):
+        w[k].copy_(new[k])
+    m.mul_(beta2).add_(g, alpha=1 - beta2)
+    c, s, z = intq.quantize_int_asym(m, 8, check=False)
+    mom["codes"].copy_(c)
+    mom["scales"].copy_(s)
+    mom["zeros"].copy_(z)
+    return new["sparse_idx"], new["sparse_val"]

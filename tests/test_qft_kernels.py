@@ -1,0 +1,201 @@
+"""QFT's INT8 Triton kernels (hfq_kernels.int8; the interpreter on CPU) against their torch references, and QFT
+training routed through them (decode, INT8 gradients, fused QLion) against the unfused torch path."""
+import pytest
+import torch
+
+from hfq_kernels import int8 as K
+from hfq_kernels.reference import intq
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SHAPES = [(1, 1), (5, 7), (37, 301), (16, 1030), (3, 2049)]
+
+
+def dense_sparse(rows, cols, seed, fraction=0.02, scale=0.02):
+    torch.manual_seed(seed)
+    w = torch.randn(rows, cols, device=DEV) * scale
+    thr = intq.outlier_thresholds(w, fraction)
+    d = intq.quantize_dense_sparse(w, thr)
+    d["thresholds"] = thr
+    return d
+
+
+def int8(t):
+    c, s, z = intq.quantize_int_asym(t, 8)
+    return {"codes": c, "scales": s, "zeros": z}
+
+
+def clone(d):
+    return {k: v.clone() for k, v in d.items()}
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_dequantize_matches_reference(rows, cols, dtype):
+    d = dense_sparse(rows, cols, rows * cols)
+    ref = intq.dequantize_dense_sparse(d["codes"], d["scales"], d["zeros"], d["sparse_idx"], d["sparse_val"], dtype)
+    out = K.int8_dequantize_triton(d["codes"], d["scales"], d["zeros"], d["sparse_idx"], d["sparse_val"], dtype)
+    assert out.dtype == dtype and torch.equal(out, ref)
+    via_op = K.int8_dequantize(d["codes"], d["scales"], d["zeros"], d["sparse_idx"], d["sparse_val"], dtype)
+    assert torch.equal(via_op, ref)
+
+
+def test_dequantize_op_compiles():
+    d = dense_sparse(16, 64, 0)
+    fn = torch.compile(lambda c, s, z, i, v: K.int8_dequantize(c, s, z, i, v) * 2, fullgraph=True)
+    ref = intq.dequantize_dense_sparse(d["codes"], d["scales"], d["zeros"], d["sparse_idx"], d["sparse_val"],
+                                       torch.bfloat16) * 2
+    assert torch.equal(fn(d["codes"], d["scales"], d["zeros"], d["sparse_idx"], d["sparse_val"]), ref)
+
+
+@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_and_accumulate_match_reference(rows, cols, gdtype):
+    torch.manual_seed(cols)
+    g1 = (torch.randn(rows, cols, device=DEV) * 1e-3).to(gdtype)
+    g2 = (torch.randn(rows, cols, device=DEV) * 3e-3).to(gdtype)
+    c = torch.empty(rows, cols, dtype=torch.uint8, device=DEV)
+    s = torch.empty(rows, 1, device=DEV)
+    z = torch.empty(rows, 1, dtype=torch.uint8, device=DEV)
+    assert bool(K.int8_quantize_rows_(g1, c, s, z))
+    rc, rs, rz = intq.quantize_int_asym(g1, 8)
+    assert torch.equal(c, rc) and torch.equal(s, rs) and torch.equal(z, rz)
+    assert bool(K.int8_quantize_rows_(g2, c, s, z, accumulate=True))
+    rc, rs, rz = intq.quantize_int_asym(g2.float() + intq.dequantize_int_asym(rc, rs, rz), 8)
+    assert torch.equal(c, rc) and torch.equal(s, rs) and torch.equal(z, rz)
+
+
+def test_quantize_rows_flags_nonfinite_and_zeroes_it():
+    g = torch.randn(4, 33, device=DEV)
+    g[2, 7], g[3, 0] = float("nan"), float("-inf")
+    c = torch.empty(4, 33, dtype=torch.uint8, device=DEV)
+    s, z = torch.empty(4, 1, device=DEV), torch.empty(4, 1, dtype=torch.uint8, device=DEV)
+    assert not bool(K.int8_quantize_rows_(g, c, s, z))
+    rc, rs, rz = intq.quantize_int_asym(torch.nan_to_num(g, 0.0, 0.0, 0.0), 8)
+    assert torch.equal(c, rc) and torch.equal(s, rs)
+
+
+def _lion_case(rows, cols, seed, int8_grad):
+    d = dense_sparse(rows, cols, seed)
+    torch.manual_seed(seed + 1)
+    g = torch.randn(rows, cols, device=DEV) * 1e-3
+    grad = int8(g) if int8_grad else {"value": g.bfloat16()}
+    return d, grad, int8(torch.randn(rows, cols, device=DEV) * 1e-3)
+
+
+@pytest.mark.parametrize("rows,cols,lr,wd,int8_grad", [(37, 301, 1e-3, 0.0, True), (16, 1030, 3e-3, 0.1, False),
+                                                        (5, 7, 5e-3, 0.0, True), (9, 2049, 1e-4, 0.01, True),
+                                                        (12, 96, 2e-2, 0.0, True)])
+def test_qlion_step_rtn_equals_reference(rows, cols, lr, wd, int8_grad):
+    d, grad, mom = _lion_case(rows, cols, rows + cols, int8_grad)
+    kw = dict(lr=lr, beta1=0.9, beta2=0.99, weight_decay=wd, rounding="rtn")
+    d1, m1, d2, m2 = clone(d), clone(mom), clone(d), clone(mom)
+    i1, v1 = K.qlion_dense_sparse_step_(d1, grad, m1, **kw)
+    i2, v2 = K.qlion_dense_sparse_step_ref(d2, grad, m2, **kw)
+    for k in ("codes", "scales", "zeros"):
+        assert torch.equal(d1[k], d2[k]), k
+        assert torch.equal(m1[k], m2[k]), "momentum " + k
+    assert torch.equal(i1, i2) and torch.equal(v1, v2)
+    assert not torch.equal(d1["codes"], d["codes"])  # the step moved the weight
+    if lr >= 2e-2:  # large steps: some outliers return to the dense part, some dense elements leave it
+        assert not set(d["sparse_idx"].tolist()) <= set(i1.tolist())
+        assert not set(i1.tolist()) <= set(d["sparse_idx"].tolist())
+
+
+def test_qlion_step_sr_is_unbiased_and_within_one_step():
+    d, grad, mom = _lion_case(6, 40, 3, True)
+    kw = dict(lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.0)
+    d_ref, m_ref = clone(d), clone(mom)
+    # the exact (unrounded) update, from the reference's float ops
+    val = intq.dequantize_dense_sparse(d["codes"], d["scales"], d["zeros"], d["sparse_idx"], d["sparse_val"])
+    g = intq.dequantize_int_asym(grad["codes"], grad["scales"], grad["zeros"])
+    m = intq.dequantize_int_asym(mom["codes"], mom["scales"], mom["zeros"])
+    exact = val - kw["lr"] * torch.sign(m * 0.9 + g * 0.1)
+    K.qlion_dense_sparse_step_ref(d_ref, grad, m_ref, rounding="rtn", **kw)
+    step = d_ref["scales"]
+    runs = []
+    for seed in range(120):
+        d1, m1 = clone(d), clone(mom)
+        gen = torch.Generator(device=DEV).manual_seed(seed)
+        i, v = K.qlion_dense_sparse_step_(d1, grad, m1, rounding="sr", seed=seed, generator=gen, **kw)
+        out = intq.dequantize_dense_sparse(d1["codes"], d1["scales"], d1["zeros"], i, v)
+        assert ((out - exact).abs() <= step * 1.0001).all()
+        runs.append(out)
+    mean = torch.stack(runs).mean(0)
+    assert ((mean - exact).abs() / step).mean() < 0.06  # RTN's mean error would be ~0.25 steps
+    assert len({r.sum().item() for r in runs}) > 60  # different seeds draw differently
+
+
+# ---- through the model: decode, INT8 gradients and the fused step together -----------------------------------
+def _tiny_qft(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfq.qft import QFTConfig, quantize_model_
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).to(DEV)
+    quantize_model_(model, QFTConfig(gradient_bits=8, outlier_fraction=0.02))
+    return model
+
+
+def _train(model, opt, steps, seed=0):
+    torch.manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (2, 16), device=DEV)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("rounding", ["rtn", "sr"])
+def test_qft_training_through_kernels_matches_torch_path(monkeypatch, rounding):
+    import hfq.qparam
+    from hfq.qft import QLion
+
+    steps = 3 if rounding == "rtn" else 1  # SR: other draws, so trajectories part after the first step
+    ref = _tiny_qft()
+    _train(ref, QLion(ref.parameters(), lr=3e-3, rounding=rounding, fused=False), steps)
+    monkeypatch.setattr(hfq.qparam, "FORCE_INT8_KERNELS", True)
+    fused = _tiny_qft()
+    before = _snapshot(fused)
+    _train(fused, QLion(fused.parameters(), lr=3e-3, rounding=rounding, fused=True), steps)
+    a, b = _snapshot(ref), _snapshot(fused)
+    assert a.keys() == b.keys()
+    moved = [k for k in b if not torch.equal(b[k], before[k])]
+    assert any(k.endswith("weight_codes") for k in moved)
+    if rounding == "rtn":
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    else:  # same gradients, other SR draws: every code within one step of the torch path's
+        for k in a:
+            if k.endswith("weight_codes"):
+                diff = (a[k].int() - b[k].int()).abs()
+                assert diff.max() <= 1 and 0 < diff.float().mean() < 0.6, k
+
+
+def test_fused_qlion_resumes_bit_exactly(monkeypatch):
+    import hfq.qparam
+    from hfq.qft import QLion
+
+    monkeypatch.setattr(hfq.qparam, "FORCE_INT8_KERNELS", True)
+    full = _tiny_qft()
+    opt = QLion(full.parameters(), lr=3e-3, fused=True)
+    _train(full, opt, 1, seed=1)
+    _train(full, opt, 1, seed=2)
+    half = _tiny_qft()
+    opt_h = QLion(half.parameters(), lr=3e-3, fused=True)
+    _train(half, opt_h, 1, seed=1)
+    sd_m, sd_o = _snapshot(half), opt_h.state_dict()
+    resumed = _tiny_qft(seed=5)  # other random weights until loaded
+    resumed.load_state_dict(sd_m)
+    opt_r = QLion(resumed.parameters(), lr=3e-3, fused=True)
+    opt_r.load_state_dict(sd_o)
+    _train(resumed, opt_r, 1, seed=2)
+    a, b = _snapshot(full), _snapshot(resumed)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
