@@ -57,11 +57,22 @@ def test_quantize_rows_and_accumulate_match_reference(rows, cols, gdtype):
     s = torch.empty(rows, 1, device=DEV)
     z = torch.empty(rows, 1, dtype=torch.uint8, device=DEV)
     assert bool(K.int8_quantize_rows_(g1, c, s, z))
-    rc, rs, rz = intq.quantize_int_asym(g1, 8)
-    assert torch.equal(c, rc) and torch.equal(s, rs) and torch.equal(z, rz)
+    same_codes(c, s, z, *intq.quantize_int_asym(g1, 8))
+    stored = intq.dequantize_int_asym(c, s, z)
     assert bool(K.int8_quantize_rows_(g2, c, s, z, accumulate=True))
-    rc, rs, rz = intq.quantize_int_asym(g2.float() + intq.dequantize_int_asym(rc, rs, rz), 8)
-    assert torch.equal(c, rc) and torch.equal(s, rs) and torch.equal(z, rz)
+    same_codes(c, s, z, *intq.quantize_int_asym(g2.float() + stored, 8))
+
+
+def same_codes(c, s, z, rc, rs, rz):
+    """Equal to the reference on CPU (the interpreter follows its fp32 ops). On CUDA torch divides by a scalar
+    through its reciprocal, so the reference's scales may differ by an ulp and a code sitting on a rounding
+    boundary by one."""
+    if DEV == "cpu":
+        assert torch.equal(c, rc) and torch.equal(s, rs) and torch.equal(z, rz)
+        return
+    torch.testing.assert_close(s, rs, rtol=3e-7, atol=0)
+    d = (c.int() - rc.int()).abs()
+    assert d.max() <= 1 and d.float().mean() < 1e-3 and (z.int() - rz.int()).abs().max() <= 1
 
 
 def test_quantize_rows_flags_nonfinite_and_zeroes_it():
@@ -70,8 +81,7 @@ def test_quantize_rows_flags_nonfinite_and_zeroes_it():
     c = torch.empty(4, 33, dtype=torch.uint8, device=DEV)
     s, z = torch.empty(4, 1, device=DEV), torch.empty(4, 1, dtype=torch.uint8, device=DEV)
     assert not bool(K.int8_quantize_rows_(g, c, s, z))
-    rc, rs, rz = intq.quantize_int_asym(torch.nan_to_num(g, 0.0, 0.0, 0.0), 8)
-    assert torch.equal(c, rc) and torch.equal(s, rs)
+    same_codes(c, s, z, *intq.quantize_int_asym(torch.nan_to_num(g, 0.0, 0.0, 0.0), 8))
 
 
 def _lion_case(rows, cols, seed, int8_grad):
