@@ -78,6 +78,8 @@ def int8_dequantize(codes, scales, zeros, sparse_idx=None, sparse_val=None, dtyp
     if sparse_idx is None:
         sparse_idx = torch.empty(0, dtype=torch.int32, device=codes.device)
         sparse_val = torch.empty(0, dtype=torch.bfloat16, device=codes.device)
+    if kernels_usable(codes) and not torch.compiler.is_compiling():  # eager: skip the op's dispatch (~100 us)
+        return int8_dequantize_triton(codes, scales, zeros, sparse_idx, sparse_val, dtype)
     return torch.ops.hfq.int8_dequantize(codes, scales, zeros, sparse_idx, sparse_val, dtype)
 
 
@@ -262,39 +264,96 @@ def _row_qparams(lo: torch.Tensor, hi: torch.Tensor):
     return s, z
 
 
-def _old_outliers(w, grad, mom, lr, decay, b1, thr, rows_of):
-    """Old outliers' updated values (host side of the step: they are dense zeros to the kernel), split into those
-    that stay outside the thresholds and those that return to the dense part."""
-    idx = w["sparse_idx"].long()
-    r = rows_of(idx)
+def _gather(q: dict, flat: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Values of an INT8 tensor {codes, scales, zeros} at flat positions (rows r), float32."""
+    c = q["codes"].view(-1).index_select(0, flat).float()
+    return (c - q["zeros"].view(-1).index_select(0, r).float()) * q["scales"].view(-1).index_select(0, r)
+
+
+def _old_outliers(w, grad, mom, lr, decay, b1, thr):
+    """Old outliers' updated values (the kernels see them as dense zeros): (flat index, row, new value, stays an
+    outlier)."""
     cols = w["codes"].shape[1]
-    col = idx - r * cols
-
-    def at(q):
-        c = q["codes"][r, col].float()
-        return (c - q["zeros"][r, 0].float()) * q["scales"][r, 0]
-
-    g = at(grad) if "codes" in grad else grad["value"].reshape(-1, cols)[r, col].float()
-    d = torch.sign(at(mom) * b1 + g * (1 - b1))
+    idx = w["sparse_idx"].long()
+    r = torch.div(idx, cols, rounding_mode="floor")
+    g = _gather(grad, idx, r) if "codes" in grad else grad["value"].reshape(-1).index_select(0, idx).float()
+    d = torch.sign(_gather(mom, idx, r) * b1 + g * (1 - b1))
     v = w["sparse_val"].float()
     if decay != 1.0:
         v = v * decay
     v = v - d * lr
-    stay = (v < thr[0]) | (v > thr[1])
-    return idx, r, v, stay
+    return idx, r, v, (v < thr[0]) | (v > thr[1])
 
 
-def _fix_old_outliers(w, idx, r, v, stay, s_w, z_w, rounding, generator):
-    """Dense codes at the old outlier positions: the zero point where an outlier stays, its quantized value where
-    it returns to the dense part (RTN, or SR from `generator`)."""
-    cols = w["codes"].shape[1]
-    col = idx - r * cols
-    q = torch.where(stay, torch.zeros_like(v), v) / s_w[r]
-    if rounding == "sr":
-        q = torch.floor(q + torch.rand(q.shape, generator=generator, device=q.device, dtype=torch.float32))
+def _zero_may_cross(thr: torch.Tensor, lr: float) -> bool:
+    """Whether an updated dense zero (value -lr, 0 or lr) can fall outside the thresholds (only for thresholds
+    within lr of 0). Read once per thresholds version (a host sync), then cached on the tensor."""
+    key = (thr._version, thr.data_ptr())
+    cached = getattr(thr, "_hfq_range", None)
+    if cached is None or cached[0] != key:
+        t0, t1 = thr.tolist()
+        cached = thr._hfq_range = (key, t0, t1)
+    return not (cached[1] <= -lr and cached[2] >= lr)
+
+
+def qlion_dense_sparse_begin(w: dict, grad: dict, mom: dict, *, lr: float, beta1: float, beta2: float,
+                             weight_decay: float, rounding: str = "sr", seed: int = 0, generator=None) -> dict:
+    """First half of qlion_dense_sparse_step_ (nothing modified yet): the statistics pass and the new row scales.
+    Returns a context whose "sizes" (device int64 [2]: outliers that stay, new outliers) the caller reads, for
+    several weights at once if it likes (one host sync per optimizer step), before `qlion_dense_sparse_finish`."""
+    rows, cols = w["codes"].shape
+    decay = 1.0 - lr * weight_decay if weight_decay else 1.0
+    g_int8 = "codes" in grad
+    gargs = ((grad["codes"], grad["scales"], grad["zeros"]) if g_int8
+             else (grad["value"].reshape(rows, cols).contiguous(), w["scales"], w["zeros"]))
+    thr = w["thresholds"]
+    idx, r, v, stay = _old_outliers(w, grad, mom, lr, decay, beta1, thr)
+    stats = torch.empty((rows, 4), dtype=torch.float32, device=thr.device)
+    counts = torch.empty(rows, dtype=torch.int32, device=thr.device)
+    common = (w["codes"], w["scales"], w["zeros"], *gargs, mom["codes"], mom["scales"], mom["zeros"], thr)
+    hyper = (decay, lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2)
+    _qlion_stats_kernel[(rows,)](*common, stats, counts, cols, *hyper, G_INT8=g_int8, BLOCK=BLOCK,
+                                 enable_fp_fusion=False)
+    ret_v = torch.where(stay, torch.zeros_like(v), v)  # 0 is inside every row's range already
+    s_w, z_w = _row_qparams(stats[:, 0].scatter_reduce(0, r, ret_v, "amin"),
+                            stats[:, 1].scatter_reduce(0, r, ret_v, "amax"))
+    s_m, z_m = _row_qparams(stats[:, 2], stats[:, 3])
+    sizes = torch.stack((stay.sum(), counts.sum(dtype=torch.int64)))
+    return dict(w=w, mom=mom, common=common, hyper=hyper, g_int8=g_int8, idx=idx, r=r, v=v, stay=stay,
+                qs=torch.stack((s_w, z_w, s_m, z_m), 1), offsets=torch.cumsum(counts, 0) - counts, sizes=sizes,
+                rounding=rounding, seed=int(seed) & 0x7FFFFFFF, generator=generator, lr=lr)
+
+
+def qlion_dense_sparse_finish(ctx: dict, n_stay: int, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Second half: the update pass (codes and momentum written in place), the old outliers' dense codes, and the
+    new outlier list (sorted by index), returned for the caller to store. n_stay, n_new: ctx["sizes"] read."""
+    w, qs, dev = ctx["w"], ctx["qs"], ctx["idx"].device
+    rows, cols = w["codes"].shape
+    new_idx = torch.empty(n_new, dtype=torch.int32, device=dev)
+    new_val = torch.empty(n_new, dtype=torch.bfloat16, device=dev)
+    _qlion_write_kernel[(rows,)](*ctx["common"], qs, ctx["offsets"].to(torch.int32), new_idx, new_val, cols,
+                                 *ctx["hyper"], ctx["seed"], G_INT8=ctx["g_int8"], SR=ctx["rounding"] == "sr",
+                                 BLOCK=BLOCK, enable_fp_fusion=False)
+    w["scales"].copy_(qs[:, 0:1])
+    w["zeros"].copy_(qs[:, 1:2])
+    ctx["mom"]["scales"].copy_(qs[:, 2:3])
+    ctx["mom"]["zeros"].copy_(qs[:, 3:4])
+    idx, r, v, stay = ctx["idx"], ctx["r"], ctx["v"], ctx["stay"]
+    q = torch.where(stay, torch.zeros_like(v), v) / qs[:, 0].index_select(0, r)
+    if ctx["rounding"] == "sr":
+        q = torch.floor(q + torch.rand(q.shape, generator=ctx["generator"], device=dev, dtype=torch.float32))
     else:
         q = torch.round(q)
-    w["codes"][r, col] = (q + z_w[r]).clamp(0, 255).to(torch.uint8)
+    w["codes"].view(-1).index_copy_(0, idx, (q + qs[:, 1].index_select(0, r)).clamp(0, 255).to(torch.uint8))
+    n = n_stay + n_new
+    big = torch.iinfo(torch.int32).max  # sorts after every real index: dropped below
+    if idx.numel() and n_new and _zero_may_cross(w["thresholds"], ctx["lr"]):
+        new_idx = torch.where(torch.isin(new_idx, w["sparse_idx"]), big, new_idx)
+        n = n_stay + int((new_idx != big).sum())
+    keys = torch.cat((torch.where(stay, idx.to(torch.int32), big), new_idx))
+    keys, order = torch.sort(keys)
+    vals = torch.cat((v.to(torch.bfloat16), new_val)).index_select(0, order[:n])
+    return keys[:n], vals
 
 
 def qlion_dense_sparse_step_(w: dict, grad: dict, mom: dict, *, lr: float, beta1: float, beta2: float,
@@ -305,47 +364,12 @@ def qlion_dense_sparse_step_(w: dict, grad: dict, mom: dict, *, lr: float, beta1
     w: codes uint8 [R,C], scales fp32 [R,1], zeros uint8 [R,1], thresholds fp32 [2], sparse_idx int32, sparse_val
     bf16 (the weight's stored tensors; codes/scales/zeros updated in place). grad: {codes, scales, zeros} (INT8
     gradient) or {value} (float [R,C]). mom: INT8 momentum {codes, scales, zeros}, updated in place. Returns the
-    new (sparse_idx, sparse_val), sorted by index, for the caller to store (their length changes)."""
-    rows, cols = w["codes"].shape
-    dev = w["codes"].device
-    decay = 1.0 - lr * weight_decay if weight_decay else 1.0
-    omb1, omb2 = 1.0 - beta1, 1.0 - beta2
-    g_int8 = "codes" in grad
-    gargs = ((grad["codes"], grad["scales"], grad["zeros"]) if g_int8
-             else (grad["value"].reshape(rows, cols).contiguous(), w["scales"], w["zeros"]))
-    thr = w["thresholds"]
-    idx, r, v, stay = _old_outliers(w, grad, mom, lr, decay, beta1, thr, lambda i: torch.div(i, cols,
-                                                                                               rounding_mode="floor"))
-    stats = torch.empty((rows, 4), dtype=torch.float32, device=dev)
-    counts = torch.empty(rows, dtype=torch.int32, device=dev)
-    common = (w["codes"], w["scales"], w["zeros"], *gargs, mom["codes"], mom["scales"], mom["zeros"], thr)
-    hyper = (decay, lr, beta1, omb1, beta2, omb2)
-    _qlion_stats_kernel[(rows,)](*common, stats, counts, cols, *hyper, G_INT8=g_int8, BLOCK=BLOCK,
-                                 enable_fp_fusion=False)
-    ret = ~stay
-    lo_w = stats[:, 0].scatter_reduce(0, r[ret], v[ret], "amin")
-    hi_w = stats[:, 1].scatter_reduce(0, r[ret], v[ret], "amax")
-    s_w, z_w = _row_qparams(lo_w, hi_w)
-    s_m, z_m = _row_qparams(stats[:, 2], stats[:, 3])
-    qs = torch.stack((s_w, z_w, s_m, z_m), 1).contiguous()
-    offsets = (torch.cumsum(counts, 0) - counts).to(torch.int32)
-    total = int(counts.sum())  # the one host sync: the new outlier list's length
-    new_idx = torch.empty(total, dtype=torch.int32, device=dev)
-    new_val = torch.empty(total, dtype=torch.bfloat16, device=dev)
-    _qlion_write_kernel[(rows,)](*common, qs, offsets, new_idx, new_val, cols, *hyper, int(seed) & 0x7FFFFFFF,
-                                 G_INT8=g_int8, SR=rounding == "sr", BLOCK=BLOCK, enable_fp_fusion=False)
-    w["scales"].copy_(s_w[:, None])
-    w["zeros"].copy_(z_w[:, None].to(torch.uint8))
-    mom["scales"].copy_(s_m[:, None])
-    mom["zeros"].copy_(z_m[:, None].to(torch.uint8))
-    _fix_old_outliers(w, idx, r, v, stay, s_w, z_w, rounding, generator)
-    if idx.numel() and total:  # the kernel saw old outlier positions as dense zeros: drop any it flagged there
-        keep = ~torch.isin(new_idx, w["sparse_idx"])
-        new_idx, new_val = new_idx[keep], new_val[keep]
-    all_idx = torch.cat((idx[stay].to(torch.int32), new_idx))
-    all_val = torch.cat((v[stay].to(torch.bfloat16), new_val))
-    order = torch.argsort(all_idx)
-    return all_idx[order], all_val[order]
+    new (sparse_idx, sparse_val), sorted by index, for the caller to store (their length changes). One host sync
+    (the new list's length); QLion batches that over all weights of a step (begin / finish)."""
+    ctx = qlion_dense_sparse_begin(w, grad, mom, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                                   rounding=rounding, seed=seed, generator=generator)
+    n_stay, n_new = ctx["sizes"].tolist()
+    return qlion_dense_sparse_finish(ctx, n_stay, n_new)
 
 
 def qlion_dense_sparse_step_ref(w: dict, grad: dict, mom: dict, *, lr, beta1, beta2, weight_decay, rounding="sr",

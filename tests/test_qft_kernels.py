@@ -142,7 +142,7 @@ def _tiny_qft(seed=0):
     from hfq.qft import QFTConfig, quantize_model_
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(cfg).to(DEV)
     quantize_model_(model, QFTConfig(gradient_bits=8, outlier_fraction=0.02))

@@ -99,12 +99,21 @@ class QLion(QParamOptimizer):
     def step(self, closure=None):
         loss, pending = self._begin_step(closure)
         self._finish_check(pending)
+        begun: dict = {}
         for group in self.param_groups:
             for p in group["params"]:
-                if self._has_grad(p):
-                    fused = self._use_fused(p, group)
-                    g = pop_int8_grad(p) if fused else None
-                    self.update_param_(p, g if g is not None else self._grad32(p), group)
+                if not self._has_grad(p):
+                    continue
+                if self._use_fused(p, group):
+                    g = pop_int8_grad(p)
+                    begun.setdefault(p.device, []).append((p, self._fused_begin(p, p.grad if g is None else g,
+                                                                                 group)))
+                else:
+                    self.update_param_(p, self._grad32(p), group)
+        for items in begun.values():  # one host sync per device and step: the new outlier lists' lengths
+            sizes = torch.stack([ctx["sizes"] for _, ctx in items]).tolist()
+            for (p, ctx), (n_stay, n_new) in zip(items, sizes):
+                self._fused_finish(p, ctx, n_stay, n_new)
         return loss
 
     def _use_fused(self, p, group) -> bool:
@@ -136,8 +145,8 @@ class QLion(QParamOptimizer):
         if not state:
             self._init_state(state, p)
         if self._use_fused(p, group):
-            state["step"] += 1
-            self._fused_update(p, g, state, lr, b1, b2, wd)
+            ctx = self._fused_begin(p, g, group)
+            self._fused_finish(p, ctx, *ctx["sizes"].tolist())
             return
         if isinstance(g, Int8Grad):
             g = g.dequantize(torch.float32)
@@ -158,16 +167,27 @@ class QLion(QParamOptimizer):
         m.mul_(b2).add_(g, alpha=1 - b2)
         self._store_m(state, m)
 
-    def _fused_update(self, p: QParam, g, state, lr, b1, b2, wd) -> None:
-        from hfq_kernels.int8 import qlion_dense_sparse_step_
+    def _fused_begin(self, p: QParam, g, group) -> dict:
+        from hfq_kernels.int8 import qlion_dense_sparse_begin
 
+        state = self.state[p]
+        if not state:
+            self._init_state(state, p)
+        state["step"] += 1
+        lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
         grad = ({"codes": g.codes, "scales": g.scales, "zeros": g.zeros} if isinstance(g, Int8Grad)
                 else {"value": g})
         mom = {"codes": state["exp_avg_codes"], "scales": state["exp_avg_scales"], "zeros": state["exp_avg_zeros"]}
-        seed = (self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(state["step"])) & 0x7FFFFFFF
+        seed = self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(state["step"])
         gen = self._generator(p.device) if self.rounding == "sr" else None
-        idx, val = qlion_dense_sparse_step_(p.qtensors(), grad, mom, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
-                                            rounding=self.rounding, seed=seed, generator=gen)
+        return qlion_dense_sparse_begin(p.qtensors(), grad, mom, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
+                                        rounding=self.rounding, seed=seed, generator=gen)
+
+    @staticmethod
+    def _fused_finish(p: QParam, ctx: dict, n_stay: int, n_new: int) -> None:
+        from hfq_kernels.int8 import qlion_dense_sparse_finish
+
+        idx, val = qlion_dense_sparse_finish(ctx, n_stay, n_new)
         p.sparse_idx.set_(idx)  # same tensor objects: aliases of p (DDP's, detach()) follow
         p.sparse_val.set_(val)
 
