@@ -186,6 +186,8 @@ class StepInBackward(TrainerCallback):
             raise ValueError(f"StepInBackward: gradient clipping cannot work when the step is applied during "
                              f"backward (the norm is known only after every update); set max_grad_norm=0, got "
                              f"{args.max_grad_norm}")
+        if self.handle is not None:  # a previous train() that raised never reached on_train_end
+            self.handle.remove()
         self.handle = step_in_backward_(model, optimizer, self.quantize_grad)
         return control
 
