@@ -32,6 +32,7 @@ for part in "$@"; do
     qerl_all) timeout 500 python benchmarks/qerl_step.py --out "$OUT" > "$OUT/qerl.txt" 2>&1 ;;
     qerl_gc) timeout 300 python benchmarks/qerl_step.py --methods qerl,bf16_lora --grad-ckpt --out "$OUT" > "$OUT/qerl_gc.txt" 2>&1 ;;
     qerl_compile) timeout 400 python benchmarks/qerl_step.py --methods qerl,bf16_lora --compile --out "$OUT" > "$OUT/qerl_compile.txt" 2>&1 ;;
+    qft_mem) timeout 540 python benchmarks/qft_memory.py --out "$OUT" > "$OUT/qft_mem.txt" 2>&1 ;;
     qerl_profile) timeout 240 python benchmarks/qerl_update_profile.py --out "$OUT" > "$OUT/qerl_profile.txt" 2>&1 ;;
     *) echo "unknown part $part" ;;
   esac

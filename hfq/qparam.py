@@ -571,7 +571,8 @@ class _QLinearFn(torch.autograd.Function):
 
     dL/dW becomes W's bf16 `.grad`, or with `store_int8` goes to W's INT8 store (W.grad, an Int8Grad), averaged over
     ranks first when distributed: the float dL/dW then exists only inside this backward (one layer at a time) and
-    autograd gets None for W."""
+    autograd gets None for W. If W has a `grad_consumer` attribute (a callable(w, grad, name), set by
+    hfq.qft.step_in_backward_), that float dL/dW goes to it instead of the INT8 store."""
 
     @staticmethod
     def forward(ctx, x, w, b, store_int8=False, name=None):
@@ -590,7 +591,9 @@ class _QLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gw = gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(gy.dtype)
             if ctx.store_int8:
-                accumulate_int8_grad_(w, _mean_over_ranks(gw), ctx.name)
+                gw = _mean_over_ranks(gw)
+                consumer = getattr(w, "grad_consumer", None)
+                consumer(w, gw, ctx.name) if consumer is not None else accumulate_int8_grad_(w, gw, ctx.name)
                 gw = None
             else:
                 gw = gw.to(w.dtype)

@@ -3,6 +3,9 @@
 
   model = AutoModelForCausalLM.from_pretrained(path, quantization_config=QFTConfig(gradient_bits=8))
   Trainer(model=model, args=args, train_dataset=ds, optimizers=(QLion(model.parameters(), lr=1e-4), sched))
+
+QLion's step applied during backward (no gradient store at all; gradient_accumulation_steps=1, no clipping):
+`handle = step_in_backward_(model, opt)`, or Trainer(..., callbacks=[StepInBackward()], args with max_grad_norm=0).
 """
 import torch
 
@@ -14,6 +17,7 @@ from .config import QFTConfig
 from .linear import QFTLinear, convert_linears_, quantize_model_, refresh_outliers_
 from .memory import state_bytes
 from .quantizer import QFTHfQuantizer
+from .step_in_backward import StepInBackward, StepInBackwardHandle, step_in_backward_
 
 
 def quantize_rows(x, rounding: str = "rtn", generator=None):
@@ -29,4 +33,5 @@ def dequantize_rows(codes, scales, zeros, shape, dtype=torch.float32):
 
 __all__ = ["Int8Grad", "OutlierRefreshPerEpoch", "QFTConfig", "QFTHfQuantizer", "QFTLinear", "QLion",
            "clear_int8_grads_", "convert_linears_", "ddp_ignore_int8_grad_weights_", "dequantize_rows", "int8_grad",
-           "quantize_model_", "quantize_rows", "refresh_outliers_", "state_bytes"]
+           "quantize_model_", "quantize_rows", "refresh_outliers_", "state_bytes", "step_in_backward_", "StepInBackward",
+           "StepInBackwardHandle"]
