@@ -90,7 +90,7 @@ class StepInBackwardHandle:
                 "refuse a whole step)")
         with torch.no_grad():
             if from_int8_path and self.quantize_grad:
-                g32 = Int8Grad(g, name, p.dtype).dequantize(torch.float32)  # the INT8 store's exact round trip
+                g32 = Int8Grad(g, name, p.dtype)  # the INT8 store's round trip (the fused step reads its codes)
             else:
                 g32 = g if g.dtype == torch.float32 else g.float()
             opt.update_param_(p, g32, self._group[id(p)])
