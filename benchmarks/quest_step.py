@@ -1,7 +1,8 @@
 """QuEST on the GPU: kernel correctness, Hadamard/fused-kernel bandwidth vs a measured copy, and the
 training step of an 800M-shaped Llama (paper App. B.1: 16 blocks, hidden 2048) at W4A4 vs BF16.
 
-  python benchmarks/quest_step.py [--out DIR] [--batch 8 --seq 1024]
+  python benchmarks/quest_step.py [--out DIR] [--batch 8 --seq 1024 --repeats 3 --steps 4]
+  python benchmarks/quest_step.py --selftest     # CPU: the interleaved rounds on a tiny model, table writing
 Writes DIR/quest_step.json and DIR/quest_step.md (default benchmarks/results/).
 Targets: QuEST step <= 1.25x BF16 step; HT kernel >= 70% of copy bandwidth.
 """
@@ -13,6 +14,7 @@ import json
 import os
 import statistics
 import subprocess
+import time
 
 import torch
 import triton
@@ -93,54 +95,121 @@ def bandwidth(rows=32768, cols=4096) -> list[dict]:
     return rows_out
 
 
-def step_times(batch: int, seq: int, n_steps: int = 10) -> list[dict]:
+VARIANTS = (("BF16", None), ("QuEST W4A4", dict(weight_bits=4, activation_bits=4)),
+            ("QuEST W4A4 no HT", dict(weight_bits=4, activation_bits=4, hadamard=False)),
+            ("QuEST W1A1", dict(weight_bits=1, activation_bits=1)))
+
+
+def step_times(batch: int, seq: int, n_steps: int = 4, repeats: int = 3, device: str = "cuda",
+               size: dict | None = None) -> list[dict]:
+    """Training-step time of each variant, measured in `repeats` interleaved rounds (BF16, W4A4, no HT, W1A1,
+    BF16, ...): per round one untimed step, then `n_steps` timed ones (their median is the round's time).
+    Two models with the same initial weights: the BF16 one and a QuEST one whose layers switch settings per
+    variant (they share its weights and optimizer). Peak memory is the variant's own: the peak allocated during
+    its round minus what the other model holds."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
-                      num_key_value_heads=16, intermediate_size=5632, max_position_embeddings=seq,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-    ids = torch.randint(0, 32000, (batch, seq), device="cuda")
-    n_params = sum(p.numel() for p in model.parameters())
+    size = size or dict(vocab_size=32000, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                        num_key_value_heads=16, intermediate_size=5632)
+    cfg = LlamaConfig(max_position_embeddings=seq, tie_word_embeddings=False, **size)
+    cuda = device == "cuda"
+    alloc = torch.cuda.memory_allocated if cuda else (lambda: 0)
+
+    def build():
+        torch.manual_seed(0)
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+
+    held, models = {}, {}
+    a0 = alloc()
+    models["bf16"] = build()
+    held["bf16"] = alloc() - a0
+    a0 = alloc()
+    models["quest"] = quantize_model(build(), QuESTConfig(**VARIANTS[1][1]))
+    held["quest"] = alloc() - a0
+    opts = {g: torch.optim.AdamW(m.parameters(), lr=1e-5, fused=cuda) for g, m in models.items()}
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+    n_params = sum(p.numel() for p in models["bf16"].parameters())
+    st = {name: dict(round_ms=[], all_ms=[], losses=[], peak=None) for name, _ in VARIANTS}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    for _ in range(repeats):
+        for name, kw in VARIANTS:
+            g = "bf16" if kw is None else "quest"
+            model, opt = models[g], opts[g]
+            if kw is not None:
+                qcfg = QuESTConfig(**kw)
+                for mod in model.modules():
+                    if isinstance(mod, QuESTLinear):
+                        mod.config = qcfg
+                        mod.spec = _Spec(qcfg, qcfg.block_for(mod.in_features))
+            sync()
+            before = alloc()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            times = []
+            for i in range(1 + n_steps):
+                sync()
+                t = time.perf_counter()
+                loss = model(ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sync()
+                if i >= 1:
+                    times.append((time.perf_counter() - t) * 1e3)
+                st[name]["losses"].append(loss.item())
+            if cuda:
+                peak = (torch.cuda.max_memory_allocated() - (before - held[g])) / 2**30
+                st[name]["peak"] = max(st[name]["peak"] or 0.0, peak)
+            held[g] += alloc() - before  # what this round left allocated (optimizer state on the first one)
+            st[name]["round_ms"].append(statistics.median(times))
+            st[name]["all_ms"] += times
+            print(name, [round(t, 2) for t in times], flush=True)
+    return summarize(st, batch, seq, n_params)
+
+
+def summarize(st: dict, batch: int, seq: int, n_params: int) -> list[dict]:
+    """Rows: median over rounds of each round's median step time, its spread (min-max over rounds), and the
+    ratio to BF16 (ratio of medians; spread = min-max of the per-round ratios)."""
+    base = st["BF16"]["round_ms"]
     rows = []
-    for name, qcfg in (("BF16", None), ("QuEST W4A4", QuESTConfig(weight_bits=4, activation_bits=4)),
-                       ("QuEST W4A4 no HT", QuESTConfig(weight_bits=4, activation_bits=4, hadamard=False)),
-                       ("QuEST W1A1", QuESTConfig(weight_bits=1, activation_bits=1))):
-        if qcfg is not None:
-            for mod in model.modules():  # re-wrap: undo the previous variant's layers
-                if isinstance(mod, QuESTLinear):
-                    mod.config = qcfg
-                    mod.spec = _Spec(qcfg, qcfg.block_for(mod.in_features))
-            if not any(isinstance(m, QuESTLinear) for m in model.modules()):
-                quantize_model(model, qcfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-        torch.cuda.reset_peak_memory_stats()
-        times, losses = [], []
-        for i in range(3 + n_steps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            s.record()
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            e.record()
-            torch.cuda.synchronize()
-            if i >= 3:
-                times.append(s.elapsed_time(e))
-            losses.append(loss.item())
-        del opt
+    for name, s in st.items():
+        r = s["round_ms"]
+        ratios = [a / b for a, b in zip(r, base)]
         rows.append({"variant": name, "batch": batch, "seq": seq, "tokens": batch * seq, "params": n_params,
-                     "step_ms_median": round(statistics.median(times), 2), "step_ms_min": round(min(times), 2),
-                     "peak_mem_GB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                     "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)})
-        print(rows[-1], flush=True)
-    base = rows[0]["step_ms_median"]
-    for r in rows:
-        r["x_bf16"] = round(r["step_ms_median"] / base, 3)
+                     "rounds": len(r), "step_ms_median": round(statistics.median(r), 2),
+                     "step_ms_spread": [round(min(r), 2), round(max(r), 2)], "step_ms_min": round(min(s["all_ms"]), 2),
+                     "round_ms": [round(t, 2) for t in r],
+                     "peak_mem_GB": None if s["peak"] is None else round(s["peak"], 2),
+                     "loss_first": round(s["losses"][0], 4), "loss_last": round(s["losses"][-1], 4),
+                     "x_bf16": round(statistics.median(r) / statistics.median(base), 3),
+                     "x_bf16_spread": [round(min(ratios), 3), round(max(ratios), 3)]})
     return rows
+
+
+def step_table(steps: list[dict]) -> list[str]:
+    md = ["| variant | step ms (median of rounds) | spread (min-max) | x BF16 (spread) | peak GB | loss first -> last |",
+          "|---|---|---|---|---|---|"]
+    md += [f"| {r['variant']} | {r['step_ms_median']} | {r['step_ms_spread'][0]}-{r['step_ms_spread'][1]} | "
+           f"{r['x_bf16']} ({r['x_bf16_spread'][0]}-{r['x_bf16_spread'][1]}) | {r['peak_mem_GB']} | "
+           f"{r['loss_first']} -> {r['loss_last']} |" for r in steps]
+    return md
+
+
+def selftest() -> None:
+    """CPU: the interleaved rounds on a tiny Llama (QuEST's torch reference path) and the table writing."""
+    steps = step_times(2, 32, n_steps=2, repeats=3, device="cpu",
+                       size=dict(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=2, intermediate_size=256))
+    assert [r["variant"] for r in steps] == [v for v, _ in VARIANTS] and all(r["rounds"] == 3 for r in steps)
+    assert steps[0]["x_bf16"] == 1.0 and all(r["step_ms_spread"][0] <= r["step_ms_median"] <= r["step_ms_spread"][1]
+                                             for r in steps)
+    print("\n".join(step_table(steps)))
+    print("selftest ok")
 
 
 def main():
@@ -148,7 +217,12 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the variants")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per variant per round (after one untimed)")
+    ap.add_argument("--selftest", action="store_true", help="CPU: tiny model through the rounds, table writing")
     args = ap.parse_args()
+    if args.selftest:
+        return selftest()
     if not torch.cuda.is_available():
         raise SystemExit("quest_step: needs a CUDA device")
     commit = os.environ.get("HFQ_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
@@ -158,7 +232,7 @@ def main():
     bw = bandwidth()
     for r in bw:
         print(r, flush=True)
-    steps = step_times(args.batch, args.seq)
+    steps = step_times(args.batch, args.seq, n_steps=args.steps, repeats=args.repeats)
     doc = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "commit": commit, "torch": torch.__version__, "triton": triton.__version__, "checks": chk,
            "bandwidth": bw, "rows": steps}
@@ -172,9 +246,10 @@ def main():
           f"triton {triton.__version__}", "",
           f"## Training step: Llama 16 blocks x hidden 2048 (intermediate 5632, vocab 32000, "
           f"{steps[0]['params'] / 1e6:.0f}M params), bf16 weights, fused AdamW, batch {args.batch} x {args.seq}", "",
-          "| variant | step ms (median) | x BF16 | peak GB | loss first -> last |", "|---|---|---|---|---|"]
-    md += [f"| {r['variant']} | {r['step_ms_median']} | {r['x_bf16']} | {r['peak_mem_GB']} | "
-           f"{r['loss_first']} -> {r['loss_last']} |" for r in steps]
+          f"{args.repeats} interleaved rounds (BF16, W4A4, no HT, W1A1, BF16, ...), each one untimed step then "
+          f"{args.steps} timed; a round's time is the median of its steps. Spread: min-max over rounds; x BF16: "
+          f"ratio of medians (min-max of the per-round ratios). Peak GB: the variant's own (the other model's "
+          f"memory subtracted).", ""] + step_table(steps)
     md += ["", f"Target QuEST W4A4 <= 1.25x BF16: **{q['x_bf16']}x** ({'met' if q['x_bf16'] <= 1.25 else 'missed'})",
            "", "## Kernel bandwidth (bf16, bytes = each input read + each output written once)", "",
            "| kernel | shape | ms | GB/s | % of copy |", "|---|---|---|---|---|"]

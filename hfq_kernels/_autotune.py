@@ -69,12 +69,38 @@ def bench_ms(fn: Callable[[], Any], warmup: int = 3, rep: int = 15) -> float:
     return ms[len(ms) // 2]
 
 
+class _Table(dict):
+    """A Tuner's cache: a dict that bumps its owner's `gen` on every change, so callers that keep a decision
+    (hfq_kernels.nvfp4_matmul's per-shape plans) can tell with one integer compare whether it may be stale."""
+
+    def __init__(self, owner: "Tuner", *a, **kw):
+        super().__init__(*a, **kw)
+        self._owner = owner
+
+    def _bump(self):
+        self._owner.gen += 1
+
+
+for _name in ("__setitem__", "__delitem__", "__ior__", "update", "clear", "pop", "popitem", "setdefault"):
+    def _mutator(self, *a, _f=getattr(dict, _name), **kw):
+        r = _f(self, *a, **kw)
+        self._bump()
+        return r
+
+    _mutator.__name__ = _name
+    setattr(_Table, _name, _mutator)
+del _name, _mutator
+
+
 class Tuner:
-    """Cache of tuned choices for one op; a choice is any JSON-serialisable dict."""
+    """Cache of tuned choices for one op; a choice is any JSON-serialisable dict.
+
+    `gen` changes whenever the cache does (an entry set, removed, or the whole cache replaced)."""
 
     def __init__(self, op: str):
         self.op = op
-        self.cache: dict[str, dict] = {}
+        self.gen = 0
+        self._cache = _Table(self)
         self.log: list[dict] = []  # every tuning run's timings, for reports
         self._memo: dict = {}  # (m bucket, n, k, dtype, device type, index) -> (key, cache entry); see cached()
         shipped = _HERE / f"{op}_tuned.json"
@@ -84,6 +110,15 @@ class Tuner:
                     self.cache.update(json.loads(Path(path).read_text()).get(op, {}))
                 except (OSError, ValueError):
                     pass
+
+    @property
+    def cache(self) -> dict:
+        return self._cache
+
+    @cache.setter
+    def cache(self, value: dict) -> None:
+        self._cache = _Table(self, value)
+        self.gen += 1
 
     @staticmethod
     def key(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> str:

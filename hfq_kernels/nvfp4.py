@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from hfq_kernels._autotune import Tuner, m_bucket
 from hfq_kernels._triton import HAS_TRITON, on_gpu
-from hfq_kernels.nvfp4_matmul import (KINDS, LINEAR_TUNER, check_bias, grad_input, grad_input_impl, linear,
-                                      linear_impl)
+from hfq_kernels.nvfp4_matmul import (KINDS, LINEAR_TUNER, LinearPlan, check_bias, grad_input, grad_input_impl,
+                                      linear, linear_impl, plan_linear)
 from hfq_kernels.nvfp4_quant import check_packed, dequantize, quantize
 from hfq_kernels.reference import fp4
 
@@ -28,8 +28,13 @@ from hfq_kernels.reference import fp4
 # GPU time of the smaller projections. In plain eager CUDA (no torch.compile, no dispatch mode, no functorch
 # transform, a plain tensor) NVFP4Linear therefore calls the same host code through _LinearFn; everything else
 # (compile, export, fake tensors, direct callers) goes through the registered ops. Both share _setup/_backward.
-# HFQ_NVFP4_EAGER_FAST=0 turns the shortcut off.
+# HFQ_NVFP4_EAGER_FAST=0 turns the shortcut off. NVFP4Linear goes one step further: it keeps a LinearPlan per
+# input shape (hfq_kernels.nvfp4_matmul.plan_linear: validation and kernel choice done once) and calls it
+# through _PlanFn. EAGER_ON_CPU=True lets CPU tensors take the same shortcut (Triton's interpreter must be on,
+# TRITON_INTERPRET=1): tests use it to run the CUDA host path on CPU; it is off otherwise (the torch reference
+# is much faster there).
 _EAGER_FAST = os.environ.get("HFQ_NVFP4_EAGER_FAST", "1") != "0"
+EAGER_ON_CPU = False
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 
@@ -64,9 +69,36 @@ class _LinearFn(torch.autograd.Function):
     backward = staticmethod(_backward)
 
 
+class _PlanFn(torch.autograd.Function):
+    """hfq::nvfp4_linear's autograd on a LinearPlan (NVFP4Linear's eager path): forward(x, bias, plan).
+    The plan holds the (frozen) weight, so nothing goes through save_for_backward."""
+
+    @staticmethod
+    def forward(ctx, x, bias, plan):
+        ctx.plan = plan
+        ctx.has_bias = bias is not None
+        return plan.forward(x, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = ctx.plan.grad(grad)
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            gb = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return gx, gb, None
+
+
+def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
+    """plan.forward(x, bias), through _PlanFn when a gradient is wanted (x or bias requires one)."""
+    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        return _PlanFn.apply(x, bias, plan)
+    return plan.forward(x, bias)
+
+
 def eager_fast_ok(x: torch.Tensor) -> bool:
     """True where linear_eager may replace torch.ops.hfq.nvfp4_linear for input x."""
-    return (_EAGER_FAST and HAS_TRITON and type(x) is torch.Tensor and x.is_cuda
+    return (_EAGER_FAST and HAS_TRITON and type(x) is torch.Tensor and (x.is_cuda or (EAGER_ON_CPU and x.is_cpu))
             and not torch.compiler.is_compiling()
             and _dispatch_modes is not None and _dispatch_modes() == 0
             and not (_functorch_active is not None and _functorch_active()))
@@ -172,4 +204,4 @@ nvfp4_linear.register_autograd(_backward, setup_context=_setup)
 
 __all__ = ["nvfp4_quantize", "nvfp4_dequantize", "nvfp4_linear", "nvfp4_linear_grad_input", "quantize",
            "dequantize", "linear", "grad_input", "linear_eager", "eager_fast_ok", "check_packed", "m_bucket",
-           "Tuner", "LINEAR_TUNER", "KINDS"]
+           "Tuner", "LINEAR_TUNER", "KINDS", "LinearPlan", "plan_linear", "plan_apply"]

@@ -240,10 +240,21 @@ def repacked(packed: torch.Tensor, scale: torch.Tensor):
     return rep
 
 
+_CAPABLE: dict = {}  # cuda device index -> sm_80+ (torch.cuda.get_device_capability costs microseconds per call)
+
+
+def _sm80(device: torch.device) -> bool:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _CAPABLE.get(idx)
+    if ok is None:
+        ok = _CAPABLE[idx] = torch.cuda.get_device_capability(idx) >= (8, 0)
+    return ok
+
+
 def supported(x2: torch.Tensor) -> bool:
     """Whether the Gluon kernel can take x2 (bf16, M <= 64, CUDA sm_80+, gluon available, HFQ_NVFP4_GLUON != 0)."""
     return (HAS_GLUON and not INTERPRET and x2.is_cuda and x2.dtype == torch.bfloat16 and x2.shape[0] <= 64
-            and os.environ.get("HFQ_NVFP4_GLUON", "1") != "0" and torch.cuda.get_device_capability(x2.device) >= (8, 0))
+            and os.environ.get("HFQ_NVFP4_GLUON", "1") != "0" and _sm80(x2.device))
 
 
 def default_config(m: int, n: int, k: int, sms: int) -> dict:
@@ -256,13 +267,24 @@ def default_config(m: int, n: int, k: int, sms: int) -> dict:
     return dict(kind="gluon", BM=bm, R=r, warps=warps, split=split)
 
 
-def launch(x2, wr, sr, recip, bias, dst, y_stride, n, cfg, split, cps):
-    """One launch of _g4_kernel on the repacked (wr, sr); split > 1 writes fp32 partials [split, M, N] to dst."""
-    m, k = x2.shape
+def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool):
+    """run(x2, wr, sr, recip, bias, dst, y_stride): launch() with the grid and meta-parameters of this
+    (M, N, K, config, split) worked out once (per-shape plans keep it)."""
     nt, kc = cdiv(n, 16), cdiv(k, 64)
     bm, r, warps = cfg["BM"], cfg["R"], cfg.get("warps", 4)
     partial = split > 1
     grid = (cdiv(nt, r * warps), cdiv(m, bm), split)
-    _g4_kernel[grid](x2, wr, sr, recip, bias if bias is not None else recip, dst, m, n, k, kc, nt,
-                     x2.stride(0), y_stride, cps, BM=bm, R=r, HAS_BIAS=bias is not None and not partial,
-                     PARTIAL=partial, PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps)
+    meta = dict(BM=bm, R=r, HAS_BIAS=has_bias and not partial, PARTIAL=partial,
+                PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps)
+
+    def run(x2, wr, sr, recip, bias, dst, y_stride):
+        _g4_kernel[grid](x2, wr, sr, recip, bias if bias is not None else recip, dst, m, n, k, kc, nt,
+                         x2.stride(0), y_stride, cps, **meta)
+
+    return run
+
+
+def launch(x2, wr, sr, recip, bias, dst, y_stride, n, cfg, split, cps):
+    """One launch of _g4_kernel on the repacked (wr, sr); split > 1 writes fp32 partials [split, M, N] to dst."""
+    m, k = x2.shape
+    launcher(m, n, k, cfg, split, cps, bias is not None)(x2, wr, sr, recip, bias, dst, y_stride)

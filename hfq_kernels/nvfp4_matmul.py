@@ -17,8 +17,9 @@ import torch.nn.functional as F
 
 from hfq_kernels import nvfp4_gluon as gluon
 from hfq_kernels._autotune import Tuner
+from hfq_kernels._autotune import _capturing as _autotune_capturing
 from hfq_kernels._triton import INTERPRET, cdiv, e2m1_raw, e2m1_to_f32, e4m3_to_f32, sm_count, tl, triton
-from hfq_kernels.nvfp4_quant import check_packed, dequant_raw
+from hfq_kernels.nvfp4_quant import _dequantize_kernel, check_packed, dequant_raw
 
 KINDS = {
     "dequant": "dequantize W to x's dtype, then cuBLAS (prefill / training, M > 64)",
@@ -629,3 +630,139 @@ def grad_input_impl(g, packed, scale, global_scale, out=None):
         return g @ w
     out.copy_(g.reshape(-1, n) @ w)
     return out.reshape(*g.shape[:-1], k)
+
+
+# ----------------------------------------------------------------------------------------------- per-shape plans
+class LinearPlan:
+    """What linear_impl() and grad_input_impl() decide for one weight and one input (shape, dtype, device),
+    decided once: validation, the config (gluon default / tuned table / autotuning), split-K, grids and kernel
+    meta-parameters, the output shape. `forward(x, bias)` and `grad(g)` then do only the per-call work: views,
+    output allocation, the launches. `final` is False for a config picked while nothing may be tuned (graph
+    capture): such a plan serves its call and is not kept. `gen` is LINEAR_TUNER.gen when it was made (a plan is
+    stale once the tuned table changes). Callers keep plans per weight (NVFP4Linear keys them by x's shape,
+    dtype and device) and rebuild them when the weight tensors are replaced."""
+
+    __slots__ = ("forward", "grad", "final", "gen", "config")
+
+    def __init__(self, forward, grad, final: bool, gen: int, config):
+        self.forward, self.grad, self.final, self.gen, self.config = forward, grad, final, gen, config
+
+
+def _pick_final(x2, packed, scale, recip, bias, m, n, k) -> tuple[dict, bool]:
+    """_pick() plus whether its answer may be kept: gluon defaults and tuned (stored) choices may; a heuristic
+    default returned while tuning is impossible (graph capture / compile) may not."""
+    config = _pick(x2, packed, scale, recip, bias, m, n, k)
+    if config.get("kind") == "gluon" or not _autotune_capturing():
+        return config, True
+    return config, LINEAR_TUNER.cache.get(Tuner.key(m, n, k, x2.dtype, x2.device)) is config
+
+
+def plan_linear(x, packed, scale, global_scale, bias=None) -> LinearPlan:
+    """The LinearPlan of y = x @ dequant(W)^T + bias for x's shape/dtype/device (raises for bad inputs, with
+    linear()'s messages). Its forward gives linear()'s values; its grad gives grad_input()'s."""
+    check_packed(packed, scale, global_scale)
+    n, k = packed.shape[0], packed.shape[1] * 2
+    check_bias(bias, n)
+    if x.shape[-1] != k:
+        raise ValueError(f"nvfp4_linear: x has in_features={x.shape[-1]} but the weight has {k}")
+    x = x.detach()  # only looked at (and, for a first call that tunes, run); never kept
+    dt, dev = x.dtype, x.device
+    has_bias = bias is not None
+    rf = global_scale if global_scale.dtype == torch.float32 else None  # else converted per call (stays current)
+    su8 = scale.view(torch.uint8)
+    dgrid = (cdiv(n, 16), cdiv(k, 256))
+
+    def dequant(dtype):
+        recip = rf if rf is not None else global_scale.float()
+        w = torch.empty((n, k), dtype=dtype, device=dev)
+        _dequantize_kernel[dgrid](packed, su8, recip, w, n, k, BR=16, BC=256, num_warps=4)
+        return w
+
+    def grad(g):
+        return g @ dequant(g.dtype)
+
+    def dense(x, b):
+        return F.linear(x, dequant(x.dtype), b)
+
+    m = x.numel() // k
+    if m == 0 or dt not in MM_DTYPES:
+        return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, None)
+    config = LINEAR_TUNER.cached(m, n, k, dt, dev) if m > 64 else None
+    final = True
+    if config is None or config["kind"] != "dequant":
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        recip = rf if rf is not None else global_scale.float()
+        config, final = _pick_final(x2, packed, scale, recip, None if bias is None else bias.detach(), m, n, k)
+    gen = LINEAR_TUNER.gen  # after the choice (tuning a new shape stores its result)
+    kind = config["kind"]
+    if kind == "dequant":
+        return LinearPlan(dense, grad, final, gen, config)
+    out_shape = (*x.shape[:-1], n)
+
+    def finish(dst_split, launch):
+        """forward(x, b, aux) around launch(x2, b, dst, y, aux): y [M, N] written directly (split 1) or via fp32
+        partials [split, M, N] and the reduce kernel."""
+        rgrid = (cdiv(m * n, 1024),)
+
+        def fwd(x, b, aux=None):
+            x2 = x.reshape(m, k)
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            y = torch.empty((m, n), dtype=dt, device=dev)
+            if dst_split == 1:
+                launch(x2, b, y, y, aux)
+            else:
+                dst = torch.empty((dst_split, m, n), dtype=torch.float32, device=dev)
+                launch(x2, b, dst, y, aux)
+                recip = rf if rf is not None else global_scale.float()
+                _splitk_reduce_kernel[rgrid](dst, b if b is not None else recip, y, m, n, dst_split, n,
+                                             HAS_BIAS=b is not None, BLOCK=1024, num_warps=4)
+            return y.view(out_shape)
+
+        return fwd
+
+    def words(cfg):
+        bn, bm, bk = cfg["BN"], cfg["BM"], cfg["BK"]
+        if bk < 128 or bm < 16 or bn < 32:  # _words_launch's check
+            raise ValueError(f"nvfp4 words kernel config: BK={bk}, BM={bm}, BN={bn}; need BK >= 128 (8 dots of "
+                             f"K = BK/8 >= 16), BM >= 16 and BN >= 32 (BN = 16 gave wrong products on the H100)")
+        chunks = cdiv(k, bk)
+        split, cps = _splits(chunks, cfg.get("split", 1))
+        wq = (packed if packed.is_contiguous() else packed.contiguous()).view(torch.int32)
+        grid = (cdiv(n, bn), cdiv(m, bm), split)
+        meta = dict(BN=bn, BM=bm, BK=bk, HAS_BIAS=has_bias and split == 1, PARTIAL=split > 1,
+                    MASK_K=(k % bk) != 0 or (chunks % split) != 0, X_F16=dt == torch.float16,
+                    PREFETCH=bool(cfg.get("prefetch", True)), F32_DOT=INTERPRET,
+                    num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 1))
+
+        def launch(x2, b, dst, y, aux):
+            recip = rf if rf is not None else global_scale.float()
+            _words_kernel[grid](x2, wq, su8, recip, b if b is not None else recip, dst, m, n, k, x2.stride(0), n,
+                                cps, **meta)
+
+        return finish(split, launch)
+
+    if kind == "words":
+        fwd = words(config)
+    elif kind == "gluon" and gluon.supported(x.reshape(-1, k)):
+        split, cps = _splits(cdiv(k, 64), config.get("split", 1))
+        run = gluon.launcher(m, n, k, config, split, cps, has_bias)
+        g4 = finish(split, lambda x2, b, dst, y, rep: run(x2, rep[0], rep[1],
+                                                          rf if rf is not None else global_scale.float(), b, dst, n))
+        fallback = words(words_default(m, n, k, sm_count(dev)))  # while the repacked copy cannot be built
+
+        def fwd(x, b):
+            rep = gluon.repacked(packed, scale)  # cached per tensor and version (rebuilt after in-place updates)
+            return g4(x, b, rep) if rep is not None else fallback(x, b)
+    elif kind in ("tile", "gemv", "gluon"):  # less used kinds: the generic launcher, selection already done
+        def fwd(x, b):
+            x2 = x.reshape(m, k)
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            recip = rf if rf is not None else global_scale.float()
+            return mm_launch(x2, packed, scale, recip, b, config).view(out_shape)
+    else:
+        raise ValueError(f"nvfp4_linear config: unknown kind {kind!r}; kinds: {sorted(KINDS)}")
+    return LinearPlan(fwd, grad, final, gen, config)

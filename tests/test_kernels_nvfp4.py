@@ -132,6 +132,64 @@ def test_grad_input_matches_float64(m, n, k):
     assert _rel(K.grad_input(gy.view(1, m, n), p, s, r), ref) <= 1e-2
 
 
+PLAN_CASES = [  # (x shape, dtype, table entry for this shape; None: the M > 64 default / no tuning)
+    ((2, 3, 64), torch.bfloat16, dict(kind="words", BN=32, BM=16, BK=128, split=1, prefetch=True)),
+    ((5, 64), torch.float16, dict(kind="words", BN=32, BM=16, BK=128, split=2, prefetch=False)),
+    ((3, 64), torch.bfloat16, dict(kind="gemv", BN=16, BM=4, BK=32, split=2, warps=4, stages=2)),
+    ((9, 64), torch.float16, dict(kind="tile", BN=16, BM=16, BK=32, split=1, warps=4, stages=2)),
+    ((70, 64), torch.bfloat16, dict(kind="dequant")),
+    ((4, 64), torch.float32, None),  # not a matmul dtype: dequantize + F.linear
+]
+
+
+@pytest.mark.parametrize("shape,dtype,cfg", PLAN_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_plan_matches_linear_and_grad_input(monkeypatch, shape, dtype, cfg, bias):
+    """A LinearPlan (NVFP4Linear's per-shape eager path) computes what linear() / grad_input() compute with the
+    same config, bit for bit; a change of the tuned table marks it stale."""
+    p, s, r = K.quantize(_weight(40, 64, seed=3))
+    x = torch.randn(*shape).to(dtype).to(DEV)
+    b = torch.randn(40).to(dtype).to(DEV) if bias else None
+    m = x.numel() // 64
+    if cfg is not None and not gluon.supported(x.reshape(-1, 64)):
+        monkeypatch.setitem(MM.LINEAR_TUNER.cache, K.Tuner.key(m, 40, 64, dtype, x.device), cfg)
+    plan = K.plan_linear(x, p, s, r, b)
+    assert plan.final and plan.gen == MM.LINEAR_TUNER.gen
+    want = cfg if cfg is not None and plan.config is not None and plan.config["kind"] != "gluon" else plan.config
+    assert plan.config == want
+    y = plan.forward(x, b)
+    ref = K.linear(x, p, s, r, b, config=plan.config) if plan.config else F.linear(x, K.dequantize(p, s, r, dtype), b)
+    assert y.shape == (*shape[:-1], 40) and y.dtype == dtype
+    assert torch.equal(y, ref)
+    assert torch.equal(plan.forward(x, b), ref)  # reusable
+    gy = torch.randn_like(y)
+    assert torch.equal(plan.grad(gy), K.grad_input(gy, p, s, r))
+    monkeypatch.setitem(MM.LINEAR_TUNER.cache, "hfq-test-entry", {"kind": "dequant"})
+    assert plan.gen != MM.LINEAR_TUNER.gen
+
+
+def test_plan_validates_once_with_linears_errors():
+    p, s, r = K.quantize(_weight(16, 32))
+    x = torch.randn(2, 32, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="in_features"):
+        K.plan_linear(torch.randn(2, 48, device=DEV, dtype=torch.bfloat16), p, s, r)
+    with pytest.raises(ValueError, match="weight_scale"):
+        K.plan_linear(x, p, s[:, :1], r)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        K.plan_linear(x, p, s, r, torch.zeros(15, device=DEV, dtype=torch.bfloat16))
+
+
+def test_tuner_gen_follows_every_cache_change():
+    t = K.Tuner("hfq_test_gen")
+    seen = [t.gen]
+    for change in (lambda: t.cache.__setitem__("a", {}), lambda: t.cache.update(b={}), lambda: t.cache.pop("a"),
+                   lambda: t.cache.setdefault("c", {}), lambda: t.cache.clear(), lambda: setattr(t, "cache", {"d": {}})):
+        change()
+        assert t.gen not in seen
+        seen.append(t.gen)
+    assert t.cache == {"d": {}} and t.cached(1, 2, 3, torch.float16, torch.device("cpu")) is None
+
+
 def test_unknown_config_kind_raises():
     p, s, r = K.quantize(_weight(16, 32))
     x = torch.randn(2, 32).to(torch.bfloat16).to(DEV)

@@ -256,3 +256,135 @@ def test_cli_quantize_and_export_end_to_end(tiny, tmp_path, capsys):
     assert load_file(tmp_path / "ct2" / "model.safetensors")["model.layers.0.mlp.up_proj.weight_packed"].dtype == torch.uint8
     with pytest.raises(SystemExit, match="compressed-tensors.*not hfq_nvfp4"):
         main(["export", str(tmp_path / "ct"), "--out", str(tmp_path / "ct3")])
+
+
+# ------------------------------------------------------------------ the eager per-shape plan path of NVFP4Linear
+# On CUDA a plain eager call takes NVFP4Linear._forward_planned; K.EAGER_ON_CPU sends CPU tensors the same way
+# (kernels under TRITON_INTERPRET=1), so these run that host path on both.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    import hfq_kernels.nvfp4 as K
+
+    monkeypatch.setattr(K, "EAGER_ON_CPU", True)
+    return K
+
+
+def _layer(n=48, k=64, bias=True, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) * 0.1)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    return NVFP4Linear.from_linear(lin.to(dtype).to(DEV))
+
+
+def test_eager_plan_values_grads_and_reuse(eager):
+    layer = _layer()
+    layer.bias.requires_grad_(True)
+    p, s, g = layer.weight_packed, layer.weight_scale, layer.weight_global_scale
+    for shape in ((1, 64), (2, 5, 64), (80, 64)):
+        x = torch.randn(*shape, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+        y = layer(x)
+        plans = layer._hfq_plans[1]
+        plan = plans[(x.shape, x.dtype, x.device)]
+        assert torch.equal(y, eager.linear(x.detach(), p, s, g, layer.bias.detach(), config=plan.config)
+                           if plan.config else None)
+        gy = torch.randn_like(y)
+        y.backward(gy)
+        x2 = x.detach().clone().requires_grad_()
+        b2 = layer.bias.detach().clone().requires_grad_()
+        torch.ops.hfq.nvfp4_linear(x2, p, s, g, b2).backward(gy)  # the registered op's autograd
+        torch.testing.assert_close(x.grad, x2.grad)
+        torch.testing.assert_close(layer.bias.grad, b2.grad, rtol=2e-2, atol=2e-2)
+        layer.bias.grad = None
+        with torch.no_grad():
+            layer(x)
+        assert plans[(x.shape, x.dtype, x.device)] is plan  # no second planning for a known shape
+    assert len(layer._hfq_plans[1]) == 3
+
+
+def test_eager_plan_errors_on_first_call_of_a_shape(eager):
+    layer = _layer(bias=True)
+    layer(torch.randn(3, 64, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="in_features"):
+        layer(torch.randn(3, 32, dtype=torch.bfloat16, device=DEV))
+    layer.bias = torch.nn.Parameter(torch.zeros(47, dtype=torch.bfloat16, device=DEV), requires_grad=False)
+    with pytest.raises(ValueError, match="bias must have shape"):  # a replaced tensor drops the checked plans
+        layer(torch.randn(3, 64, dtype=torch.bfloat16, device=DEV))
+
+
+def test_eager_plan_follows_new_weights_and_table(eager, monkeypatch):
+    layer = _layer(bias=False)
+    x = torch.randn(4, 64, dtype=torch.bfloat16, device=DEV)
+    y0 = layer(x)
+    plan = layer._hfq_plans[1][(x.shape, x.dtype, x.device)]
+    monkeypatch.setitem(eager.LINEAR_TUNER.cache, "hfq-test-entry", {"kind": "dequant"})
+    layer(x)
+    assert layer._hfq_plans[1][(x.shape, x.dtype, x.device)] is not plan  # the tuned table changed: re-planned
+    layer.set_weight(-layer.dequantize(torch.float32))
+    assert "_hfq_plans" not in layer.__dict__
+    torch.testing.assert_close(layer(x), -y0)
+    with torch.no_grad():  # in-place update of the codes (e.g. load_state_dict): the plan reads the same tensors
+        layer.weight_packed.copy_(_layer(bias=False, seed=1).weight_packed)
+        layer.weight_scale.copy_(_layer(bias=False, seed=1).weight_scale)
+        layer.weight_global_scale.copy_(_layer(bias=False, seed=1).weight_global_scale)
+    torch.testing.assert_close(layer(x), _layer(bias=False, seed=1)(x))
+
+
+def test_eager_plan_gradient_checkpointing(eager):
+    from torch.utils.checkpoint import checkpoint
+
+    layer = _layer()
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    layer(x).float().square().sum().backward()
+    ref, x.grad = x.grad, None
+    for reentrant in (False, True):
+        checkpoint(lambda t: layer(t).float().square().sum(), x, use_reentrant=reentrant).backward()
+        torch.testing.assert_close(x.grad, ref)
+        x.grad = None
+
+
+def test_eager_plan_dropped_on_move_and_cast(eager):
+    import gc
+    import weakref
+
+    layer = _layer()
+    layer(torch.randn(2, 64, dtype=torch.bfloat16, device=DEV))
+    old = weakref.ref(layer.weight_packed)
+    layer.to("meta")  # a move: the plans held the old tensors, which must not survive it
+    gc.collect()
+    assert old() is None and "_hfq_plans" not in layer.__dict__
+    layer = _layer().to(torch.float16)  # a cast keeps the codes; x in fp16 gets an fp16 output
+    x = torch.randn(2, 64, dtype=torch.float16, device=DEV)
+    assert layer(x).dtype == torch.float16 and layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_eager_plan_lora_bf16_with_gradient_checkpointing(tiny, monkeypatch):
+    """A bf16 NVFP4 + PEFT LoRA model under HF gradient checkpointing: the planned eager path gives the registered
+    op's loss and adapter gradients."""
+    import hfq_kernels.nvfp4 as K
+
+    m = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=NVFP4Config(), dtype=torch.bfloat16).to(DEV)
+    pm = hfq.nvfp4.get_peft_model(m, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,
+                                                     init_lora_weights="gaussian"))
+    pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    pm.enable_input_require_grads()
+    pm.train()
+    x = _ids(2, 12).to(DEV)
+    res = []
+    monkeypatch.setattr(K, "EAGER_ON_CPU", True)
+    for on in (False, True):  # the registered op (HFQ_NVFP4_EAGER_FAST=0), then the planned path
+        monkeypatch.setattr(K, "_EAGER_FAST", on)
+        loss = pm(x, labels=x).loss
+        loss.backward()
+        res.append((loss.detach(), {n: p.grad.clone() for n, p in pm.named_parameters() if p.requires_grad}))
+        pm.zero_grad(set_to_none=True)
+    layer = pm.base_model.model.model.layers[0].mlp.up_proj.base_layer
+    assert isinstance(layer, NVFP4Linear) and "_hfq_plans" in layer.__dict__
+    torch.testing.assert_close(res[1][0], res[0][0], rtol=2e-2, atol=2e-2)
+    for n, g in res[0][1].items():
+        torch.testing.assert_close(res[1][1][n].float(), g.float(), rtol=0.1, atol=0.1 * g.abs().max().item() + 1e-6)

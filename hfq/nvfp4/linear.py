@@ -9,6 +9,7 @@ import hfq_kernels.nvfp4 as _K  # registers torch.ops.hfq.*
 from hfq_kernels.reference import fp4
 
 _BLOCK = {"nvfp4": fp4.NVFP4_BLOCK, "mxfp4": fp4.MXFP4_BLOCK}
+_MAX_PLANS = 64  # per layer: distinct input shapes whose launch plans are kept
 
 
 class NVFP4Linear(nn.Module):
@@ -69,6 +70,7 @@ class NVFP4Linear(nn.Module):
             packed, scale = fp4.mxfp4_quantize(w, name=name)
         self.weight_packed = packed
         self.weight_scale = scale
+        self.__dict__.pop("_hfq_plans", None)
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The weight as a dense [out, in] tensor."""
@@ -77,23 +79,48 @@ class NVFP4Linear(nn.Module):
         return fp4.mxfp4_dequantize(self.weight_packed, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.format == "nvfp4" and not torch.compiler.is_compiling() and _K.eager_fast_ok(x):
+            return self._forward_planned(x)
         in_dtype = x.dtype
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.format == "nvfp4":
-            p, s, g = self.weight_packed, self.weight_scale, self.weight_global_scale
-            if torch.compiler.is_compiling() or not _K.eager_fast_ok(x):
-                y = torch.ops.hfq.nvfp4_linear(x, p, s, g, bias)
-            else:  # plain eager CUDA: same op without the custom-op dispatch (see hfq_kernels.nvfp4.linear_eager)
-                ids = (id(p), id(s), id(g), p.shape, s.shape)
-                if self.__dict__.get("_hfq_checked") != ids:  # validate each new set of buffers once
-                    _K.check_packed(p, s, g)
-                    self.__dict__["_hfq_checked"] = ids
-                y = _K.linear_eager(x, p, s, g, bias, checked=True)
+        if self.format == "nvfp4":  # torch.compile, fake/subclass tensors, dispatch modes, functorch, CPU
+            y = torch.ops.hfq.nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
         else:
             y = F.linear(x, self.dequantize(x.dtype), bias)
         return y.to(in_dtype)
+
+    def _forward_planned(self, x: torch.Tensor) -> torch.Tensor:
+        """Plain eager CUDA: hfq::nvfp4_linear's values and gradients from a LinearPlan kept per (x shape, dtype,
+        device), so that a repeated call does no validation, config lookup or launch planning (see
+        hfq_kernels.nvfp4_matmul.plan_linear). Plans are dropped when a weight tensor is replaced (set_weight,
+        load, a move: see _apply) and rebuilt when the tuned table changes; a new shape is validated (and raises
+        for bad input) when its plan is made."""
+        in_dtype = x.dtype
+        cdt = self.compute_dtype
+        if cdt is not None and cdt != in_dtype:
+            x = x.to(cdt)
+        bufs = self._buffers
+        p, s, g = bufs["weight_packed"], bufs["weight_scale"], bufs["weight_global_scale"]
+        b = self._parameters["bias"]
+        tok = (id(p), id(s), id(g), id(b), p.data_ptr(), s.data_ptr(), g.data_ptr(), p.shape, s.shape)
+        st = self.__dict__.get("_hfq_plans")
+        if st is None or st[0] != tok:
+            st = self.__dict__["_hfq_plans"] = (tok, {})
+        plans = st[1]
+        key = (x.shape, x.dtype, x.device)
+        plan = plans.get(key)
+        if plan is None or plan.gen != _K.LINEAR_TUNER.gen:
+            plan = _K.plan_linear(x, p, s, g, b)
+            if plan.final:
+                if len(plans) >= _MAX_PLANS:  # e.g. many sequence lengths: start over rather than grow
+                    plans.clear()
+                plans[key] = plan
+        if b is not None and b.dtype != x.dtype:
+            b = b.to(x.dtype)
+        y = _K.plan_apply(plan, x, b)
+        return y if y.dtype == in_dtype else y.to(in_dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -111,6 +138,7 @@ class NVFP4Linear(nn.Module):
     def _apply(self, fn, recurse=True):
         # Moves follow `fn`; dtype casts (model.half(), .to(bfloat16)) must not touch codes and scales.
         keep = {k: b for k, b in self._buffers.items() if b is not None}
+        self.__dict__.pop("_hfq_plans", None)  # plans hold the old tensors: a move must not keep a second copy
         self.weight_dtype = fn(torch.empty(0, dtype=self.weight_dtype)).dtype
         super()._apply(fn, recurse)
         for k, old in keep.items():
