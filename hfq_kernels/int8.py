@@ -173,28 +173,52 @@ def int8_quantize_rows_(g, codes, scales, zeros, accumulate: bool = False) -> to
 
 # ---- QLion on int8_dense_sparse -------------------------------------------------------------------------------
 @triton.jit
+def _int8_at(c, s, z, offs, row, mask):
+    return (tl.load(c + offs, mask=mask, other=0).to(tl.float32) - tl.load(z + row).to(tl.float32)) * tl.load(s + row)
+
+
+@triton.jit
+def _direction(m, gv, b1, omb1):
+    c = m * b1 + gv * omb1
+    return tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+
+
+@triton.jit
 def _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, offs, mask, row, decay, lr, b1, omb1, b2, omb2,
                  G_INT8: tl.constexpr):
-    """Updated dense weight (float32, outlier positions seen as 0) and updated momentum at `offs`."""
-    w = (tl.load(wc + offs, mask=mask, other=0).to(tl.float32) - tl.load(wz + row).to(tl.float32)) * tl.load(ws + row)
+    """Updated dense weight (float32; old outlier positions are dense zeros) and updated momentum at `offs`."""
+    w = _int8_at(wc, ws, wz, offs, row, mask)
     if G_INT8:
-        gv = (tl.load(g + offs, mask=mask, other=0).to(tl.float32) - tl.load(gz + row).to(tl.float32)) \
-            * tl.load(gs + row)
+        gv = _int8_at(g, gs, gz, offs, row, mask)
     else:
         gv = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
-    m = (tl.load(mc + offs, mask=mask, other=0).to(tl.float32) - tl.load(mz + row).to(tl.float32)) * tl.load(ms + row)
-    c = m * b1 + gv * omb1
-    d = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+    m = _int8_at(mc, ms, mz, offs, row, mask)
     w = w * decay
-    w = w - d * lr
+    w = w - _direction(m, gv, b1, omb1) * lr
     m = m * b2
     m = m + gv * omb2
     return w, m
 
 
 @triton.jit
-def _qlion_stats_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, stats, counts, C, decay, lr, b1, omb1, b2, omb2,
-                        G_INT8: tl.constexpr, BLOCK: tl.constexpr):
+def _outlier_values(sidx, sval, j, jmask, g, gs, gz, mc, ms, mz, row, t0, t1, decay, lr, b1, omb1,
+                    G_INT8: tl.constexpr):
+    """Row `row`'s old outliers j: (flat index, updated value, stays outside the thresholds)."""
+    pos = tl.load(sidx + j, mask=jmask, other=0).to(tl.int64)
+    v = tl.load(sval + j, mask=jmask, other=0.0).to(tl.float32)
+    if G_INT8:
+        gv = _int8_at(g, gs, gz, pos, row, jmask)
+    else:
+        gv = tl.load(g + pos, mask=jmask, other=0.0).to(tl.float32)
+    m = _int8_at(mc, ms, mz, pos, row, jmask)
+    v = v * decay
+    v = v - _direction(m, gv, b1, omb1) * lr
+    return pos, v, ((v < t0) | (v > t1)) & jmask
+
+
+@triton.jit
+def _qlion_stats_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, sidx, sval, rowptr, vbuf, stats, counts, C, decay, lr,
+                        b1, omb1, b2, omb2, G_INT8: tl.constexpr, BLOCK: tl.constexpr, OB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
     t0 = tl.load(thr)
@@ -217,16 +241,41 @@ def _qlion_stats_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, stats, counts, C
         mlo = tl.minimum(mlo, m)
         mhi = tl.maximum(mhi, m)
         n += out.to(tl.int32)
-    tl.store(stats + row * 4, tl.min(wlo, 0))
-    tl.store(stats + row * 4 + 1, tl.max(whi, 0))
+    lo = tl.min(wlo, 0)
+    hi = tl.max(whi, 0)
+    n_all = tl.sum(n, 0)
+    for j0 in range(tl.load(rowptr + row), tl.load(rowptr + row + 1), OB):  # old outliers of this row
+        j = j0 + tl.arange(0, OB)
+        jmask = j < tl.load(rowptr + row + 1)
+        pos, v, stay = _outlier_values(sidx, sval, j, jmask, g, gs, gz, mc, ms, mz, row, t0, t1, decay, lr, b1, omb1,
+                                       G_INT8)
+        tl.store(vbuf + j, v, mask=jmask)  # the write pass reads it: by then the momentum codes are new
+        back = tl.where(stay | ~jmask, 0.0, v)  # returning to the dense part: in the row's range
+        lo = tl.minimum(lo, tl.min(back, 0))
+        hi = tl.maximum(hi, tl.max(back, 0))
+        n_all += tl.sum(stay.to(tl.int32), 0)
+    tl.store(stats + row * 4, lo)
+    tl.store(stats + row * 4 + 1, hi)
     tl.store(stats + row * 4 + 2, tl.min(mlo, 0))
     tl.store(stats + row * 4 + 3, tl.max(mhi, 0))
-    tl.store(counts + row, tl.sum(n, 0))
+    tl.store(counts + row, n_all)
 
 
 @triton.jit
-def _qlion_write_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, qs, offsets, new_idx, new_val, C, decay, lr, b1,
-                        omb1, b2, omb2, seed, G_INT8: tl.constexpr, SR: tl.constexpr, BLOCK: tl.constexpr):
+def _append(new_idx, new_val, at, sel, pos, v):
+    """Write the selected (flat index, bf16 value) pairs at `at`, in order; returns the next free slot."""
+    k = tl.sum(sel.to(tl.int32), 0)
+    if k > 0:
+        slot = at + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(new_idx + slot, pos.to(tl.int32), mask=sel)
+        tl.store(new_val + slot, f32_to_bf16_rne(v), mask=sel)
+    return at + k
+
+
+@triton.jit
+def _qlion_write_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, sidx, sval, rowptr, vbuf, qs, offsets, new_idx, new_val,
+                        C, decay, lr, b1, omb1, b2, omb2, seed, G_INT8: tl.constexpr, SR: tl.constexpr,
+                        BLOCK: tl.constexpr, OB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
     t0 = tl.load(thr)
@@ -244,17 +293,30 @@ def _qlion_write_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, qs, offsets, new
         out = ((w < t0) | (w > t1)) & mask
         x = tl.div_rn(tl.where(out, 0.0, w), s_w)
         if SR:
-            u = tl.rand(seed, (base + offs).to(tl.int32))
-            r = tl.floor(x + u)
+            r = tl.floor(x + tl.rand(seed, (base + offs).to(tl.int32)))
         else:
             r = _rint(x)
         tl.store(wc + base + offs, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=mask)
         qm = tl.minimum(tl.maximum(_rint(tl.div_rn(m, s_m)) + z_m, 0.0), 255.0)
         tl.store(mc + base + offs, qm.to(tl.uint8), mask=mask)
-        pos = at + tl.cumsum(out.to(tl.int32), 0) - 1
-        tl.store(new_idx + pos, (base + offs).to(tl.int32), mask=out)
-        tl.store(new_val + pos, f32_to_bf16_rne(w), mask=out)
-        at += tl.sum(out.to(tl.int32), 0)
+        at = _append(new_idx, new_val, at, out, base + offs, w)
+    tl.debug_barrier()  # the dense codes above are written before the old outliers' codes below replace them
+    for j0 in range(tl.load(rowptr + row), tl.load(rowptr + row + 1), OB):
+        j = j0 + tl.arange(0, OB)
+        jmask = j < tl.load(rowptr + row + 1)
+        pos = tl.load(sidx + j, mask=jmask, other=0).to(tl.int64)
+        v = tl.load(vbuf + j, mask=jmask, other=0.0)
+        stay = ((v < t0) | (v > t1)) & jmask
+        x = tl.div_rn(tl.where(stay, 0.0, v), s_w)
+        if SR:
+            r = tl.floor(x + tl.rand(seed, pos.to(tl.int32)))
+        else:
+            r = _rint(x)
+        tl.store(wc + pos, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=jmask)
+        at = _append(new_idx, new_val, at, stay, pos, v)
+
+
+OB = 64  # old outliers per inner step of a row program
 
 
 def _row_qparams(lo: torch.Tensor, hi: torch.Tensor):
@@ -264,30 +326,10 @@ def _row_qparams(lo: torch.Tensor, hi: torch.Tensor):
     return s, z
 
 
-def _gather(q: dict, flat: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Values of an INT8 tensor {codes, scales, zeros} at flat positions (rows r), float32."""
-    c = q["codes"].view(-1).index_select(0, flat).float()
-    return (c - q["zeros"].view(-1).index_select(0, r).float()) * q["scales"].view(-1).index_select(0, r)
-
-
-def _old_outliers(w, grad, mom, lr, decay, b1, thr):
-    """Old outliers' updated values (the kernels see them as dense zeros): (flat index, row, new value, stays an
-    outlier)."""
-    cols = w["codes"].shape[1]
-    idx = w["sparse_idx"].long()
-    r = torch.div(idx, cols, rounding_mode="floor")
-    g = _gather(grad, idx, r) if "codes" in grad else grad["value"].reshape(-1).index_select(0, idx).float()
-    d = torch.sign(_gather(mom, idx, r) * b1 + g * (1 - b1))
-    v = w["sparse_val"].float()
-    if decay != 1.0:
-        v = v * decay
-    v = v - d * lr
-    return idx, r, v, (v < thr[0]) | (v > thr[1])
-
-
-def _zero_may_cross(thr: torch.Tensor, lr: float) -> bool:
-    """Whether an updated dense zero (value -lr, 0 or lr) can fall outside the thresholds (only for thresholds
-    within lr of 0). Read once per thresholds version (a host sync), then cached on the tensor."""
+def zero_may_cross(thr: torch.Tensor, lr: float) -> bool:
+    """Whether an updated dense zero (-lr, 0 or lr) can fall outside the thresholds (thresholds within lr of 0):
+    the kernels see old outliers as dense zeros and would list them twice, so the caller takes the torch ops.
+    Read once per thresholds version (a host sync), then cached on the tensor."""
     key = (thr._version, thr.data_ptr())
     cached = getattr(thr, "_hfq_range", None)
     if cached is None or cached[0] != key:
@@ -297,79 +339,64 @@ def _zero_may_cross(thr: torch.Tensor, lr: float) -> bool:
 
 
 def qlion_dense_sparse_begin(w: dict, grad: dict, mom: dict, *, lr: float, beta1: float, beta2: float,
-                             weight_decay: float, rounding: str = "sr", seed: int = 0, generator=None) -> dict:
+                             weight_decay: float, rounding: str = "sr", seed: int = 0) -> dict:
     """First half of qlion_dense_sparse_step_ (nothing modified yet): the statistics pass and the new row scales.
-    Returns a context whose "sizes" (device int64 [2]: outliers that stay, new outliers) the caller reads, for
-    several weights at once if it likes (one host sync per optimizer step), before `qlion_dense_sparse_finish`."""
+    Returns a context whose "size" (device int64: the new outlier list's length) the caller reads, for several
+    weights at once if it likes (one host sync per optimizer step), before `qlion_dense_sparse_finish`."""
     rows, cols = w["codes"].shape
+    dev = w["codes"].device
     decay = 1.0 - lr * weight_decay if weight_decay else 1.0
     g_int8 = "codes" in grad
     gargs = ((grad["codes"], grad["scales"], grad["zeros"]) if g_int8
              else (grad["value"].reshape(rows, cols).contiguous(), w["scales"], w["zeros"]))
-    thr = w["thresholds"]
-    idx, r, v, stay = _old_outliers(w, grad, mom, lr, decay, beta1, thr)
-    stats = torch.empty((rows, 4), dtype=torch.float32, device=thr.device)
-    counts = torch.empty(rows, dtype=torch.int32, device=thr.device)
-    common = (w["codes"], w["scales"], w["zeros"], *gargs, mom["codes"], mom["scales"], mom["zeros"], thr)
+    sidx = w["sparse_idx"]  # sorted: each row's outliers are one segment
+    rowptr = torch.searchsorted(sidx, torch.arange(rows + 1, dtype=torch.int32, device=dev) * cols).to(torch.int32)
+    stats = torch.empty((rows, 4), dtype=torch.float32, device=dev)
+    counts = torch.empty(rows, dtype=torch.int32, device=dev)
+    vbuf = torch.empty(sidx.numel(), dtype=torch.float32, device=dev)  # the old outliers' updated values
+    common = (w["codes"], w["scales"], w["zeros"], *gargs, mom["codes"], mom["scales"], mom["zeros"],
+              w["thresholds"], sidx, w["sparse_val"], rowptr, vbuf)
     hyper = (decay, lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2)
-    _qlion_stats_kernel[(rows,)](*common, stats, counts, cols, *hyper, G_INT8=g_int8, BLOCK=BLOCK,
+    _qlion_stats_kernel[(rows,)](*common, stats, counts, cols, *hyper, G_INT8=g_int8, BLOCK=BLOCK, OB=OB,
                                  enable_fp_fusion=False)
-    ret_v = torch.where(stay, torch.zeros_like(v), v)  # 0 is inside every row's range already
-    s_w, z_w = _row_qparams(stats[:, 0].scatter_reduce(0, r, ret_v, "amin"),
-                            stats[:, 1].scatter_reduce(0, r, ret_v, "amax"))
+    s_w, z_w = _row_qparams(stats[:, 0], stats[:, 1])
     s_m, z_m = _row_qparams(stats[:, 2], stats[:, 3])
-    sizes = torch.stack((stay.sum(), counts.sum(dtype=torch.int64)))
-    return dict(w=w, mom=mom, common=common, hyper=hyper, g_int8=g_int8, idx=idx, r=r, v=v, stay=stay,
-                qs=torch.stack((s_w, z_w, s_m, z_m), 1), offsets=torch.cumsum(counts, 0) - counts, sizes=sizes,
-                rounding=rounding, seed=int(seed) & 0x7FFFFFFF, generator=generator, lr=lr)
+    return dict(w=w, mom=mom, common=common, hyper=hyper, g_int8=g_int8, rows=rows, cols=cols,
+                qs=torch.stack((s_w, z_w, s_m, z_m), 1), offsets=(torch.cumsum(counts, 0) - counts).to(torch.int32),
+                size=counts.sum(dtype=torch.int64), rounding=rounding, seed=int(seed) & 0x7FFFFFFF)
 
 
-def qlion_dense_sparse_finish(ctx: dict, n_stay: int, n_new: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Second half: the update pass (codes and momentum written in place), the old outliers' dense codes, and the
-    new outlier list (sorted by index), returned for the caller to store. n_stay, n_new: ctx["sizes"] read."""
-    w, qs, dev = ctx["w"], ctx["qs"], ctx["idx"].device
-    rows, cols = w["codes"].shape
-    new_idx = torch.empty(n_new, dtype=torch.int32, device=dev)
-    new_val = torch.empty(n_new, dtype=torch.bfloat16, device=dev)
-    _qlion_write_kernel[(rows,)](*ctx["common"], qs, ctx["offsets"].to(torch.int32), new_idx, new_val, cols,
-                                 *ctx["hyper"], ctx["seed"], G_INT8=ctx["g_int8"], SR=ctx["rounding"] == "sr",
-                                 BLOCK=BLOCK, enable_fp_fusion=False)
+def qlion_dense_sparse_finish(ctx: dict, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Second half: the update pass (weight and momentum codes written in place, old outliers' codes included) and
+    the new outlier list sorted by index, returned for the caller to store. n: ctx["size"] read."""
+    w, qs = ctx["w"], ctx["qs"]
+    new_idx = torch.empty(n, dtype=torch.int32, device=qs.device)
+    new_val = torch.empty(n, dtype=torch.bfloat16, device=qs.device)
+    _qlion_write_kernel[(ctx["rows"],)](*ctx["common"], qs, ctx["offsets"], new_idx, new_val, ctx["cols"],
+                                        *ctx["hyper"], ctx["seed"], G_INT8=ctx["g_int8"], SR=ctx["rounding"] == "sr",
+                                        BLOCK=BLOCK, OB=OB, enable_fp_fusion=False)
     w["scales"].copy_(qs[:, 0:1])
     w["zeros"].copy_(qs[:, 1:2])
     ctx["mom"]["scales"].copy_(qs[:, 2:3])
     ctx["mom"]["zeros"].copy_(qs[:, 3:4])
-    idx, r, v, stay = ctx["idx"], ctx["r"], ctx["v"], ctx["stay"]
-    q = torch.where(stay, torch.zeros_like(v), v) / qs[:, 0].index_select(0, r)
-    if ctx["rounding"] == "sr":
-        q = torch.floor(q + torch.rand(q.shape, generator=ctx["generator"], device=dev, dtype=torch.float32))
-    else:
-        q = torch.round(q)
-    w["codes"].view(-1).index_copy_(0, idx, (q + qs[:, 1].index_select(0, r)).clamp(0, 255).to(torch.uint8))
-    n = n_stay + n_new
-    big = torch.iinfo(torch.int32).max  # sorts after every real index: dropped below
-    if idx.numel() and n_new and _zero_may_cross(w["thresholds"], ctx["lr"]):
-        new_idx = torch.where(torch.isin(new_idx, w["sparse_idx"]), big, new_idx)
-        n = n_stay + int((new_idx != big).sum())
-    keys = torch.cat((torch.where(stay, idx.to(torch.int32), big), new_idx))
-    keys, order = torch.sort(keys)
-    vals = torch.cat((v.to(torch.bfloat16), new_val)).index_select(0, order[:n])
-    return keys[:n], vals
+    keys, order = torch.sort(new_idx)
+    return keys, new_val.index_select(0, order)
 
 
 def qlion_dense_sparse_step_(w: dict, grad: dict, mom: dict, *, lr: float, beta1: float, beta2: float,
-                             weight_decay: float, rounding: str = "sr", seed: int = 0,
-                             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             weight_decay: float, rounding: str = "sr", seed: int = 0) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
     """One QLion step of an int8_dense_sparse weight with the thresholds kept (QFT's lazy update).
 
-    w: codes uint8 [R,C], scales fp32 [R,1], zeros uint8 [R,1], thresholds fp32 [2], sparse_idx int32, sparse_val
-    bf16 (the weight's stored tensors; codes/scales/zeros updated in place). grad: {codes, scales, zeros} (INT8
-    gradient) or {value} (float [R,C]). mom: INT8 momentum {codes, scales, zeros}, updated in place. Returns the
-    new (sparse_idx, sparse_val), sorted by index, for the caller to store (their length changes). One host sync
-    (the new list's length); QLion batches that over all weights of a step (begin / finish)."""
+    w: codes uint8 [R,C], scales fp32 [R,1], zeros uint8 [R,1], thresholds fp32 [2], sparse_idx int32 (sorted),
+    sparse_val bf16 (the weight's stored tensors; codes/scales/zeros updated in place). grad: {codes, scales,
+    zeros} (INT8 gradient) or {value} (float [R,C]). mom: INT8 momentum {codes, scales, zeros}, updated in place.
+    Returns the new (sparse_idx, sparse_val), sorted by index, for the caller to store (their length changes).
+    One host sync (the new list's length); QLion batches it over all weights of a step (begin / finish).
+    Requires not zero_may_cross(thresholds, lr)."""
     ctx = qlion_dense_sparse_begin(w, grad, mom, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-                                   rounding=rounding, seed=seed, generator=generator)
-    n_stay, n_new = ctx["sizes"].tolist()
-    return qlion_dense_sparse_finish(ctx, n_stay, n_new)
+                                   rounding=rounding, seed=seed)
+    return qlion_dense_sparse_finish(ctx, int(ctx["size"]))
 
 
 def qlion_dense_sparse_step_ref(w: dict, grad: dict, mom: dict, *, lr, beta1, beta2, weight_decay, rounding="sr",

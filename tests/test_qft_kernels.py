@@ -125,8 +125,8 @@ def test_qlion_step_sr_is_unbiased_and_within_one_step():
     runs = []
     for seed in range(120):
         d1, m1 = clone(d), clone(mom)
-        gen = torch.Generator(device=DEV).manual_seed(seed)
-        i, v = K.qlion_dense_sparse_step_(d1, grad, m1, rounding="sr", seed=seed, generator=gen, **kw)
+
+        i, v = K.qlion_dense_sparse_step_(d1, grad, m1, rounding="sr", seed=seed, **kw)
         out = intq.dequantize_dense_sparse(d1["codes"], d1["scales"], d1["zeros"], i, v)
         assert ((out - exact).abs() <= step * 1.0001).all()
         runs.append(out)
@@ -209,3 +209,24 @@ def test_fused_qlion_resumes_bit_exactly(monkeypatch):
     a, b = _snapshot(full), _snapshot(resumed)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_thresholds_within_lr_of_zero_take_the_torch_path():
+    """The kernels see old outliers as dense zeros; where an updated zero (+-lr) could itself cross the thresholds
+    the step must not use them (it would list such outliers twice): QLion falls back to the torch ops."""
+    from hfq.qft import QLion
+    from hfq.qparam import QParam
+    from hfq_kernels.int8 import zero_may_cross
+
+    torch.manual_seed(0)
+    w = torch.rand(8, 32, device=DEV) + 0.5  # all positive: the lower threshold is above -lr
+    p = torch.nn.Parameter(QParam.from_float(w, "int8_dense_sparse", outlier_fraction=0.05))
+    assert zero_may_cross(p.thresholds, 1e-3) and not zero_may_cross(torch.tensor([-1.0, 1.0], device=DEV), 1e-3)
+    opt = QLion([p], lr=1e-3, fused=True)
+    assert not opt._use_fused(p, opt.param_groups[0])
+    ref = torch.nn.Parameter(QParam.from_float(w, "int8_dense_sparse", outlier_fraction=0.05))
+    opt_ref = QLion([ref], lr=1e-3, fused=False)
+    for q, o in ((p, opt), (ref, opt_ref)):
+        q.grad = torch.randn(8, 32, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)).bfloat16()
+        o.step()
+    assert torch.equal(p.dequantize(), ref.dequantize())

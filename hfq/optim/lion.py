@@ -111,14 +111,15 @@ class QLion(QParamOptimizer):
                 else:
                     self.update_param_(p, self._grad32(p), group)
         for items in begun.values():  # one host sync per device and step: the new outlier lists' lengths
-            sizes = torch.stack([ctx["sizes"] for _, ctx in items]).tolist()
-            for (p, ctx), (n_stay, n_new) in zip(items, sizes):
-                self._fused_finish(p, ctx, n_stay, n_new)
+            sizes = torch.stack([ctx["size"] for _, ctx in items]).tolist()
+            for (p, ctx), n in zip(items, sizes):
+                self._fused_finish(p, ctx, n)
         return loss
 
     def _use_fused(self, p, group) -> bool:
         """The fused Triton step applies: an int8_dense_sparse QParam, INT8 momentum, lr > 0, no outlier refresh
-        due on this step (a refresh re-selects thresholds from the whole weight: the torch ops do it)."""
+        due on this step (a refresh re-selects thresholds from the whole weight: the torch ops do it), thresholds
+        not within lr of zero (hfq_kernels.int8.zero_may_cross; never seen on real weights)."""
         if self.fused is False or self.momentum_bits != 8 or not isinstance(p, QParam):
             return False
         if p.fmt != "int8_dense_sparse" or group["lr"] == 0 or p.numel() >= 2 ** 31:
@@ -127,7 +128,11 @@ class QLion(QParamOptimizer):
             return False
         n = getattr(self, "refresh_thresholds_every", None) or p.meta.get("outlier_refresh_steps", 0)
         step = int(self.state[p]["step"]) + 1 if self.state.get(p) else 1
-        return not (n and step % n == 0)
+        if n and step % n == 0:
+            return False
+        from hfq_kernels.int8 import zero_may_cross
+
+        return not zero_may_cross(p.thresholds, group["lr"])
 
     def _ordinal(self, p) -> int:
         if id(p) not in self._ordinals:
@@ -146,7 +151,7 @@ class QLion(QParamOptimizer):
             self._init_state(state, p)
         if self._use_fused(p, group):
             ctx = self._fused_begin(p, g, group)
-            self._fused_finish(p, ctx, *ctx["sizes"].tolist())
+            self._fused_finish(p, ctx, int(ctx["size"]))
             return
         if isinstance(g, Int8Grad):
             g = g.dequantize(torch.float32)
@@ -179,15 +184,14 @@ class QLion(QParamOptimizer):
                 else {"value": g})
         mom = {"codes": state["exp_avg_codes"], "scales": state["exp_avg_scales"], "zeros": state["exp_avg_zeros"]}
         seed = self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(state["step"])
-        gen = self._generator(p.device) if self.rounding == "sr" else None
         return qlion_dense_sparse_begin(p.qtensors(), grad, mom, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
-                                        rounding=self.rounding, seed=seed, generator=gen)
+                                        rounding=self.rounding, seed=seed)
 
     @staticmethod
-    def _fused_finish(p: QParam, ctx: dict, n_stay: int, n_new: int) -> None:
+    def _fused_finish(p: QParam, ctx: dict, n: int) -> None:
         from hfq_kernels.int8 import qlion_dense_sparse_finish
 
-        idx, val = qlion_dense_sparse_finish(ctx, n_stay, n_new)
+        idx, val = qlion_dense_sparse_finish(ctx, n)
         p.sparse_idx.set_(idx)  # same tensor objects: aliases of p (DDP's, detach()) follow
         p.sparse_val.set_(val)
 
