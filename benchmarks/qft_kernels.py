@@ -104,7 +104,8 @@ def main():
                              baseline_spread_us=[tb[0], tb[-1]], ours_spread_us=[to[0], to[-1]]))
             print(rows[-1], flush=True)
             torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("HFQ_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                            text=True).stdout.strip()
     meta = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
                 commit=commit or os.environ.get("HFQ_COMMIT", "?"), repeats=args.repeats, tokens=args.tokens)
     os.makedirs(args.out, exist_ok=True)
