@@ -160,6 +160,9 @@ def check_qtensors(fmt: str, shape, meta: dict, data: dict, prefix: str = "") ->
         if idx.numel() and idx.device.type != "meta" and bool(((idx < 0) | (idx >= n)).any()):
             raise ValueError(f"{prefix}sparse_idx: outlier indices must lie in [0, {n}) for a weight of shape "
                              f"{tuple(shape)}, got [{int(idx.min())}, {int(idx.max())}]")
+        if idx.numel() > 1 and idx.device.type != "meta" and bool((idx[1:] <= idx[:-1]).any()):
+            raise ValueError(f"{prefix}sparse_idx: outlier indices must be strictly increasing (each row's outliers "
+                             "are read as one segment of the sorted list)")
 
 
 class QParam(torch.Tensor):

@@ -29,7 +29,7 @@ import torch
 from hfq_kernels._triton import HAS_TRITON, INTERPRET, f32_to_bf16_rne, tl, triton  # noqa: F401
 
 BLOCK = 1024
-SCATTER_BLOCK = 1024
+OB = 64  # outliers per inner step of a row program
 
 
 def kernels_usable(t: torch.Tensor) -> bool:
@@ -52,25 +52,6 @@ def _store_cast(ptr, v, mask, OUT_BF16: tl.constexpr):
 
 
 # ---- decode ---------------------------------------------------------------------------------------------------
-@triton.jit
-def _dequant_kernel(codes, scales, zeros, out, C, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < C
-    c = tl.load(codes + row * C + offs, mask=mask, other=0).to(tl.float32)
-    v = (c - tl.load(zeros + row).to(tl.float32)) * tl.load(scales + row)
-    _store_cast(out + row * C + offs, v, mask, OUT_BF16)
-
-
-@triton.jit
-def _scatter_kernel(out, idx, val, n, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    i = tl.load(idx + offs, mask=mask, other=0).to(tl.int64)
-    v = tl.load(val + offs, mask=mask, other=0.0).to(tl.float32)
-    _store_cast(out + i, v, mask, OUT_BF16)
-
-
 def int8_dequantize(codes, scales, zeros, sparse_idx=None, sparse_val=None, dtype=torch.bfloat16) -> torch.Tensor:
     """(codes - zeros) * scales per row, then the outliers written over their (zero-valued) dense positions;
     through the torch.library op hfq::int8_dequantize (Triton on CUDA / under the interpreter, else the torch
@@ -98,18 +79,51 @@ def _(codes, scales, zeros, sparse_idx, sparse_val, dtype):
     return codes.new_empty(codes.shape, dtype=dtype)
 
 
+@triton.jit
+def _dequant_rows_kernel(codes, scales, zeros, sidx, sval, rowptr, out, C, BLOCK: tl.constexpr, OB: tl.constexpr,
+                         OUT_BF16: tl.constexpr):
+    """One row per program: the dense part, then the row's outliers (a segment of the sorted index list) over it."""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * C
+    s = tl.load(scales + row)
+    z = tl.load(zeros + row).to(tl.float32)
+    for k in range(0, C, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < C
+        c = tl.load(codes + base + offs, mask=mask, other=0).to(tl.float32)
+        _store_cast(out + base + offs, (c - z) * s, mask, OUT_BF16)
+    tl.debug_barrier()  # the outliers replace dense values written above by other threads
+    end = tl.load(rowptr + row + 1)
+    for j0 in range(tl.load(rowptr + row), end, OB):
+        j = j0 + tl.arange(0, OB)
+        jmask = j < end
+        pos = tl.load(sidx + j, mask=jmask, other=0).to(tl.int64)
+        _store_cast(out + pos, tl.load(sval + j, mask=jmask, other=0.0).to(tl.float32), jmask, OUT_BF16)
+
+
+def row_segments(sparse_idx: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """int32 [rows+1]: where each row's outliers start in the sorted flat index list. Cached on the index tensor
+    until it changes (its version, storage or length), so a weight's decodes between optimizer steps share it."""
+    key = (sparse_idx._version, sparse_idx.data_ptr(), sparse_idx.numel(), rows, cols)
+    cached = getattr(sparse_idx, "_hfq_rowptr", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    bounds = torch.arange(rows + 1, dtype=torch.int32, device=sparse_idx.device) * cols
+    ptr = torch.searchsorted(sparse_idx, bounds).to(torch.int32)
+    sparse_idx._hfq_rowptr = (key, ptr)
+    return ptr
+
+
 def int8_dequantize_triton(codes, scales, zeros, sparse_idx, sparse_val, dtype=torch.bfloat16) -> torch.Tensor:
-    """Host launcher of the decode (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    """Host launcher of the decode (CUDA, or CPU tensors under TRITON_INTERPRET=1): one launch, a row per program.
+    sparse_idx must be sorted (as every hfq writer leaves it)."""
     rows, cols = codes.shape
     out = torch.empty((rows, cols), dtype=dtype, device=codes.device)
     if out.numel() == 0:
         return out
-    bf16 = dtype == torch.bfloat16
-    _dequant_kernel[(rows, triton.cdiv(cols, BLOCK))](codes, scales, zeros, out, cols, BLOCK=BLOCK, OUT_BF16=bf16)
-    if sparse_idx is not None and sparse_idx.numel():
-        n = sparse_idx.numel()
-        _scatter_kernel[(triton.cdiv(n, SCATTER_BLOCK),)](out, sparse_idx, sparse_val, n, BLOCK=SCATTER_BLOCK,
-                                                         OUT_BF16=bf16)
+    ptr = row_segments(sparse_idx, rows, cols)
+    _dequant_rows_kernel[(rows,)](codes, scales, zeros, sparse_idx, sparse_val, ptr, out, cols, BLOCK=BLOCK, OB=OB,
+                                  OUT_BF16=dtype == torch.bfloat16)
     return out
 
 
@@ -316,9 +330,6 @@ def _qlion_write_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, sidx, sval, rowp
         at = _append(new_idx, new_val, at, stay, pos, v)
 
 
-OB = 64  # old outliers per inner step of a row program
-
-
 def _row_qparams(lo: torch.Tensor, hi: torch.Tensor):
     """Scale and zero point per row from the row range (lo <= 0 <= hi), as reference.intq.quantize_int_asym."""
     s = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
@@ -350,7 +361,7 @@ def qlion_dense_sparse_begin(w: dict, grad: dict, mom: dict, *, lr: float, beta1
     gargs = ((grad["codes"], grad["scales"], grad["zeros"]) if g_int8
              else (grad["value"].reshape(rows, cols).contiguous(), w["scales"], w["zeros"]))
     sidx = w["sparse_idx"]  # sorted: each row's outliers are one segment
-    rowptr = torch.searchsorted(sidx, torch.arange(rows + 1, dtype=torch.int32, device=dev) * cols).to(torch.int32)
+    rowptr = row_segments(sidx, rows, cols)
     stats = torch.empty((rows, 4), dtype=torch.float32, device=dev)
     counts = torch.empty(rows, dtype=torch.int32, device=dev)
     vbuf = torch.empty(sidx.numel(), dtype=torch.float32, device=dev)  # the old outliers' updated values

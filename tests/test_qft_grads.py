@@ -367,6 +367,9 @@ def test_checkpoint_with_inconsistent_dense_and_sparse_parts_refused(tmp_path):
     bad = dict(sd, **{idx_key: sd[idx_key] + 64 * 128})
     with pytest.raises(RuntimeError, match=r"down_proj\.weight_sparse_idx: outlier indices must lie in \[0, 8192\)"):
         _tiny().load_state_dict(bad)
+    bad = dict(sd, **{idx_key: sd[idx_key].flip(0).contiguous()})  # each row's outliers are read as one segment
+    with pytest.raises(RuntimeError, match=r"down_proj\.weight_sparse_idx: outlier indices must be strictly increasing"):
+        _tiny().load_state_dict(bad)
     model.save_pretrained(tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     tensors[key] = tensors[key][:-1].contiguous()
