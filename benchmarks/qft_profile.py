@@ -1,5 +1,7 @@
-"""Where a QFT QLion step and a QFT linear forward+backward spend their time on the device (torch.profiler,
-7B shapes): the top CUDA kernels and host ops. python benchmarks/qft_profile.py > qft_profile.txt"""
+"""Where QFT spends its time on the device (torch.profiler, LLaMA-2-7B shapes): one QLion step of a weight (SR and
+RTN), one QFT linear forward+backward, and a whole training step of a 2-layer 7B-shaped model (seq 2048, gradient
+checkpointing) against bf16 AdamW: wall time, GPU busy time, top kernels and host ops.
+python benchmarks/qft_profile.py > qft_profile.txt"""
 from __future__ import annotations
 
 import os
@@ -30,7 +32,12 @@ def main():
         qp.qlinear(x, p, store_int8=True).sum().backward()
         p.grad = None
 
-    for name, fn in (("qlion_step", step), ("linear_fwd_bwd", fb)):
+    opt_rtn = QLion([p], lr=1e-5, rounding="rtn")
+
+    def step_rtn():
+        opt_rtn.update_param_(p, store, opt_rtn.param_groups[0])
+
+    for name, fn in (("qlion_step", step), ("qlion_step_rtn", step_rtn), ("linear_fwd_bwd", fb)):
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
@@ -43,5 +50,54 @@ def main():
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
+def model_step(method: str, layers: int = 2, seq: int = 2048):
+    """Wall time of one training step and the GPU's busy time inside it (the rest is the GPU waiting for the host)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfq.qft import QFTConfig, QLion, quantize_model_
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    if method == "qft":
+        quantize_model_(model, QFTConfig(gradient_bits=8))
+        opt = QLion(model.parameters(), lr=1e-5)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, 32000, (1, seq), device="cuda")
+
+    def one():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        one()
+    torch.cuda.synchronize()
+    import time
+
+    t = time.perf_counter()
+    for _ in range(3):
+        one()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / 3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    print(f"==== model step {method}: {layers} layers, seq {seq}: wall {wall * 1e3:.1f} ms, GPU kernels {busy:.1f} ms")
+    print(ka.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+    del model, opt
+    torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     main()
+    for m in ("bf16_adamw", "qft"):
+        model_step(m)
