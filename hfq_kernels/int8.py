@@ -29,6 +29,8 @@ import torch
 from hfq_kernels._triton import HAS_TRITON, INTERPRET, f32_to_bf16_rne, tl, triton  # noqa: F401
 
 BLOCK = 1024
+# kernel -> (elements per inner step of a row program, warps); benchmarks/qft_kernels.py --sweep times the choices
+LAUNCH = {"decode": (1024, 4), "quant": (1024, 4), "stats": (1024, 4), "write": (1024, 4)}
 OB = 64  # outliers per inner step of a row program
 
 
@@ -122,8 +124,9 @@ def int8_dequantize_triton(codes, scales, zeros, sparse_idx, sparse_val, dtype=t
     if out.numel() == 0:
         return out
     ptr = row_segments(sparse_idx, rows, cols)
-    _dequant_rows_kernel[(rows,)](codes, scales, zeros, sparse_idx, sparse_val, ptr, out, cols, BLOCK=BLOCK, OB=OB,
-                                  OUT_BF16=dtype == torch.bfloat16)
+    block, warps = LAUNCH["decode"]
+    _dequant_rows_kernel[(rows,)](codes, scales, zeros, sparse_idx, sparse_val, ptr, out, cols, BLOCK=block, OB=OB,
+                                  OUT_BF16=dtype == torch.bfloat16, num_warps=warps)
     return out
 
 
@@ -180,7 +183,9 @@ def int8_quantize_rows_(g, codes, scales, zeros, accumulate: bool = False) -> to
         g = g.contiguous()
     finite = torch.empty(rows, dtype=torch.int8, device=codes.device)
     if rows and cols:
-        _quant_rows_kernel[(rows,)](g, codes, scales, zeros, finite, cols, ACC=bool(accumulate), BLOCK=BLOCK,
+        block, warps = LAUNCH["quant"]
+        _quant_rows_kernel[(rows,)](g, codes, scales, zeros, finite, cols, ACC=bool(accumulate), BLOCK=block,
+                                    num_warps=warps,
                                     enable_fp_fusion=False)
     return finite.bool().all()
 
@@ -272,7 +277,8 @@ def _qlion_stats_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, sidx, sval, rowp
     tl.store(stats + row * 4 + 1, hi)
     tl.store(stats + row * 4 + 2, tl.min(mlo, 0))
     tl.store(stats + row * 4 + 3, tl.max(mhi, 0))
-    tl.store(counts + row, n_all)
+    tl.store(counts + row * 2, n_all)
+    tl.store(counts + row * 2 + 1, tl.sum(n, 0))  # of which dense elements crossing the thresholds
 
 
 @triton.jit
@@ -287,8 +293,8 @@ def _append(new_idx, new_val, at, sel, pos, v):
 
 
 @triton.jit
-def _qlion_write_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, sidx, sval, rowptr, vbuf, qs, offsets, new_idx, new_val,
-                        C, decay, lr, b1, omb1, b2, omb2, seed, G_INT8: tl.constexpr, SR: tl.constexpr,
+def _qlion_write_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, sidx, sval, rowptr, vbuf, qs, counts, offsets, new_idx,
+                        new_val, C, decay, lr, b1, omb1, b2, omb2, seed, G_INT8: tl.constexpr, SR: tl.constexpr,
                         BLOCK: tl.constexpr, OB: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = row * C
@@ -299,6 +305,7 @@ def _qlion_write_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, sidx, sval, rowp
     s_m = tl.load(qs + row * 4 + 2)
     z_m = tl.load(qs + row * 4 + 3)
     at = tl.load(offsets + row)
+    n_cross = tl.load(counts + row * 2 + 1)
     for k in range(0, C, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < C
@@ -313,7 +320,8 @@ def _qlion_write_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, sidx, sval, rowp
         tl.store(wc + base + offs, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=mask)
         qm = tl.minimum(tl.maximum(_rint(tl.div_rn(m, s_m)) + z_m, 0.0), 255.0)
         tl.store(mc + base + offs, qm.to(tl.uint8), mask=mask)
-        at = _append(new_idx, new_val, at, out, base + offs, w)
+        if n_cross > 0:  # most rows have none: no block-wide scan then
+            at = _append(new_idx, new_val, at, out, base + offs, w)
     tl.debug_barrier()  # the dense codes above are written before the old outliers' codes below replace them
     for j0 in range(tl.load(rowptr + row), tl.load(rowptr + row + 1), OB):
         j = j0 + tl.arange(0, OB)
@@ -363,18 +371,20 @@ def qlion_dense_sparse_begin(w: dict, grad: dict, mom: dict, *, lr: float, beta1
     sidx = w["sparse_idx"]  # sorted: each row's outliers are one segment
     rowptr = row_segments(sidx, rows, cols)
     stats = torch.empty((rows, 4), dtype=torch.float32, device=dev)
-    counts = torch.empty(rows, dtype=torch.int32, device=dev)
+    counts = torch.empty((rows, 2), dtype=torch.int32, device=dev)  # new list entries, of which crossings
     vbuf = torch.empty(sidx.numel(), dtype=torch.float32, device=dev)  # the old outliers' updated values
     common = (w["codes"], w["scales"], w["zeros"], *gargs, mom["codes"], mom["scales"], mom["zeros"],
               w["thresholds"], sidx, w["sparse_val"], rowptr, vbuf)
     hyper = (decay, lr, beta1, 1.0 - beta1, beta2, 1.0 - beta2)
-    _qlion_stats_kernel[(rows,)](*common, stats, counts, cols, *hyper, G_INT8=g_int8, BLOCK=BLOCK, OB=OB,
-                                 enable_fp_fusion=False)
+    block, warps = LAUNCH["stats"]
+    _qlion_stats_kernel[(rows,)](*common, stats, counts, cols, *hyper, G_INT8=g_int8, BLOCK=block, OB=OB,
+                                 num_warps=warps, enable_fp_fusion=False)
     s_w, z_w = _row_qparams(stats[:, 0], stats[:, 1])
     s_m, z_m = _row_qparams(stats[:, 2], stats[:, 3])
     return dict(w=w, mom=mom, common=common, hyper=hyper, g_int8=g_int8, rows=rows, cols=cols,
-                qs=torch.stack((s_w, z_w, s_m, z_m), 1), offsets=(torch.cumsum(counts, 0) - counts).to(torch.int32),
-                size=counts.sum(dtype=torch.int64), rounding=rounding, seed=int(seed) & 0x7FFFFFFF)
+                qs=torch.stack((s_w, z_w, s_m, z_m), 1), counts=counts,
+                offsets=(torch.cumsum(counts[:, 0], 0) - counts[:, 0]).to(torch.int32),
+                size=counts[:, 0].sum(dtype=torch.int64), rounding=rounding, seed=int(seed) & 0x7FFFFFFF)
 
 
 def qlion_dense_sparse_finish(ctx: dict, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,9 +393,11 @@ def qlion_dense_sparse_finish(ctx: dict, n: int) -> tuple[torch.Tensor, torch.Te
     w, qs = ctx["w"], ctx["qs"]
     new_idx = torch.empty(n, dtype=torch.int32, device=qs.device)
     new_val = torch.empty(n, dtype=torch.bfloat16, device=qs.device)
-    _qlion_write_kernel[(ctx["rows"],)](*ctx["common"], qs, ctx["offsets"], new_idx, new_val, ctx["cols"],
-                                        *ctx["hyper"], ctx["seed"], G_INT8=ctx["g_int8"], SR=ctx["rounding"] == "sr",
-                                        BLOCK=BLOCK, OB=OB, enable_fp_fusion=False)
+    block, warps = LAUNCH["write"]
+    _qlion_write_kernel[(ctx["rows"],)](*ctx["common"], qs, ctx["counts"], ctx["offsets"], new_idx, new_val,
+                                        ctx["cols"], *ctx["hyper"], ctx["seed"], G_INT8=ctx["g_int8"],
+                                        SR=ctx["rounding"] == "sr", BLOCK=block, OB=OB, num_warps=warps,
+                                        enable_fp_fusion=False)
     w["scales"].copy_(qs[:, 0:1])
     w["zeros"].copy_(qs[:, 1:2])
     ctx["mom"]["scales"].copy_(qs[:, 2:3])
