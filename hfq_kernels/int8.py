@@ -30,7 +30,7 @@ from hfq_kernels._triton import HAS_TRITON, INTERPRET, f32_to_bf16_rne, tl, trit
 
 BLOCK = 1024
 # kernel -> (elements per inner step of a row program, warps); benchmarks/qft_kernels.py --sweep times the choices
-LAUNCH = {"decode": (1024, 4), "quant": (1024, 4), "stats": (1024, 4), "write": (1024, 4)}
+LAUNCH = {"decode": (2048, 4), "quant": (1024, 4), "stats": (1024, 8), "write": (1024, 8), "plain": (1024, 8)}
 OB = 64  # outliers per inner step of a row program
 
 
@@ -420,6 +420,93 @@ def qlion_dense_sparse_step_(w: dict, grad: dict, mom: dict, *, lr: float, beta1
     ctx = qlion_dense_sparse_begin(w, grad, mom, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
                                    rounding=rounding, seed=seed)
     return qlion_dense_sparse_finish(ctx, int(ctx["size"]))
+
+
+# ---- QLion on an ordinary (bf16/fp32) parameter with INT8 momentum --------------------------------------------
+@triton.jit
+def _lion_plain_kernel(p, g, mc, ms, mz, stats, C, decay, lr, b1, omb1, b2, omb2, WRITE: tl.constexpr,
+                       HAS_DECAY: tl.constexpr, P_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """WRITE=False: the new momentum's row range into stats [R,2]. WRITE=True: the parameter updated in place (in
+    its dtype, rounded after each op as torch's in-place ops do) and the momentum requantized with stats' scale and
+    zero point."""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * C
+    lo = tl.zeros((BLOCK,), tl.float32)
+    hi = tl.zeros((BLOCK,), tl.float32)
+    if WRITE:
+        s_m = tl.load(stats + row * 2)
+        z_m = tl.load(stats + row * 2 + 1)
+    for k in range(0, C, BLOCK):
+        offs = k + tl.arange(0, BLOCK)
+        mask = offs < C
+        gv = tl.load(g + base + offs, mask=mask, other=0.0).to(tl.float32)
+        m = _int8_at(mc, ms, mz, base + offs, row, mask)
+        if WRITE:
+            w = tl.load(p + base + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_DECAY:
+                w = w * decay
+                if P_BF16:
+                    w = f32_to_bf16_rne(w).to(tl.float32)
+            w = w - _direction(m, gv, b1, omb1) * lr
+            _store_cast(p + base + offs, w, mask, P_BF16)
+        m = m * b2
+        m = m + gv * omb2
+        if WRITE:
+            qm = tl.minimum(tl.maximum(_rint(tl.div_rn(m, s_m)) + z_m, 0.0), 255.0)
+            tl.store(mc + base + offs, qm.to(tl.uint8), mask=mask)
+        else:
+            m = tl.where(mask, m, 0.0)
+            lo = tl.minimum(lo, m)
+            hi = tl.maximum(hi, m)
+    if not WRITE:
+        tl.store(stats + row * 2, tl.min(lo, 0))
+        tl.store(stats + row * 2 + 1, tl.max(hi, 0))
+
+
+def lion_plain_step_(p: torch.Tensor, g: torch.Tensor, mom: dict, *, lr: float, beta1: float, beta2: float,
+                     weight_decay: float) -> None:
+    """QLion's step of an ordinary parameter (bf16 or fp32, updated in place) with INT8 momentum {codes [R,C],
+    scales, zeros} (rows: reference.intq.as_rows), in two launches; equal to the torch ops of hfq.qft.QLion."""
+    rows, cols = mom["codes"].shape
+    if p.dtype not in (torch.bfloat16, torch.float32) or not p.is_contiguous():
+        raise ValueError(f"lion_plain_step_: parameter must be contiguous bf16/fp32, got {p.dtype}")
+    g = g.reshape(rows, cols)
+    if not g.is_contiguous():
+        g = g.contiguous()
+    stats = torch.empty((rows, 2), dtype=torch.float32, device=p.device)
+    block, warps = LAUNCH["plain"]
+    args = (p, g, mom["codes"], mom["scales"], mom["zeros"], stats, cols, 1.0 - lr * weight_decay, lr, beta1,
+            1.0 - beta1, beta2, 1.0 - beta2)
+    meta = dict(HAS_DECAY=bool(weight_decay), P_BF16=p.dtype == torch.bfloat16, BLOCK=block, num_warps=warps,
+                enable_fp_fusion=False)
+    _lion_plain_kernel[(rows,)](*args, WRITE=False, **meta)
+    s_m, z_m = _row_qparams(stats[:, 0], stats[:, 1])
+    stats = torch.stack((s_m, z_m), 1)
+    _lion_plain_kernel[(rows,)](*args[:5], stats, *args[6:], WRITE=True, **meta)
+    mom["scales"].copy_(s_m[:, None])
+    mom["zeros"].copy_(z_m[:, None].to(torch.uint8))
+
+
+def lion_plain_step_ref(p: torch.Tensor, g: torch.Tensor, mom: dict, *, lr: float, beta1: float, beta2: float,
+                        weight_decay: float) -> None:
+    """Torch reference of lion_plain_step_, one rounding per op (torch's own bf16 `sub_(alpha=lr)` on CPU rounds lr
+    to bf16 first, and its fp32 `add_(alpha=)` may fuse the multiply-add: hfq.qft.QLion's torch path differs from
+    this by such last bits)."""
+    from hfq_kernels.reference import intq
+
+    rows, cols = mom["codes"].shape
+    m = intq.dequantize_int_asym(mom["codes"], mom["scales"], mom["zeros"])
+    g = g.reshape(rows, cols).float()
+    d = torch.sign(m * beta1 + g * (1 - beta1))
+    w = p.reshape(rows, cols).float()
+    if weight_decay:
+        w = (w * (1 - lr * weight_decay)).to(p.dtype).float()
+    p.copy_((w - d * lr).to(p.dtype).reshape(p.shape))
+    m = m * beta2 + g * (1 - beta2)
+    c, s, z = intq.quantize_int_asym(m, 8, check=False)
+    mom["codes"].copy_(c)
+    mom["scales"].copy_(s)
+    mom["zeros"].copy_(z)
 
 
 def qlion_dense_sparse_step_ref(w: dict, grad: dict, mom: dict, *, lr, beta1, beta2, weight_decay, rounding="sr",

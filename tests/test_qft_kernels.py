@@ -230,3 +230,42 @@ def test_thresholds_within_lr_of_zero_take_the_torch_path():
         q.grad = torch.randn(8, 32, device=DEV, generator=torch.Generator(device=DEV).manual_seed(1)).bfloat16()
         o.step()
     assert torch.equal(p.dequantize(), ref.dequantize())
+
+
+@pytest.mark.parametrize("dtype,wd,shape", [(torch.bfloat16, 0.0, (13, 70)), (torch.bfloat16, 0.1, (33,)),
+                                             (torch.float32, 0.01, (5, 2050))])
+def test_plain_param_step_matches_reference_and_qlion(dtype, wd, shape):
+    """Ordinary parameters (embeddings, norms, lm_head) under QLion with INT8 momentum: the two-launch kernel equals
+    its one-rounding-per-op reference (bit for bit on CPU), and QLion(fused=True) stays within last bits of the
+    torch path over 3 steps."""
+    from hfq.qft import QLion
+    from hfq_kernels.reference.intq import as_rows
+
+    torch.manual_seed(0)
+    init = torch.randn(shape, device=DEV).to(dtype)
+    rows, cols = as_rows(shape)
+    mom = int8(torch.randn(rows, cols, device=DEV) * 1e-2)
+    g = torch.randn(shape, device=DEV).to(dtype)
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=wd)
+    p1, p2, m1, m2 = init.clone(), init.clone(), clone(mom), clone(mom)
+    K.lion_plain_step_(p1, g, m1, **kw)
+    K.lion_plain_step_ref(p2, g, m2, **kw)
+    assert not torch.equal(p1, init)
+    if DEV == "cpu":
+        assert torch.equal(p1, p2)
+        for k in m1:
+            assert torch.equal(m1[k], m2[k]), k
+    ps = [torch.nn.Parameter(init.clone()) for _ in range(2)]
+    opts = [QLion([ps[0]], lr=1e-2, weight_decay=wd, fused=False), QLion([ps[1]], lr=1e-2, weight_decay=wd,
+                                                                             fused=True)]
+    assert opts[1]._plain_fused(ps[1], ps[1]) and not opts[0]._plain_fused(ps[0], ps[0])
+    for step in range(3):
+        g = torch.randn(shape, device=DEV, generator=torch.Generator(device=DEV).manual_seed(step)).to(dtype)
+        for p, o in zip(ps, opts):
+            p.grad = g.clone()
+            o.step()
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+    assert ((ps[0].float() - ps[1].float()).abs() <= 2 * ulp * ps[0].float().abs().clamp_min(1e-2)).all()
+    sa, sb = opts[0].state[ps[0]], opts[1].state[ps[1]]
+    torch.testing.assert_close(sa["exp_avg_scales"], sb["exp_avg_scales"], rtol=1e-5, atol=0)
+    assert (sa["exp_avg_codes"].int() - sb["exp_avg_codes"].int()).abs().max() <= 1

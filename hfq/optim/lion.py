@@ -134,6 +134,15 @@ class QLion(QParamOptimizer):
 
         return not zero_may_cross(p.thresholds, group["lr"])
 
+    def _plain_fused(self, p, g) -> bool:
+        """An ordinary parameter's step in two Triton launches (INT8 momentum, bf16/fp32 contiguous tensors)."""
+        if self.fused is False or self.momentum_bits != 8 or isinstance(p, QParam) or p.numel() >= 2 ** 31:
+            return False
+        if not (int8_kernels(p) or (self.fused and _kernels_usable(p))):
+            return False
+        return (p.dtype in (torch.bfloat16, torch.float32) and p.data.is_contiguous() and g.device == p.device
+                and g.shape == p.shape)
+
     def _ordinal(self, p) -> int:
         if id(p) not in self._ordinals:
             flat = [q for g in self.param_groups for q in g["params"]]
@@ -156,6 +165,13 @@ class QLion(QParamOptimizer):
         if isinstance(g, Int8Grad):
             g = g.dequantize(torch.float32)
         state["step"] += 1
+        if self._plain_fused(p, g):
+            from hfq_kernels.int8 import lion_plain_step_
+
+            mom = {"codes": state["exp_avg_codes"], "scales": state["exp_avg_scales"],
+                   "zeros": state["exp_avg_zeros"]}
+            lion_plain_step_(p.data, g, mom, lr=lr, beta1=b1, beta2=b2, weight_decay=wd)
+            return
         m = self._load_m(state, p.shape)
         if isinstance(p, QParam):
             refresh = self._outlier_refresh_due(p)
