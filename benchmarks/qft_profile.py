@@ -50,7 +50,7 @@ def main():
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
-def model_step(method: str, layers: int = 2, seq: int = 2048):
+def model_step(method: str, layers: int = 2, seq: int = 2048, fused=None):
     """Wall time of one training step and the GPU's busy time inside it (the rest is the GPU waiting for the host)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -65,7 +65,7 @@ def model_step(method: str, layers: int = 2, seq: int = 2048):
     model.config.use_cache = False
     if method == "qft":
         quantize_model_(model, QFTConfig(gradient_bits=8))
-        opt = QLion(model.parameters(), lr=1e-5)
+        opt = QLion(model.parameters(), lr=1e-5, fused=fused)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     ids = torch.randint(0, 32000, (1, seq), device="cuda")
@@ -90,9 +90,10 @@ def model_step(method: str, layers: int = 2, seq: int = 2048):
         torch.cuda.synchronize()
     ka = prof.key_averages()
     busy = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
-    print(f"==== model step {method}: {layers} layers, seq {seq}: wall {wall * 1e3:.1f} ms, GPU kernels {busy:.1f} ms")
-    print(ka.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
-    print(ka.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+    print(f"==== model step {method} fused={fused}: {layers} layers, seq {seq}: wall {wall * 1e3:.1f} ms, GPU kernels {busy:.1f} ms")
+    for e in sorted(ka, key=lambda e: -e.self_device_time_total)[:30]:
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms GPU  {e.device_time_total / 1e3:8.2f} ms GPU incl  "
+              f"{e.self_cpu_time_total / 1e3:8.2f} ms CPU  x{e.count:<5d} {e.key[:90]}")
     del model, opt
     torch.cuda.empty_cache()
 
