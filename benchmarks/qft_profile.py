@@ -102,3 +102,37 @@ if __name__ == "__main__":
     main()
     for m in ("bf16_adamw", "qft"):
         model_step(m)
+
+
+def step_host_profile(layers: int = 8, seq: int = 2048):
+    """cProfile of QLion.step alone (after a synced backward): where its host time goes."""
+    import cProfile
+    import pstats
+    import time
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfq.qft import QFTConfig, QLion, quantize_model_
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    quantize_model_(model, QFTConfig(gradient_bits=8))
+    opt = QLion(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, 32000, (1, seq), device="cuda")
+    for i in range(4):
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        if i == 3:
+            prof = cProfile.Profile()
+            prof.enable()
+        opt.step()
+        torch.cuda.synchronize()
+        if i == 3:
+            prof.disable()
+        print(f"QLion.step wall {1e3 * (time.perf_counter() - t):.1f} ms", flush=True)
+        opt.zero_grad()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
