@@ -46,6 +46,13 @@ def _rint(x):
 
 
 @triton.jit
+def _qparams(lo, hi):
+    """Row scale and zero point from the row range (lo <= 0 <= hi), as reference.intq.quantize_int_asym."""
+    s = tl.where(hi > lo, tl.div_rn(hi - lo, 255.0), 1.0)
+    return s, tl.minimum(tl.maximum(_rint(tl.div_rn(-lo, s)), 0.0), 255.0)
+
+
+@triton.jit
 def _store_cast(ptr, v, mask, OUT_BF16: tl.constexpr):
     if OUT_BF16:
         tl.store(ptr, f32_to_bf16_rne(v), mask=mask)
@@ -273,10 +280,12 @@ def _qlion_stats_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, sidx, sval, rowp
         lo = tl.minimum(lo, tl.min(back, 0))
         hi = tl.maximum(hi, tl.max(back, 0))
         n_all += tl.sum(stay.to(tl.int32), 0)
-    tl.store(stats + row * 4, lo)
-    tl.store(stats + row * 4 + 1, hi)
-    tl.store(stats + row * 4 + 2, tl.min(mlo, 0))
-    tl.store(stats + row * 4 + 3, tl.max(mhi, 0))
+    s_w, z_w = _qparams(lo, hi)
+    s_m, z_m = _qparams(tl.min(mlo, 0), tl.max(mhi, 0))
+    tl.store(stats + row * 4, s_w)
+    tl.store(stats + row * 4 + 1, z_w)
+    tl.store(stats + row * 4 + 2, s_m)
+    tl.store(stats + row * 4 + 3, z_m)
     tl.store(counts + row * 2, n_all)
     tl.store(counts + row * 2 + 1, tl.sum(n, 0))  # of which dense elements crossing the thresholds
 
@@ -336,13 +345,11 @@ def _qlion_write_kernel(wc, ws, wz, g, gs, gz, mc, ms, mz, thr, sidx, sval, rowp
             r = _rint(x)
         tl.store(wc + pos, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=jmask)
         at = _append(new_idx, new_val, at, stay, pos, v)
-
-
-def _row_qparams(lo: torch.Tensor, hi: torch.Tensor):
-    """Scale and zero point per row from the row range (lo <= 0 <= hi), as reference.intq.quantize_int_asym."""
-    s = torch.where(hi > lo, (hi - lo) / 255, torch.ones_like(hi))
-    z = torch.round(-lo / s).clamp(0, 255)
-    return s, z
+    tl.debug_barrier()  # every thread has read the old row scales before they are replaced
+    tl.store(ws + row, s_w)
+    tl.store(wz + row, z_w.to(tl.uint8))
+    tl.store(ms + row, s_m)
+    tl.store(mz + row, z_m.to(tl.uint8))
 
 
 def zero_may_cross(thr: torch.Tensor, lr: float) -> bool:
@@ -359,7 +366,8 @@ def zero_may_cross(thr: torch.Tensor, lr: float) -> bool:
 
 def qlion_dense_sparse_begin(w: dict, grad: dict, mom: dict, *, lr: float, beta1: float, beta2: float,
                              weight_decay: float, rounding: str = "sr", seed: int = 0) -> dict:
-    """First half of qlion_dense_sparse_step_ (nothing modified yet): the statistics pass and the new row scales.
+    """First half of qlion_dense_sparse_step_ (nothing modified yet): the statistics pass (new row scales and zero
+    points of weight and momentum, counts of the new outlier list).
     Returns a context whose "size" (device int64: the new outlier list's length) the caller reads, for several
     weights at once if it likes (one host sync per optimizer step), before `qlion_dense_sparse_finish`."""
     rows, cols = w["codes"].shape
@@ -379,10 +387,7 @@ def qlion_dense_sparse_begin(w: dict, grad: dict, mom: dict, *, lr: float, beta1
     block, warps = LAUNCH["stats"]
     _qlion_stats_kernel[(rows,)](*common, stats, counts, cols, *hyper, G_INT8=g_int8, BLOCK=block, OB=OB,
                                  num_warps=warps, enable_fp_fusion=False)
-    s_w, z_w = _row_qparams(stats[:, 0], stats[:, 1])
-    s_m, z_m = _row_qparams(stats[:, 2], stats[:, 3])
-    return dict(w=w, mom=mom, common=common, hyper=hyper, g_int8=g_int8, rows=rows, cols=cols,
-                qs=torch.stack((s_w, z_w, s_m, z_m), 1), counts=counts,
+    return dict(w=w, mom=mom, common=common, hyper=hyper, g_int8=g_int8, rows=rows, cols=cols, qs=stats, counts=counts,
                 offsets=(torch.cumsum(counts[:, 0], 0) - counts[:, 0]).to(torch.int32),
                 size=counts[:, 0].sum(dtype=torch.int64), rounding=rounding, seed=int(seed) & 0x7FFFFFFF)
 
@@ -398,10 +403,6 @@ def qlion_dense_sparse_finish(ctx: dict, n: int) -> tuple[torch.Tensor, torch.Te
                                         ctx["cols"], *ctx["hyper"], ctx["seed"], G_INT8=ctx["g_int8"],
                                         SR=ctx["rounding"] == "sr", BLOCK=block, OB=OB, num_warps=warps,
                                         enable_fp_fusion=False)
-    w["scales"].copy_(qs[:, 0:1])
-    w["zeros"].copy_(qs[:, 1:2])
-    ctx["mom"]["scales"].copy_(qs[:, 2:3])
-    ctx["mom"]["zeros"].copy_(qs[:, 3:4])
     keys, order = torch.sort(new_idx)
     return keys, new_val.index_select(0, order)
 
@@ -458,9 +459,14 @@ def _lion_plain_kernel(p, g, mc, ms, mz, stats, C, decay, lr, b1, omb1, b2, omb2
             m = tl.where(mask, m, 0.0)
             lo = tl.minimum(lo, m)
             hi = tl.maximum(hi, m)
-    if not WRITE:
-        tl.store(stats + row * 2, tl.min(lo, 0))
-        tl.store(stats + row * 2 + 1, tl.max(hi, 0))
+    if WRITE:
+        tl.debug_barrier()  # every thread has read the old row scale before it is replaced
+        tl.store(ms + row, s_m)
+        tl.store(mz + row, z_m.to(tl.uint8))
+    else:
+        s_new, z_new = _qparams(tl.min(lo, 0), tl.max(hi, 0))
+        tl.store(stats + row * 2, s_new)
+        tl.store(stats + row * 2 + 1, z_new)
 
 
 def lion_plain_step_(p: torch.Tensor, g: torch.Tensor, mom: dict, *, lr: float, beta1: float, beta2: float,
@@ -480,11 +486,7 @@ def lion_plain_step_(p: torch.Tensor, g: torch.Tensor, mom: dict, *, lr: float, 
     meta = dict(HAS_DECAY=bool(weight_decay), P_BF16=p.dtype == torch.bfloat16, BLOCK=block, num_warps=warps,
                 enable_fp_fusion=False)
     _lion_plain_kernel[(rows,)](*args, WRITE=False, **meta)
-    s_m, z_m = _row_qparams(stats[:, 0], stats[:, 1])
-    stats = torch.stack((s_m, z_m), 1)
-    _lion_plain_kernel[(rows,)](*args[:5], stats, *args[6:], WRITE=True, **meta)
-    mom["scales"].copy_(s_m[:, None])
-    mom["zeros"].copy_(z_m[:, None].to(torch.uint8))
+    _lion_plain_kernel[(rows,)](*args, WRITE=True, **meta)
 
 
 def lion_plain_step_ref(p: torch.Tensor, g: torch.Tensor, mom: dict, *, lr: float, beta1: float, beta2: float,
