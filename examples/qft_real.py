@@ -19,6 +19,7 @@ with 10% warm-up, weight decay 0. Each arm's best lr is the one with the lowest 
 
     python examples/qft_real.py                 # the sweep (~35 min on 1 CPU thread); writes examples/results/qft_real.*
     python examples/qft_real.py --smoke --out /tmp/x   # 2 steps of each arm at one lr, short blocks (~1 min)
+    python examples/qft_real.py --report-only --reading "..."   # re-render the md/png from the json
 """
 from __future__ import annotations
 
@@ -348,6 +349,10 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="2 steps of each arm at the middle lr, batch 2, 64-token blocks (a quick check)")
     p.add_argument("--reading", default="", help="a paragraph interpreting the result, written into the md")
+    p.add_argument("--append", action="store_true",
+                   help="add runs to --out's qft_real.json (same steps/batch/seq), skipping arm/lr pairs it has")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: re-render --out's qft_real.{md,png} from its qft_real.json (with --reading)")
     p.add_argument("--out", default=str(HERE / "results"))
     a = p.parse_args(argv)
     if a.smoke:
@@ -367,6 +372,11 @@ def main(argv=None) -> dict:
     from hfq.models import smollm2_135m_instruct
 
     args = parse_args(argv)
+    if args.report_only:
+        data = json.loads((Path(args.out) / "qft_real.json").read_text())
+        if args.reading:
+            data["meta"]["reading"] = args.reading
+        return write_report(data["runs"], data["meta"], Path(args.out), complete=data["summary"]["complete"])
     torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -390,10 +400,22 @@ def main(argv=None) -> dict:
             "eval_tokens": sum(b.numel() for b in ev),
             "epochs": args.steps * args.batch / max(len(train_ds), 1), "reading": args.reading}
     runs, out, t_start = [], Path(args.out), time.time()
+    if args.append:
+        old = json.loads((out / "qft_real.json").read_text())
+        for k in ("steps", "batch", "seq", "eval_every", "weight_decay", "train_tokens", "eval_tokens"):
+            if old["meta"][k] != meta[k]:
+                raise SystemExit(f"--append: {k} differs from the existing results ({old['meta'][k]} != {meta[k]})")
+        runs = old["runs"]
+        meta["command"] = old["meta"]["command"] + "; then " + meta["command"]
+        meta["lrs"] = {**old["meta"]["lrs"], **lrs}
+        t_start -= old["meta"].get("wall_seconds", 0)
+    done = {(r["arm"], r["lr"]) for r in runs}
     summary = None
     with tempfile.TemporaryDirectory(prefix="qft_real_") as work:
         for arm in arms:
             for i, lr in enumerate(lrs[arm]):
+                if (arm, lr) in done:
+                    continue
                 runs.append(run_one(arm, lr, path, train_ds, ev, args, work, with_memory=(i == 0)))
                 r = runs[-1]
                 print(f"{arm:11s} lr {lr:<8g} eval {r['initial_eval_loss']:.4f} -> {r['final_eval_loss']:.4f}  "
