@@ -17,7 +17,8 @@ route, with a callback that evaluates on the held-out text every --eval-every st
 Lion arms run without gradient clipping (a sign update), so fp32 Lion and QFT compare like for like. Schedule: cosine
 with 10% warm-up, weight decay 0. Each arm's best lr is the one with the lowest final eval loss.
 
-    python examples/qft_real.py                 # the sweep (~35 min on 1 CPU thread); writes examples/results/qft_real.*
+    python examples/qft_real.py        # 3 arms x 4 lrs (~40 min on 1 CPU thread); writes examples/results/qft_real.*
+    python examples/qft_real.py --arms "bf16 AdamW,fp32 Lion,QFT,fp32 AdamW"   # + fp32 AdamW (~55 min): the results
     python examples/qft_real.py --smoke --out /tmp/x   # 2 steps of each arm at one lr, short blocks (~1 min)
     python examples/qft_real.py --report-only --reading "..."   # re-render the md/png from the json
 """
@@ -39,8 +40,8 @@ TRAIN_TEXT = HERE / "data" / "qft_real_train.txt"
 EVAL_TEXT = HERE / "data" / "qft_real_eval.txt"
 ALL_ARMS = ("bf16 AdamW", "fp32 AdamW", "fp32 Lion", "QFT")
 DEFAULT_ARMS = ("bf16 AdamW", "fp32 Lion", "QFT")
-ADAMW_LRS = (1e-5, 3e-5, 1e-4)
-LION_LRS = (3e-6, 1e-5, 3e-5)
+ADAMW_LRS = (1e-5, 3e-5, 1e-4, 3e-4)
+LION_LRS = (3e-6, 1e-5, 3e-5, 1e-4)
 # Weights whose change from the initial checkpoint is measured: the first, middle and last decoder layers' linears
 # and the (tied) embedding.
 TRACKED_LAYERS = (0, 15, 29)
@@ -338,7 +339,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2-135M-Instruct, hfq.models)")
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, of {', '.join(ALL_ARMS)}")
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128, help="tokens per training block")
     p.add_argument("--eval-every", type=int, default=5)
@@ -347,7 +348,7 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--smoke", action="store_true",
-                   help="2 steps of each arm at the middle lr, batch 2, 64-token blocks (a quick check)")
+                   help="2 steps of each arm at the (lower) middle lr, batch 2, 64-token blocks (a quick check)")
     p.add_argument("--reading", default="", help="a paragraph interpreting the result, written into the md")
     p.add_argument("--append", action="store_true",
                    help="add runs to --out's qft_real.json (same steps/batch/seq), skipping arm/lr pairs it has")
@@ -357,7 +358,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.smoke:
         a.steps, a.batch, a.seq, a.eval_every = 2, 2, 64, 2
-        mid = lambda lrs: lrs[len(lrs) // 2]  # noqa: E731
+        mid = lambda lrs: lrs[(len(lrs) - 1) // 2]  # noqa: E731  (the lower middle one)
         a.lrs_adamw, a.lrs_lion = str(mid(parse_lrs(a.lrs_adamw))), str(mid(parse_lrs(a.lrs_lion)))
     return a
 
