@@ -657,6 +657,88 @@ def _pick_final(x2, packed, scale, recip, bias, m, n, k) -> tuple[dict, bool]:
     return config, LINEAR_TUNER.cache.get(Tuner.key(m, n, k, x2.dtype, x2.device)) is config
 
 
+class _PlanCtx:
+    """What a plan's launch closures read: the call's geometry and the weight's tensors."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def recip(self):
+        return self.rf if self.rf is not None else self.global_scale.float()
+
+
+def _finish(c: _PlanCtx, dst_split: int, launch):
+    """forward(x, b, aux) around launch(x2, b, dst, y, aux): y [M, N] written directly (split 1) or via fp32
+    partials [split, M, N] and the reduce kernel."""
+    m, n, k = c.m, c.n, c.k
+    rgrid = (cdiv(m * n, 1024),)
+
+    def fwd(x, b, aux=None):
+        x2 = x.reshape(m, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty((m, n), dtype=c.dt, device=c.dev)
+        if dst_split == 1:
+            launch(x2, b, y, y, aux)
+        else:
+            dst = torch.empty((dst_split, m, n), dtype=torch.float32, device=c.dev)
+            launch(x2, b, dst, y, aux)
+            _splitk_reduce_kernel[rgrid](dst, b if b is not None else c.recip(), y, m, n, dst_split, n,
+                                         HAS_BIAS=b is not None, BLOCK=1024, num_warps=4)
+        return y.view(c.out_shape)
+
+    return fwd
+
+
+def _words(c: _PlanCtx, cfg: dict):
+    """The planned forward of the words kernel for config `cfg`."""
+    m, n, k = c.m, c.n, c.k
+    bn, bm, bk = cfg["BN"], cfg["BM"], cfg["BK"]
+    if bk < 128 or bm < 16 or bn < 32:  # _words_launch's check
+        raise ValueError(f"nvfp4 words kernel config: BK={bk}, BM={bm}, BN={bn}; need BK >= 128 (8 dots of "
+                         f"K = BK/8 >= 16), BM >= 16 and BN >= 32 (BN = 16 gave wrong products on the H100)")
+    chunks = cdiv(k, bk)
+    split, cps = _splits(chunks, cfg.get("split", 1))
+    wq = (c.packed if c.packed.is_contiguous() else c.packed.contiguous()).view(torch.int32)
+    grid = (cdiv(n, bn), cdiv(m, bm), split)
+    meta = dict(BN=bn, BM=bm, BK=bk, HAS_BIAS=c.has_bias and split == 1, PARTIAL=split > 1,
+                MASK_K=(k % bk) != 0 or (chunks % split) != 0, X_F16=c.dt == torch.float16,
+                PREFETCH=bool(cfg.get("prefetch", True)), F32_DOT=INTERPRET,
+                num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 1))
+
+    def launch(x2, b, dst, y, aux):
+        recip = c.recip()
+        _words_kernel[grid](x2, wq, c.su8, recip, b if b is not None else recip, dst, m, n, k, x2.stride(0), n,
+                            cps, **meta)
+
+    return _finish(c, split, launch)
+
+
+def _kind_forward(c: _PlanCtx, kind: str, config: dict, x):
+    """The planned forward for a chosen non-dequant kernel kind."""
+    m, n, k = c.m, c.n, c.k
+    if kind == "words":
+        return _words(c, config)
+    if kind == "gluon" and gluon.supported(x.reshape(-1, k)):
+        split, cps = _splits(cdiv(k, 64), config.get("split", 1))
+        run = gluon.launcher(m, n, k, config, split, cps, c.has_bias)
+        g4 = _finish(c, split, lambda x2, b, dst, y, rep: run(x2, rep[0], rep[1], c.recip(), b, dst, n))
+        fallback = _words(c, words_default(m, n, k, sm_count(c.dev)))  # while the repacked copy cannot be built
+
+        def fwd(x, b):
+            rep = gluon.repacked(c.packed, c.scale)  # cached per tensor and version (rebuilt after in-place updates)
+            return g4(x, b, rep) if rep is not None else fallback(x, b)
+        return fwd
+    if kind in ("tile", "gemv", "gluon"):  # less used kinds: the generic launcher, selection already done
+        def fwd(x, b):
+            x2 = x.reshape(m, k)
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            return mm_launch(x2, c.packed, c.scale, c.recip(), b, config).view(c.out_shape)
+        return fwd
+    raise ValueError(f"nvfp4_linear config: unknown kind {kind!r}; kinds: {sorted(KINDS)}")
+
+
 def plan_linear(x, packed, scale, global_scale, bias=None) -> LinearPlan:
     """The LinearPlan of y = x @ dequant(W)^T + bias for x's shape/dtype/device (raises for bad inputs, with
     linear()'s messages). Its forward gives linear()'s values; its grad gives grad_input()'s."""
@@ -699,70 +781,7 @@ def plan_linear(x, packed, scale, global_scale, bias=None) -> LinearPlan:
     kind = config["kind"]
     if kind == "dequant":
         return LinearPlan(dense, grad, final, gen, config)
-    out_shape = (*x.shape[:-1], n)
-
-    def finish(dst_split, launch):
-        """forward(x, b, aux) around launch(x2, b, dst, y, aux): y [M, N] written directly (split 1) or via fp32
-        partials [split, M, N] and the reduce kernel."""
-        rgrid = (cdiv(m * n, 1024),)
-
-        def fwd(x, b, aux=None):
-            x2 = x.reshape(m, k)
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            y = torch.empty((m, n), dtype=dt, device=dev)
-            if dst_split == 1:
-                launch(x2, b, y, y, aux)
-            else:
-                dst = torch.empty((dst_split, m, n), dtype=torch.float32, device=dev)
-                launch(x2, b, dst, y, aux)
-                recip = rf if rf is not None else global_scale.float()
-                _splitk_reduce_kernel[rgrid](dst, b if b is not None else recip, y, m, n, dst_split, n,
-                                             HAS_BIAS=b is not None, BLOCK=1024, num_warps=4)
-            return y.view(out_shape)
-
-        return fwd
-
-    def words(cfg):
-        bn, bm, bk = cfg["BN"], cfg["BM"], cfg["BK"]
-        if bk < 128 or bm < 16 or bn < 32:  # _words_launch's check
-            raise ValueError(f"nvfp4 words kernel config: BK={bk}, BM={bm}, BN={bn}; need BK >= 128 (8 dots of "
-                             f"K = BK/8 >= 16), BM >= 16 and BN >= 32 (BN = 16 gave wrong products on the H100)")
-        chunks = cdiv(k, bk)
-        split, cps = _splits(chunks, cfg.get("split", 1))
-        wq = (packed if packed.is_contiguous() else packed.contiguous()).view(torch.int32)
-        grid = (cdiv(n, bn), cdiv(m, bm), split)
-        meta = dict(BN=bn, BM=bm, BK=bk, HAS_BIAS=has_bias and split == 1, PARTIAL=split > 1,
-                    MASK_K=(k % bk) != 0 or (chunks % split) != 0, X_F16=dt == torch.float16,
-                    PREFETCH=bool(cfg.get("prefetch", True)), F32_DOT=INTERPRET,
-                    num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 1))
-
-        def launch(x2, b, dst, y, aux):
-            recip = rf if rf is not None else global_scale.float()
-            _words_kernel[grid](x2, wq, su8, recip, b if b is not None else recip, dst, m, n, k, x2.stride(0), n,
-                                cps, **meta)
-
-        return finish(split, launch)
-
-    if kind == "words":
-        fwd = words(config)
-    elif kind == "gluon" and gluon.supported(x.reshape(-1, k)):
-        split, cps = _splits(cdiv(k, 64), config.get("split", 1))
-        run = gluon.launcher(m, n, k, config, split, cps, has_bias)
-        g4 = finish(split, lambda x2, b, dst, y, rep: run(x2, rep[0], rep[1],
-                                                          rf if rf is not None else global_scale.float(), b, dst, n))
-        fallback = words(words_default(m, n, k, sm_count(dev)))  # while the repacked copy cannot be built
-
-        def fwd(x, b):
-            rep = gluon.repacked(packed, scale)  # cached per tensor and version (rebuilt after in-place updates)
-            return g4(x, b, rep) if rep is not None else fallback(x, b)
-    elif kind in ("tile", "gemv", "gluon"):  # less used kinds: the generic launcher, selection already done
-        def fwd(x, b):
-            x2 = x.reshape(m, k)
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
-            recip = rf if rf is not None else global_scale.float()
-            return mm_launch(x2, packed, scale, recip, b, config).view(out_shape)
-    else:
-        raise ValueError(f"nvfp4_linear config: unknown kind {kind!r}; kinds: {sorted(KINDS)}")
+    c = _PlanCtx(m=m, n=n, k=k, dt=dt, dev=dev, rf=rf, global_scale=global_scale, packed=packed, scale=scale,
+                 su8=su8, has_bias=has_bias, out_shape=(*x.shape[:-1], n))
+    fwd = _kind_forward(c, kind, config, x)
     return LinearPlan(fwd, grad, final, gen, config)
