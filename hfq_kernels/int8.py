@@ -28,7 +28,6 @@ import torch
 
 from hfq_kernels._triton import HAS_TRITON, INTERPRET, f32_to_bf16_rne, tl, triton  # noqa: F401
 
-BLOCK = 1024
 # kernel -> (elements per inner step of a row program, warps); benchmarks/qft_kernels.py --sweep times the choices
 LAUNCH = {"decode": (2048, 4), "quant": (1024, 4), "stats": (1024, 8), "write": (1024, 8), "plain": (1024, 8)}
 OB = 64  # outliers per inner step of a row program
@@ -210,10 +209,9 @@ def _direction(m, gv, b1, omb1):
 
 
 @triton.jit
-def _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, offs, mask, row, decay, lr, b1, omb1, b2, omb2,
-                 G_INT8: tl.constexpr):
-    """Updated dense weight (float32; old outlier positions are dense zeros) and updated momentum at `offs`."""
-    w = _int8_at(wc, ws, wz, offs, row, mask)
+def _lion_move(w, g, gs, gz, mc, ms, mz, offs, mask, row, decay, lr, b1, omb1, G_INT8: tl.constexpr):
+    """Lion's update of the weight values w at `offs` (decay, then -lr * direction); also returns the gradient and
+    momentum read there, float32."""
     if G_INT8:
         gv = _int8_at(g, gs, gz, offs, row, mask)
     else:
@@ -221,6 +219,15 @@ def _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, offs, mask, row, decay, lr, 
     m = _int8_at(mc, ms, mz, offs, row, mask)
     w = w * decay
     w = w - _direction(m, gv, b1, omb1) * lr
+    return w, gv, m
+
+
+@triton.jit
+def _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, offs, mask, row, decay, lr, b1, omb1, b2, omb2,
+                 G_INT8: tl.constexpr):
+    """Updated dense weight (float32; old outlier positions are dense zeros) and updated momentum at `offs`."""
+    w, gv, m = _lion_move(_int8_at(wc, ws, wz, offs, row, mask), g, gs, gz, mc, ms, mz, offs, mask, row, decay, lr,
+                          b1, omb1, G_INT8)
     m = m * b2
     m = m + gv * omb2
     return w, m
@@ -231,14 +238,8 @@ def _outlier_values(sidx, sval, j, jmask, g, gs, gz, mc, ms, mz, row, t0, t1, de
                     G_INT8: tl.constexpr):
     """Row `row`'s old outliers j: (flat index, updated value, stays outside the thresholds)."""
     pos = tl.load(sidx + j, mask=jmask, other=0).to(tl.int64)
-    v = tl.load(sval + j, mask=jmask, other=0.0).to(tl.float32)
-    if G_INT8:
-        gv = _int8_at(g, gs, gz, pos, row, jmask)
-    else:
-        gv = tl.load(g + pos, mask=jmask, other=0.0).to(tl.float32)
-    m = _int8_at(mc, ms, mz, pos, row, jmask)
-    v = v * decay
-    v = v - _direction(m, gv, b1, omb1) * lr
+    v, _, _ = _lion_move(tl.load(sval + j, mask=jmask, other=0.0).to(tl.float32), g, gs, gz, mc, ms, mz, pos, jmask,
+                         row, decay, lr, b1, omb1, G_INT8)
     return pos, v, ((v < t0) | (v > t1)) & jmask
 
 
