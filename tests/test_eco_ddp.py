@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import torch
+from _hfq_test_utils import shard, snapshot
 
 STEPS, SHARD, SEQ, WORLD = 4, 4, 16, 2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,22 +34,7 @@ def _opt(params):
 
 
 def _shard(step, rank):
-    g = torch.Generator().manual_seed(1000 * step + rank)  # different data on every rank
-    return torch.randint(4, 90, (SHARD, SEQ), generator=g)
-
-
-def _snapshot(model):
-    """name -> plain tensors (QParam: each stored tensor, float8 viewed as uint8), for bit comparisons."""
-    from hfq.qparam import QParam
-
-    out = {}
-    for n, p in model.named_parameters():
-        if isinstance(p, QParam):
-            for k, t in p.qtensors().items():
-                out[f"{n}.{k}"] = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone()
-        else:
-            out[n] = p.detach().clone()
-    return out
+    return shard(step, rank, SHARD, SEQ)
 
 
 def _train(model, opt, rank, wrapped=None, backward=None):
@@ -63,7 +49,7 @@ def _train(model, opt, rank, wrapped=None, backward=None):
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         opt.step()
         opt.zero_grad(set_to_none=True)
-        snaps.append(_snapshot(model))
+        snaps.append(snapshot(model))
         losses.append(float(loss.detach()))
     return snaps, losses, grads
 
@@ -82,11 +68,11 @@ def _ddp_worker(rank, port, out):
     for fmt in ("fp8_e4m3_row", "int8_dense_sparse"):
         m = _model(seed=rank, fmt=fmt)
         broadcast_qparams_(m)
-        res[f"synced_{fmt}"] = {k: v for k, v in _snapshot(m).items() if "layers" in k}
+        res[f"synced_{fmt}"] = {k: v for k, v in snapshot(m).items() if "layers" in k}
     model = _model(seed=0)
-    res["before_ddp"] = _snapshot(model)
+    res["before_ddp"] = snapshot(model)
     ddp = DDP(model)
-    res["after_ddp"] = _snapshot(model)
+    res["after_ddp"] = snapshot(model)
     res["snaps"], res["losses"], res["grads"] = _train(model, _opt(ddp.parameters()), rank, wrapped=ddp)
     torch.save(res, os.path.join(out, f"ddp_rank{rank}.pt"))
     dist.destroy_process_group()
@@ -98,7 +84,7 @@ def _accelerate_worker(out):
     torch.set_num_threads(1)
     acc = Accelerator(cpu=True)
     model = _model(seed=0)
-    before = _snapshot(model)
+    before = snapshot(model)
     model, opt = acc.prepare(model, _opt(model.parameters()))
     snaps, losses, _ = _train(acc.unwrap_model(model), opt, acc.process_index, wrapped=model, backward=acc.backward)
     torch.save({"world": acc.num_processes, "kind": type(model).__name__, "before": before, "snaps": snaps,
@@ -147,7 +133,7 @@ def _reference(emulate_allreduce):
             loss.backward()
             losses.append(float(loss.detach()))
         opt.step()
-        snaps.append(_snapshot(model))
+        snaps.append(snapshot(model))
     return snaps, losses
 
 
@@ -159,7 +145,7 @@ def test_ddp_two_processes_eco_matches_single_process(tmp_path):
     # broadcast_qparams_: different random weights on the two ranks become rank 0's, bit-exactly
     for fmt in ("fp8_e4m3_row", "int8_dense_sparse"):
         _equal(a[f"synced_{fmt}"], b[f"synced_{fmt}"])
-        rank0_own = {k: v for k, v in _snapshot(_model(seed=0, fmt=fmt)).items() if "layers" in k}
+        rank0_own = {k: v for k, v in snapshot(_model(seed=0, fmt=fmt)).items() if "layers" in k}
         _equal(a[f"synced_{fmt}"], rank0_own)
     # DDP's construction-time broadcast leaves the codes and scales as they were
     _equal(a["before_ddp"], a["after_ddp"])

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from torch import nn
+from _hfq_test_utils import shard, snapshot
 
 STEPS, SHARD, SEQ, WORLD = 3, 4, 16, 2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -380,21 +381,7 @@ def test_checkpoint_with_inconsistent_dense_and_sparse_parts_refused(tmp_path):
 
 # --------------------------------------------------------------------------------------------------------- DDP
 def _shard(step, rank):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(4, 90, (SHARD, SEQ), generator=g)
-
-
-def _snapshot(model):
-    from hfq.qparam import QParam
-
-    out = {}
-    for n, p in model.named_parameters():
-        if isinstance(p, QParam):
-            for k, t in p.qtensors().items():
-                out[f"{n}.{k}"] = t.clone()
-        else:
-            out[n] = p.detach().clone()
-    return out
+    return shard(step, rank, SHARD, SEQ)
 
 
 def _opt(params):
@@ -424,7 +411,7 @@ def _ddp_worker(rank, port, out):
         res["norms"].append(float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)))
         opt.step()
         opt.zero_grad()
-        res["snaps"].append(_snapshot(model))
+        res["snaps"].append(snapshot(model))
         res["losses"].append(float(loss.detach()))
     # a wrapper DDP was not told about (here: the ignore list dropped) fails at the first backward, saying what to do
     bare = _tiny()
@@ -487,7 +474,7 @@ def test_ddp_two_processes_int8_gradients(tmp_path):
     assert a["norms"] == b["norms"] and a["norms"][0] == pytest.approx(norms[0], rel=1e-3)
     assert a["norms"][0] > 1.0  # clipping was active, on the same global norm on both ranks
     k = "model.layers.0.mlp.down_proj.weight.codes"
-    assert not torch.equal(a["snaps"][-1][k], _snapshot(_tiny())[k])  # the quantized weights were trained
+    assert not torch.equal(a["snaps"][-1][k], snapshot(_tiny())[k])  # the quantized weights were trained
 
 
 def _trainer_worker(out):
@@ -497,7 +484,7 @@ def _trainer_worker(out):
                                     lr=3e-3)
     import torch.distributed as dist
 
-    torch.save({"world": dist.get_world_size(), "snap": _snapshot(model), "logs": logs,
+    torch.save({"world": dist.get_world_size(), "snap": snapshot(model), "logs": logs,
                 "ignored": sorted(getattr(model, "_ddp_params_and_buffers_to_ignore", []))},
                os.path.join(out, f"trainer_rank{dist.get_rank()}.pt"))
 

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainingArg
 from hfq.eco import ECOAdamW
 from hfq.qft import QFTConfig, QLion, StepInBackward, int8_grad, quantize_model_, state_bytes, step_in_backward_
 from hfq.qparam import Int8Grad, QParam
+from _hfq_test_utils import snapshot
 
 SEQ = 16
 
@@ -32,18 +33,6 @@ def _batch(i, n=4):
     g = torch.Generator().manual_seed(100 + i)
     ids = torch.randint(3, 96, (n, SEQ), generator=g)
     return {"input_ids": ids, "labels": ids}
-
-
-def _snap(model):
-    """name -> every stored tensor (QParam: codes, scales, zeros, thresholds, outliers), cloned."""
-    out = {}
-    for n, p in model.named_parameters():
-        if isinstance(p, QParam):
-            for k, t in p.qtensors().items():
-                out[f"{n}:{k}"] = t.clone()
-        else:
-            out[n] = p.detach().clone()
-    return out
 
 
 def _assert_same(a, b):
@@ -69,10 +58,10 @@ def _opt(model, **kw):
 def test_matches_backward_then_step_bit_exact_with_rtn(ckpt):
     """4 steps, outlier thresholds re-selected every 2nd step: every stored tensor and the INT8 momentum equal."""
     ref, fused = _llama(ckpt=ckpt), _llama(ckpt=ckpt)
-    _assert_same(_snap(ref), _snap(fused))
+    _assert_same(snapshot(ref, ":"), snapshot(fused, ":"))
     o_ref, o_fused = _opt(ref, refresh_thresholds_every=2), _opt(fused, refresh_thresholds_every=2)
     h = step_in_backward_(fused, o_fused)
-    start = _snap(ref)
+    start = snapshot(ref, ":")
     for i in range(4):
         ref(**_batch(i)).loss.backward()
         o_ref.step()
@@ -81,7 +70,7 @@ def test_matches_backward_then_step_bit_exact_with_rtn(ckpt):
         o_fused.step()
         o_fused.zero_grad()
     assert h.updated == 4 * len(list(fused.parameters()))
-    a, b = _snap(ref), _snap(fused)
+    a, b = snapshot(ref, ":"), snapshot(fused, ":")
     _assert_same(a, b)
     _assert_same_state(o_ref, o_fused)
     moved = [k for k in a if k.endswith(":codes") and not torch.equal(a[k], start[k])]
@@ -97,7 +86,7 @@ def test_sr_within_one_int8_step():
     ref(**_batch(0)).loss.backward()
     o_ref.step()
     fused(**_batch(0)).loss.backward()
-    a, b = _snap(ref), _snap(fused)
+    a, b = snapshot(ref, ":"), snapshot(fused, ":")
     differ = 0
     for k in a:
         if k.endswith(":codes"):
@@ -112,19 +101,19 @@ def test_sr_within_one_int8_step():
 def test_no_gradient_store_after_backward_and_step_is_a_no_op():
     model = _llama()
     opt = _opt(model)
-    before = _snap(model)
+    before = snapshot(model, ":")
     h = step_in_backward_(model, opt)
     model(**_batch(0)).loss.backward()
     assert all(p.grad is None and int8_grad(p) is None for p in model.parameters())
     assert state_bytes(model, opt)["grads"] == 0
-    after = _snap(model)
+    after = snapshot(model, ":")
     changed = [k for k in after if not torch.equal(after[k], before[k])]
     assert any(k.startswith("model.layers.0.self_attn.q_proj.weight") for k in changed)
     assert "model.embed_tokens.weight" in changed and "lm_head.weight" in changed  # plain params: post-acc. hooks
     assert h.stepped_this_iteration == len(list(model.parameters()))
     state = copy.deepcopy(opt.state_dict())
     opt.step()  # no double step
-    _assert_same(_snap(model), after)
+    _assert_same(snapshot(model, ":"), after)
     s2 = opt.state_dict()["state"]
     assert all(torch.equal(s2[i][k], state["state"][i][k]) for i in s2 for k in s2[i])
     assert h.stepped_this_iteration == 0
@@ -135,13 +124,13 @@ def test_second_backward_before_step_refused_before_any_change():
     opt = _opt(model)
     step_in_backward_(model, opt)
     model(**_batch(0)).loss.backward()
-    snap = _snap(model)
+    snap = snapshot(model, ":")
     with pytest.raises(RuntimeError, match="second gradient for .* before optimizer.step"):
         model(**_batch(1)).loss.backward()
-    _assert_same(_snap(model), snap)
+    _assert_same(snapshot(model, ":"), snap)
     opt.step()
     model(**_batch(1)).loss.backward()  # after step() the next iteration runs
-    assert not torch.equal(_snap(model)["lm_head.weight"], snap["lm_head.weight"])
+    assert not torch.equal(snapshot(model, ":")["lm_head.weight"], snap["lm_head.weight"])
 
 
 def test_remove_restores_stored_gradients_and_step():
@@ -155,9 +144,9 @@ def test_remove_restores_stored_gradients_and_step():
     h.remove()
     h.remove()  # idempotent
     assert not any(hasattr(p, "grad_consumer") for p in model.parameters())
-    snap = _snap(model)
+    snap = snapshot(model, ":")
     model(**_batch(1)).loss.backward()
-    _assert_same(_snap(model), snap)  # backward alone changes nothing now
+    _assert_same(snapshot(model, ":"), snap)  # backward alone changes nothing now
     q = model.model.layers[1].mlp.down_proj.weight
     assert isinstance(q.grad, Int8Grad) and model.lm_head.weight.grad is not None
     opt.step()
@@ -186,7 +175,7 @@ def test_resume_from_state_dicts_bit_exact_with_sr():
     step_in_backward_(b, ob)
     b(**_batch(2)).loss.backward()
     ob.step()
-    _assert_same(_snap(a), _snap(b))
+    _assert_same(snapshot(a, ":"), snapshot(b, ":"))
     _assert_same_state(oa, ob)
 
 
@@ -194,7 +183,7 @@ def test_nan_gradient_names_the_parameter_and_says_what_was_updated():
     model = _llama()
     opt = _opt(model)
     h = step_in_backward_(model, opt)
-    snap = _snap(model)
+    snap = snapshot(model, ":")
     up = model.model.layers[0].mlp.up_proj
 
     def poison(mod, inp, out):
@@ -205,7 +194,7 @@ def test_nan_gradient_names_the_parameter_and_says_what_was_updated():
                                          r".* parameter\(s\) updated earlier in this backward keep their update"):
         model(**_batch(0)).loss.backward()
     hook.remove()
-    now = _snap(model)
+    now = snapshot(model, ":")
     assert torch.equal(now["model.layers.0.mlp.up_proj.weight:codes"], snap["model.layers.0.mlp.up_proj.weight:codes"])
     assert torch.equal(now["model.embed_tokens.weight"], snap["model.embed_tokens.weight"])  # comes later: untouched
     assert not torch.equal(now["lm_head.weight"], snap["lm_head.weight"])  # came earlier: updated (documented)
@@ -263,7 +252,7 @@ def test_trainer_callback_matches_trainer_without_it(tmp_path):
     m_f, o_f, t_f = _trainer(str(tmp_path / "fused"), [cb, NoGrads()])
     t_f.train()
     assert NoGrads.seen == [0, 0, 0]
-    _assert_same(_snap(m_ref), _snap(m_f))
+    _assert_same(snapshot(m_ref, ":"), snapshot(m_f, ":"))
     _assert_same_state(o_ref, o_f)
     assert cb.handle is None and not any(hasattr(p, "grad_consumer") for p in m_f.parameters())
     la = [h["loss"] for h in t_ref.state.log_history if "loss" in h]
