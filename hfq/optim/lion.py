@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from hfq_kernels import int8 as _k
 from hfq_kernels.reference.intq import as_rows, dequantize_int_asym, quantize_int_asym
 from ..qparam import Int8Grad, QParam, int8_kernels, pop_int8_grad
 from .base import QParamOptimizer
@@ -124,24 +125,26 @@ class QLion(QParamOptimizer):
             return False
         if p.fmt != "int8_dense_sparse" or group["lr"] == 0 or p.numel() >= 2 ** 31:
             return False
-        if not (int8_kernels(p.codes) or (self.fused and _kernels_usable(p.codes))):
+        if not self._kernels_for(p.codes):
             return False
         n = getattr(self, "refresh_thresholds_every", None) or p.meta.get("outlier_refresh_steps", 0)
         step = int(self.state[p]["step"]) + 1 if self.state.get(p) else 1
         if n and step % n == 0:
             return False
-        from hfq_kernels.int8 import zero_may_cross
-
-        return not zero_may_cross(p.thresholds, group["lr"])
+        return not _k.zero_may_cross(p.thresholds, group["lr"])
 
     def _plain_fused(self, p, g) -> bool:
         """An ordinary parameter's step in two Triton launches (INT8 momentum, bf16/fp32 contiguous tensors)."""
         if self.fused is False or self.momentum_bits != 8 or isinstance(p, QParam) or p.numel() >= 2 ** 31:
             return False
-        if not (int8_kernels(p) or (self.fused and _kernels_usable(p))):
+        if not self._kernels_for(p):
             return False
         return (p.dtype in (torch.bfloat16, torch.float32) and p.data.is_contiguous() and g.device == p.device
                 and g.shape == p.shape)
+
+    def _kernels_for(self, t) -> bool:
+        """hfq_kernels.int8 runs on t: CUDA (fused=None/True), or the interpreter on CPU when fused=True."""
+        return int8_kernels(t) or (bool(self.fused) and _k.kernels_usable(t))
 
     def _ordinal(self, p) -> int:
         if id(p) not in self._ordinals:
@@ -166,11 +169,9 @@ class QLion(QParamOptimizer):
             g = g.dequantize(torch.float32)
         state["step"] += 1
         if self._plain_fused(p, g):
-            from hfq_kernels.int8 import lion_plain_step_
-
             mom = {"codes": state["exp_avg_codes"], "scales": state["exp_avg_scales"],
                    "zeros": state["exp_avg_zeros"]}
-            lion_plain_step_(p.data, g, mom, lr=lr, beta1=b1, beta2=b2, weight_decay=wd)
+            _k.lion_plain_step_(p.data, g, mom, lr=lr, beta1=b1, beta2=b2, weight_decay=wd)
             return
         m = self._load_m(state, p.shape)
         if isinstance(p, QParam):
@@ -189,8 +190,6 @@ class QLion(QParamOptimizer):
         self._store_m(state, m)
 
     def _fused_begin(self, p: QParam, g, group) -> dict:
-        from hfq_kernels.int8 import qlion_dense_sparse_begin
-
         state = self.state[p]
         if not state:
             self._init_state(state, p)
@@ -200,19 +199,11 @@ class QLion(QParamOptimizer):
                 else {"value": g})
         mom = {"codes": state["exp_avg_codes"], "scales": state["exp_avg_scales"], "zeros": state["exp_avg_zeros"]}
         seed = self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(state["step"])
-        return qlion_dense_sparse_begin(p.qtensors(), grad, mom, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
+        return _k.qlion_dense_sparse_begin(p.qtensors(), grad, mom, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
                                         rounding=self.rounding, seed=seed)
 
     @staticmethod
     def _fused_finish(p: QParam, ctx: dict, n: int) -> None:
-        from hfq_kernels.int8 import qlion_dense_sparse_finish
-
-        idx, val = qlion_dense_sparse_finish(ctx, n)
+        idx, val = _k.qlion_dense_sparse_finish(ctx, n)
         p.sparse_idx.set_(idx)  # same tensor objects: aliases of p (DDP's, detach()) follow
         p.sparse_val.set_(val)
-
-
-def _kernels_usable(t) -> bool:
-    from hfq_kernels.int8 import kernels_usable
-
-    return kernels_usable(t)
