@@ -35,6 +35,8 @@ for part in "$@"; do
     # the QeRL paper's completion length (2048), with gradient checkpointing; writes qerl_step_new2048_gc.*
     qerl_2048) timeout 480 python benchmarks/qerl_step.py --methods qerl,bf16_lora --new 2048 --grad-ckpt --out "$OUT" > "$OUT/qerl_2048.txt" 2>&1 ;;
     qerl_compile) timeout 400 python benchmarks/qerl_step.py --methods qerl,bf16_lora --compile --out "$OUT" > "$OUT/qerl_compile.txt" 2>&1 ;;
+    qft_step) timeout 300 python -c "import sys; sys.path.insert(0, 'benchmarks'); import qft_profile as q; \
+q.step_host_profile(8); [q.model_step(m, 8) for m in ('qft', 'bf16_adamw')]" > "$OUT/qft_step.txt" 2>&1 ;;
     qft_mem) timeout 540 python benchmarks/qft_memory.py --out "$OUT" > "$OUT/qft_mem.txt" 2>&1 ;;
     qerl_profile) timeout 240 python benchmarks/qerl_update_profile.py --out "$OUT" > "$OUT/qerl_profile.txt" 2>&1 ;;
     *) echo "unknown part $part" ;;

@@ -86,21 +86,22 @@ def cases(shape, tokens):
 def sweep(args):
     """Elements per inner step x warps for each kernel family, on the 11008 x 4096 weight (median of repeats)."""
     from hfq_kernels import int8 as K
+    from hfq_kernels import qlion as Q
 
     ops = cases((11008, 4096), args.tokens)
-    fams = {"decode": (["decode"], ops["decode"][1]), "quant": (["quant"], ops["int8_grad_accumulate"][1]),
-            "qlion": (["stats", "write"], ops["qlion_step"][1])}
-    default = dict(K.LAUNCH)
+    fams = {"decode": (K, ["decode"], ops["decode"][1]), "quant": (K, ["quant"], ops["int8_grad_accumulate"][1]),
+            "qlion": (Q, ["stats", "write"], ops["qlion_step"][1])}
     rows = []
-    for fam, (keys, fn) in fams.items():
+    for fam, (mod, keys, fn) in fams.items():
+        default = dict(mod.LAUNCH)
         for cfg in [(1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (512, 4)]:
             for k in keys:
-                K.LAUNCH[k] = cfg
+                mod.LAUNCH[k] = cfg
             fn()
             t = sorted(timed(fn, 10) for _ in range(args.repeats))
             rows.append(dict(family=fam, block=cfg[0], warps=cfg[1], us=t[len(t) // 2], spread=[t[0], t[-1]]))
             print(rows[-1], flush=True)
-        K.LAUNCH.update(default)
+        mod.LAUNCH.update(default)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "qft_kernels_sweep.json"), "w") as f:
         json.dump(rows, f, indent=1)
@@ -111,7 +112,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    ap.add_argument("--sweep", action="store_true", help="time launch choices of hfq_kernels.int8.LAUNCH and exit")
+    ap.add_argument("--sweep", action="store_true", help="time launch choices of hfq_kernels.int8/qlion LAUNCH and exit")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.sweep:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hfq_kernels import int8 as K
+from hfq_kernels import qlion as Q
 from hfq_kernels.reference import intq
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -100,8 +101,8 @@ def test_qlion_step_rtn_equals_reference(rows, cols, lr, wd, int8_grad):
     d, grad, mom = _lion_case(rows, cols, rows + cols, int8_grad)
     kw = dict(lr=lr, beta1=0.9, beta2=0.99, weight_decay=wd, rounding="rtn")
     d1, m1, d2, m2 = clone(d), clone(mom), clone(d), clone(mom)
-    i1, v1 = K.qlion_dense_sparse_step_(d1, grad, m1, **kw)
-    i2, v2 = K.qlion_dense_sparse_step_ref(d2, grad, m2, **kw)
+    i1, v1 = Q.qlion_dense_sparse_step_(d1, grad, m1, **kw)
+    i2, v2 = Q.qlion_dense_sparse_step_ref(d2, grad, m2, **kw)
     same_codes(d1["codes"], d1["scales"], d1["zeros"], d2["codes"], d2["scales"], d2["zeros"])
     same_codes(m1["codes"], m1["scales"], m1["zeros"], m2["codes"], m2["scales"], m2["zeros"])
     assert torch.equal(i1, i2) and torch.equal(v1, v2)
@@ -120,13 +121,13 @@ def test_qlion_step_sr_is_unbiased_and_within_one_step():
     g = intq.dequantize_int_asym(grad["codes"], grad["scales"], grad["zeros"])
     m = intq.dequantize_int_asym(mom["codes"], mom["scales"], mom["zeros"])
     exact = val - kw["lr"] * torch.sign(m * 0.9 + g * 0.1)
-    K.qlion_dense_sparse_step_ref(d_ref, grad, m_ref, rounding="rtn", **kw)
+    Q.qlion_dense_sparse_step_ref(d_ref, grad, m_ref, rounding="rtn", **kw)
     step = d_ref["scales"]
     runs = []
     for seed in range(120):
         d1, m1 = clone(d), clone(mom)
 
-        i, v = K.qlion_dense_sparse_step_(d1, grad, m1, rounding="sr", seed=seed, **kw)
+        i, v = Q.qlion_dense_sparse_step_(d1, grad, m1, rounding="sr", seed=seed, **kw)
         out = intq.dequantize_dense_sparse(d1["codes"], d1["scales"], d1["zeros"], i, v)
         assert ((out - exact).abs() <= step * 1.0001).all()
         runs.append(out)
@@ -220,7 +221,7 @@ def test_thresholds_within_lr_of_zero_take_the_torch_path():
     the step must not use them (it would list such outliers twice): QLion falls back to the torch ops."""
     from hfq.qft import QLion
     from hfq.qparam import QParam
-    from hfq_kernels.int8 import zero_may_cross
+    from hfq_kernels.qlion import zero_may_cross
 
     torch.manual_seed(0)
     w = torch.rand(8, 32, device=DEV) + 0.5  # all positive: the lower threshold is above -lr
@@ -252,8 +253,8 @@ def test_plain_param_step_matches_reference_and_qlion(dtype, wd, shape):
     g = torch.randn(shape, device=DEV).to(dtype)
     kw = dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=wd)
     p1, p2, m1, m2 = init.clone(), init.clone(), clone(mom), clone(mom)
-    K.lion_plain_step_(p1, g, m1, **kw)
-    K.lion_plain_step_ref(p2, g, m2, **kw)
+    Q.lion_plain_step_(p1, g, m1, **kw)
+    Q.lion_plain_step_ref(p2, g, m2, **kw)
     assert not torch.equal(p1, init)
     if DEV == "cpu":
         assert torch.equal(p1, p2)
@@ -273,3 +274,66 @@ def test_plain_param_step_matches_reference_and_qlion(dtype, wd, shape):
     sa, sb = opts[0].state[ps[0]], opts[1].state[ps[1]]
     torch.testing.assert_close(sa["exp_avg_scales"], sb["exp_avg_scales"], rtol=1e-5, atol=0)
     assert (sa["exp_avg_codes"].int() - sb["exp_avg_codes"].int()).abs().max() <= 1
+
+
+@pytest.mark.parametrize("sort_max", [4096, 1])
+def test_multi_tensor_step_equals_reference_per_weight(monkeypatch, sort_max):
+    """One QLion launch pair over weights of several shapes and gradient kinds (INT8 codes, bf16 values: two
+    buckets) equals the reference weight by weight, over two steps: the second reads the row segments the first
+    wrote (they equal a search of the new lists). sort_max=1: rows are merged by torch instead of in the kernel."""
+    monkeypatch.setattr(Q, "SORT_MAX", sort_max)
+    cases = [(37, 301, True), (16, 1030, False), (5, 7, True), (12, 96, True), (2, 9, False)]
+    kw = dict(lr=2e-2, beta1=0.9, beta2=0.99, weight_decay=0.01, rounding="rtn")
+    fused, ref = [], []
+    for i, (r, c, q8) in enumerate(cases):
+        d, grad, mom = _lion_case(r, c, 100 + i, q8)
+        assert not Q.zero_may_cross(d["thresholds"], kw["lr"])
+        fused.append((clone(d), grad, clone(mom)))
+        ref.append((clone(d), grad, clone(mom)))
+    for step in range(2):
+        ctx = Q.qlion_dense_sparse_begin([(d, g, m, 7 + j) for j, (d, g, m) in enumerate(fused)], **kw)
+        new = Q.qlion_dense_sparse_finish(ctx, ctx["sync"].tolist())
+        for (d, g, m), (idx, val, ptr) in zip(fused, new):
+            Q.store_outliers_(d["sparse_idx"], d["sparse_val"], (idx, val, ptr), d["codes"].shape[1])
+            rows, cols = d["codes"].shape
+            bounds = torch.arange(rows + 1, device=DEV, dtype=torch.int32) * cols
+            assert torch.equal(ptr, torch.searchsorted(d["sparse_idx"], bounds).to(torch.int32))
+            assert K.row_segments(d["sparse_idx"], rows, cols) is ptr
+        for d2, g2, m2 in ref:
+            i2, v2 = Q.qlion_dense_sparse_step_ref(d2, g2, m2, **kw)
+            d2["sparse_idx"], d2["sparse_val"] = i2, v2
+        moved = 0
+        for (d1, _, m1), (d2, _, m2) in zip(fused, ref):
+            same_codes(d1["codes"], d1["scales"], d1["zeros"], d2["codes"], d2["scales"], d2["zeros"])
+            same_codes(m1["codes"], m1["scales"], m1["zeros"], m2["codes"], m2["scales"], m2["zeros"])
+            assert torch.equal(d1["sparse_idx"], d2["sparse_idx"]) and torch.equal(d1["sparse_val"], d2["sparse_val"])
+            moved += d1["sparse_idx"].numel() != 0
+        assert moved >= 3
+
+
+def test_plain_multi_step_equals_reference_per_parameter():
+    """Ordinary parameters of mixed dtypes (fp32 / bf16 parameters, bf16 / fp32 gradients: several buckets) in one
+    call equal lion_plain_step_ref one by one."""
+    torch.manual_seed(3)
+    shapes = [((13, 70), torch.bfloat16, torch.bfloat16), ((33,), torch.float32, torch.bfloat16),
+              ((5, 2050), torch.float32, torch.float32), ((2, 3), torch.bfloat16, torch.float32)]
+    from hfq_kernels.reference.intq import as_rows
+
+    ps, gs, ms, refs = [], [], [], []
+    for shape, pd, gd in shapes:
+        p = torch.randn(shape, device=DEV).to(pd)
+        m = int8(torch.randn(*as_rows(shape), device=DEV) * 1e-2)
+        ps.append(p)
+        gs.append(torch.randn(shape, device=DEV).to(gd))
+        ms.append(m)
+        refs.append((p.clone(), clone(m)))
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1)
+    Q.lion_plain_multi_step_(ps, gs, ms, **kw)
+    for p, g, m, (p2, m2) in zip(ps, gs, ms, refs):
+        Q.lion_plain_step_ref(p2, g, m2, **kw)
+        if DEV == "cpu":
+            assert torch.equal(p, p2)
+            for k in m:
+                assert torch.equal(m[k], m2[k]), k
+        else:
+            torch.testing.assert_close(p, p2, rtol=1e-2, atol=1e-6)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from hfq_kernels import int8 as _k
+from hfq_kernels import qlion as _q
 from hfq_kernels.reference.intq import as_rows, dequantize_int_asym, quantize_int_asym
 from ..qparam import Int8Grad, QParam, int8_kernels, pop_int8_grad
 from .base import QParamOptimizer
@@ -100,27 +101,39 @@ class QLion(QParamOptimizer):
     def step(self, closure=None):
         loss, pending = self._begin_step(closure)
         self._finish_check(pending)
-        begun: dict = {}
+        begun = []
         for group in self.param_groups:
+            dense: dict = {}
+            plain: dict = {}
             for p in group["params"]:
                 if not self._has_grad(p):
                     continue
                 if self._use_fused(p, group):
                     g = pop_int8_grad(p)
-                    begun.setdefault(p.device, []).append((p, self._fused_begin(p, p.grad if g is None else g,
-                                                                                 group)))
+                    dense.setdefault(p.device, []).append((p, self._fused_item(p, p.grad if g is None else g)))
+                    continue
+                q8 = pop_int8_grad(p)
+                g = p.grad if q8 is None else q8.dequantize(torch.float32)
+                if self._plain_fused(p, g):  # the kernel reads a bf16/fp16 gradient as it is
+                    plain.setdefault(p.device, []).append((p, g))
                 else:
-                    self.update_param_(p, self._grad32(p), group)
-        for items in begun.values():  # one host sync per device and step: the new outlier lists' lengths
-            sizes = torch.stack([ctx["size"] for _, ctx in items]).tolist()
-            for (p, ctx), n in zip(items, sizes):
-                self._fused_finish(p, ctx, n)
+                    self.update_param_(p, g.float(), group)
+            for items in plain.values():
+                self._plain_step(items, group)
+            begun += [(items, self._fused_begin([it for _, it in items], group)) for items in dense.values()]
+        if begun:  # one host sync per step: the new outlier lists' lengths of every weight
+            synced = torch.cat([ctx["sync"].to(begun[0][1]["sync"].device) for _, ctx in begun]).tolist()
+            at = 0
+            for items, ctx in begun:
+                n = ctx["sync"].numel()
+                self._fused_finish([p for p, _ in items], ctx, synced[at:at + n])
+                at += n
         return loss
 
     def _use_fused(self, p, group) -> bool:
         """The fused Triton step applies: an int8_dense_sparse QParam, INT8 momentum, lr > 0, no outlier refresh
         due on this step (a refresh re-selects thresholds from the whole weight: the torch ops do it), thresholds
-        not within lr of zero (hfq_kernels.int8.zero_may_cross; never seen on real weights)."""
+        not within lr of zero (hfq_kernels.qlion.zero_may_cross; never seen on real weights)."""
         if self.fused is False or self.momentum_bits != 8 or not isinstance(p, QParam):
             return False
         if p.fmt != "int8_dense_sparse" or group["lr"] == 0 or p.numel() >= 2 ** 31:
@@ -131,7 +144,7 @@ class QLion(QParamOptimizer):
         step = int(self.state[p]["step"]) + 1 if self.state.get(p) else 1
         if n and step % n == 0:
             return False
-        return not _k.zero_may_cross(p.thresholds, group["lr"])
+        return not _q.zero_may_cross(p.thresholds, group["lr"])
 
     def _plain_fused(self, p, g) -> bool:
         """An ordinary parameter's step in two Triton launches (INT8 momentum, bf16/fp32 contiguous tensors)."""
@@ -162,17 +175,15 @@ class QLion(QParamOptimizer):
         if not state:
             self._init_state(state, p)
         if self._use_fused(p, group):
-            ctx = self._fused_begin(p, g, group)
-            self._fused_finish(p, ctx, int(ctx["size"]))
+            ctx = self._fused_begin([self._fused_item(p, g)], group)
+            self._fused_finish([p], ctx, ctx["sync"].tolist())
             return
         if isinstance(g, Int8Grad):
             g = g.dequantize(torch.float32)
-        state["step"] += 1
         if self._plain_fused(p, g):
-            mom = {"codes": state["exp_avg_codes"], "scales": state["exp_avg_scales"],
-                   "zeros": state["exp_avg_zeros"]}
-            _k.lion_plain_step_(p.data, g, mom, lr=lr, beta1=b1, beta2=b2, weight_decay=wd)
+            self._plain_step([(p, g)], group)
             return
+        state["step"] += 1
         m = self._load_m(state, p.shape)
         if isinstance(p, QParam):
             refresh = self._outlier_refresh_due(p)
@@ -189,21 +200,37 @@ class QLion(QParamOptimizer):
         m.mul_(b2).add_(g, alpha=1 - b2)
         self._store_m(state, m)
 
-    def _fused_begin(self, p: QParam, g, group) -> dict:
+    def _momentum(self, p) -> dict:
         state = self.state[p]
         if not state:
             self._init_state(state, p)
-        state["step"] += 1
+        return {"codes": state["exp_avg_codes"], "scales": state["exp_avg_scales"], "zeros": state["exp_avg_zeros"]}
+
+    def _plain_step(self, items, group) -> None:
+        """Fused steps of ordinary parameters [(p, float gradient)] sharing `group`: two launches in all."""
+        moms = [self._momentum(p) for p, _ in items]
+        for p, _ in items:
+            self.state[p]["step"] += 1
         lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
+        _q.lion_plain_multi_step_([p.data for p, _ in items], [g for _, g in items], moms, lr=lr, beta1=b1,
+                                  beta2=b2, weight_decay=wd)
+
+    def _fused_item(self, p: QParam, g) -> tuple:
+        """(weight, gradient, momentum, seed) of p for hfq_kernels.qlion; counts p's step."""
+        mom = self._momentum(p)
+        state = self.state[p]
+        state["step"] += 1
         grad = ({"codes": g.codes, "scales": g.scales, "zeros": g.zeros} if isinstance(g, Int8Grad)
                 else {"value": g})
-        mom = {"codes": state["exp_avg_codes"], "scales": state["exp_avg_scales"], "zeros": state["exp_avg_zeros"]}
         seed = self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(state["step"])
-        return _k.qlion_dense_sparse_begin(p.qtensors(), grad, mom, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
-                                        rounding=self.rounding, seed=seed)
+        return p.qtensors(), grad, mom, seed
+
+    def _fused_begin(self, items, group) -> dict:
+        lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
+        return _q.qlion_dense_sparse_begin(items, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
+                                           rounding=self.rounding)
 
     @staticmethod
-    def _fused_finish(p: QParam, ctx: dict, n: int) -> None:
-        idx, val = _k.qlion_dense_sparse_finish(ctx, n)
-        p.sparse_idx.set_(idx)  # same tensor objects: aliases of p (DDP's, detach()) follow
-        p.sparse_val.set_(val)
+    def _fused_finish(params, ctx: dict, synced: list) -> None:
+        for p, new in zip(params, _q.qlion_dense_sparse_finish(ctx, synced)):
+            _q.store_outliers_(p.sparse_idx, p.sparse_val, new, p.codes.shape[-1])
