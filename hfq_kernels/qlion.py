@@ -117,12 +117,12 @@ def _weight_ptrs(rec, G_DT: tl.constexpr):
 
 
 @triton.jit
-def _program(tab, work):
+def _program(tab, work, NFIELDS: tl.constexpr):
     """(record, row, row's index in the flat per-row buffers, columns) of this program."""
     pid = tl.program_id(0)
     t = tl.load(work + 2 * pid).to(tl.int64)
     row = tl.load(work + 2 * pid + 1).to(tl.int64)
-    rec = tab + t * NF
+    rec = tab + t * NFIELDS
     return rec, row, tl.load(rec + 14) + row, tl.load(rec + 13)
 
 
@@ -139,8 +139,8 @@ def _outlier_values(sidx, sval, j, jmask, g, gs, gz, mc, ms, mz, row, t0, t1, de
 
 @triton.jit
 def _stats_kernel(tab, work, stats, counts, vbuf, decay, lr, b1, omb1, b2, omb2, G_DT: tl.constexpr,
-                  BLOCK: tl.constexpr, OB: tl.constexpr):
-    rec, row, rb, C = _program(tab, work)
+                  BLOCK: tl.constexpr, OB: tl.constexpr, NFIELDS: tl.constexpr):
+    rec, row, rb, C = _program(tab, work, NFIELDS)
     wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT)
     thr, sidx, sval, rowptr = _f32(rec, 9), _i32(rec, 10), _typed(rec, 11, 1), _i32(rec, 12)
     vb = vbuf + tl.load(rec + 15)
@@ -237,8 +237,9 @@ def _sort_segment(new_idx, new_bits, at, n, SEG: tl.constexpr):
 
 @triton.jit
 def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb2, G_DT: tl.constexpr,
-                  SR: tl.constexpr, BLOCK: tl.constexpr, OB: tl.constexpr, SEG: tl.constexpr):
-    rec, row, rb, C = _program(tab, work)
+                  SR: tl.constexpr, BLOCK: tl.constexpr, OB: tl.constexpr, SEG: tl.constexpr,
+                  NFIELDS: tl.constexpr):
+    rec, row, rb, C = _program(tab, work, NFIELDS)
     wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT)
     thr, sidx, rowptr = _f32(rec, 9), _i32(rec, 10), _i32(rec, 12)
     vb = vbuf + tl.load(rec + 15)
@@ -398,7 +399,7 @@ def qlion_dense_sparse_begin(items, *, lr: float, beta1: float, beta2: float, we
     for code in sorted(set(codes_l)):
         work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == code])
         _stats_kernel[(work.shape[0],)](tab, work, stats, counts, vbuf, *hyper, G_DT=code, BLOCK=block, OB=OB,
-                                        num_warps=warps, enable_fp_fusion=False)
+                                        NFIELDS=NF, num_warps=warps, enable_fp_fusion=False)
     cnt = counts[:, 0]
     ctx["cum"] = cum = torch.cumsum(cnt, 0, dtype=torch.int64)
     ends = _ENDS.get_or((str(dev), tuple(rows_l)), lambda: torch.tensor(rows_l).cumsum(0).sub(1).to(dev))
@@ -432,7 +433,7 @@ def qlion_dense_sparse_finish(ctx: dict, synced: list) -> list:
         work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == code])
         _write_kernel[(work.shape[0],)](tab, work, ctx["stats"], ctx["counts"], ctx["cum"], ctx["vbuf"],
                                         *ctx["hyper"], G_DT=code, SR=ctx["sr"], BLOCK=block, OB=OB, SEG=seg,
-                                        num_warps=warps, enable_fp_fusion=False)
+                                        NFIELDS=NF, num_warps=warps, enable_fp_fusion=False)
     if seg == 0:  # some row's new segment is too long to sort in a program
         out = [(*_sorted(idx, val), ptr) for idx, val, ptr in out]
     return out
@@ -476,11 +477,11 @@ NF_PLAIN = 8  # p, g, momentum codes / scales / zeros, -, cols, row base
 
 @triton.jit
 def _plain_kernel(tab, work, stats, decay, lr, b1, omb1, b2, omb2, WRITE: tl.constexpr, HAS_DECAY: tl.constexpr,
-                  P_DT: tl.constexpr, G_DT: tl.constexpr, BLOCK: tl.constexpr):
+                  P_DT: tl.constexpr, G_DT: tl.constexpr, BLOCK: tl.constexpr, NFIELDS: tl.constexpr):
     """WRITE=False: the new momentum's row scale and zero point into stats. WRITE=True: the parameter updated in
     place (in its dtype, rounded after each op as torch's in-place ops do) and the momentum requantized with them."""
     pid = tl.program_id(0)
-    rec = tab + tl.load(work + 2 * pid).to(tl.int64) * NF_PLAIN
+    rec = tab + tl.load(work + 2 * pid).to(tl.int64) * NFIELDS
     row = tl.load(work + 2 * pid + 1).to(tl.int64)
     p, g, mc, ms, mz = _typed(rec, 0, P_DT), _typed(rec, 1, G_DT), _u8(rec, 2), _f32(rec, 3), _u8(rec, 4)
     C = tl.load(rec + 6)
@@ -556,7 +557,8 @@ def lion_plain_multi_step_(params, grads, moms, *, lr: float, beta1: float, beta
         work = _work_list(dev, rec_rows)
         for write in (False, True):
             _plain_kernel[(work.shape[0],)](tab, work, stats, *hyper, WRITE=write, HAS_DECAY=bool(weight_decay),
-                                            P_DT=pd, G_DT=gd, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+                                            P_DT=pd, G_DT=gd, BLOCK=block, NFIELDS=NF_PLAIN, num_warps=warps,
+                                            enable_fp_fusion=False)
 
 
 def lion_plain_step_(p: torch.Tensor, g: torch.Tensor, mom: dict, *, lr: float, beta1: float, beta2: float,
