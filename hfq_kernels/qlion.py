@@ -110,20 +110,31 @@ def _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, offs, mask, row, decay, lr, 
 
 
 @triton.jit
-def _weight_ptrs(rec, G_DT: tl.constexpr):
-    """The record's weight, gradient and momentum pointers (fields 0-8)."""
-    return (_u8(rec, 0), _f32(rec, 1), _u8(rec, 2), _typed(rec, 3, G_DT), _f32(rec, 4), _u8(rec, 5), _u8(rec, 6),
-            _f32(rec, 7), _u8(rec, 8))
+def _dense(p, ALIGNED: tl.constexpr):
+    """A row-major [R, C] data pointer; ALIGNED: it and C are multiples of 16 (vector loads and stores)."""
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
 
 
 @triton.jit
-def _program(tab, work, NFIELDS: tl.constexpr):
+def _weight_ptrs(rec, G_DT: tl.constexpr, ALIGNED: tl.constexpr):
+    """The record's weight, gradient and momentum pointers (fields 0-8)."""
+    return (_dense(_u8(rec, 0), ALIGNED), _f32(rec, 1), _u8(rec, 2), _dense(_typed(rec, 3, G_DT), ALIGNED),
+            _f32(rec, 4), _u8(rec, 5), _dense(_u8(rec, 6), ALIGNED), _f32(rec, 7), _u8(rec, 8))
+
+
+@triton.jit
+def _program(tab, work, NFIELDS: tl.constexpr, ALIGNED: tl.constexpr):
     """(record, row, row's index in the flat per-row buffers, columns) of this program."""
     pid = tl.program_id(0)
     t = tl.load(work + 2 * pid).to(tl.int64)
     row = tl.load(work + 2 * pid + 1).to(tl.int64)
     rec = tab + t * NFIELDS
-    return rec, row, tl.load(rec + 14) + row, tl.load(rec + 13)
+    C = tl.load(rec + 13)
+    if ALIGNED:
+        C = tl.multiple_of(C, 16)
+    return rec, row, tl.load(rec + 14) + row, C
 
 
 # ---- QLion on int8_dense_sparse weights ---------------------------------------------------------------------------
@@ -139,9 +150,9 @@ def _outlier_values(sidx, sval, j, jmask, g, gs, gz, mc, ms, mz, row, t0, t1, de
 
 @triton.jit
 def _stats_kernel(tab, work, stats, counts, vbuf, decay, lr, b1, omb1, b2, omb2, G_DT: tl.constexpr,
-                  BLOCK: tl.constexpr, OB: tl.constexpr, NFIELDS: tl.constexpr):
-    rec, row, rb, C = _program(tab, work, NFIELDS)
-    wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT)
+                  BLOCK: tl.constexpr, OB: tl.constexpr, NFIELDS: tl.constexpr, ALIGNED: tl.constexpr):
+    rec, row, rb, C = _program(tab, work, NFIELDS, ALIGNED)
+    wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT, ALIGNED)
     thr, sidx, sval, rowptr = _f32(rec, 9), _i32(rec, 10), _typed(rec, 11, 1), _i32(rec, 12)
     vb = vbuf + tl.load(rec + 15)
     base = row * C
@@ -238,9 +249,9 @@ def _sort_segment(new_idx, new_bits, at, n, SEG: tl.constexpr):
 @triton.jit
 def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb2, G_DT: tl.constexpr,
                   SR: tl.constexpr, BLOCK: tl.constexpr, OB: tl.constexpr, SEG: tl.constexpr,
-                  NFIELDS: tl.constexpr):
-    rec, row, rb, C = _program(tab, work, NFIELDS)
-    wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT)
+                  NFIELDS: tl.constexpr, ALIGNED: tl.constexpr):
+    rec, row, rb, C = _program(tab, work, NFIELDS, ALIGNED)
+    wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT, ALIGNED)
     thr, sidx, rowptr = _f32(rec, 9), _i32(rec, 10), _i32(rec, 12)
     vb = vbuf + tl.load(rec + 15)
     seed = tl.load(rec + 16)
@@ -326,6 +337,10 @@ def _upload(recs, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
+def _aligned(*ptrs, cols: int) -> bool:
+    return cols % 16 == 0 and all(p % 16 == 0 for p in ptrs)
+
+
 def _g_code(grad: dict) -> int:
     if "codes" in grad:
         return 3
@@ -382,7 +397,7 @@ def qlion_dense_sparse_begin(items, *, lr: float, beta1: float, beta2: float, we
         keep.append((grad, rowptr))
         recs.append(_record(w, grad, mom, rowptr, rows, cols, rb, vb, seed))
         rows_l.append(rows)
-        codes_l.append(_g_code(grad))
+        codes_l.append((_g_code(grad), _aligned(recs[-1][0], recs[-1][3], recs[-1][6], cols=cols)))
         rb += rows
         vb += w["sparse_idx"].numel()
     stats = torch.empty(rb * 4, dtype=torch.float32, device=dev)
@@ -396,10 +411,10 @@ def qlion_dense_sparse_begin(items, *, lr: float, beta1: float, beta2: float, we
         return ctx
     tab = _upload([r + [0] * (NF - len(r)) for r in recs], dev)
     block, warps = LAUNCH["stats"]
-    for code in sorted(set(codes_l)):
-        work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == code])
-        _stats_kernel[(work.shape[0],)](tab, work, stats, counts, vbuf, *hyper, G_DT=code, BLOCK=block, OB=OB,
-                                        NFIELDS=NF, num_warps=warps, enable_fp_fusion=False)
+    for key in sorted(set(codes_l)):
+        work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == key])
+        _stats_kernel[(work.shape[0],)](tab, work, stats, counts, vbuf, *hyper, G_DT=key[0], BLOCK=block, OB=OB,
+                                        NFIELDS=NF, ALIGNED=key[1], num_warps=warps, enable_fp_fusion=False)
     cnt = counts[:, 0]
     ctx["cum"] = cum = torch.cumsum(cnt, 0, dtype=torch.int64)
     ends = _ENDS.get_or((str(dev), tuple(rows_l)), lambda: torch.tensor(rows_l).cumsum(0).sub(1).to(dev))
@@ -429,11 +444,11 @@ def qlion_dense_sparse_finish(ctx: dict, synced: list) -> list:
     tab = _upload(recs, dev)
     block, warps = LAUNCH["write"]
     rows_l, codes_l = ctx["rows"], ctx["codes"]
-    for code in sorted(set(codes_l)):
-        work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == code])
+    for key in sorted(set(codes_l)):
+        work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == key])
         _write_kernel[(work.shape[0],)](tab, work, ctx["stats"], ctx["counts"], ctx["cum"], ctx["vbuf"],
-                                        *ctx["hyper"], G_DT=code, SR=ctx["sr"], BLOCK=block, OB=OB, SEG=seg,
-                                        NFIELDS=NF, num_warps=warps, enable_fp_fusion=False)
+                                        *ctx["hyper"], G_DT=key[0], SR=ctx["sr"], BLOCK=block, OB=OB, SEG=seg,
+                                        NFIELDS=NF, ALIGNED=key[1], num_warps=warps, enable_fp_fusion=False)
     if seg == 0:  # some row's new segment is too long to sort in a program
         out = [(*_sorted(idx, val), ptr) for idx, val, ptr in out]
     return out
@@ -477,14 +492,19 @@ NF_PLAIN = 8  # p, g, momentum codes / scales / zeros, -, cols, row base
 
 @triton.jit
 def _plain_kernel(tab, work, stats, decay, lr, b1, omb1, b2, omb2, WRITE: tl.constexpr, HAS_DECAY: tl.constexpr,
-                  P_DT: tl.constexpr, G_DT: tl.constexpr, BLOCK: tl.constexpr, NFIELDS: tl.constexpr):
+                  P_DT: tl.constexpr, G_DT: tl.constexpr, BLOCK: tl.constexpr, NFIELDS: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """WRITE=False: the new momentum's row scale and zero point into stats. WRITE=True: the parameter updated in
     place (in its dtype, rounded after each op as torch's in-place ops do) and the momentum requantized with them."""
     pid = tl.program_id(0)
     rec = tab + tl.load(work + 2 * pid).to(tl.int64) * NFIELDS
     row = tl.load(work + 2 * pid + 1).to(tl.int64)
-    p, g, mc, ms, mz = _typed(rec, 0, P_DT), _typed(rec, 1, G_DT), _u8(rec, 2), _f32(rec, 3), _u8(rec, 4)
+    p, g = _dense(_typed(rec, 0, P_DT), ALIGNED), _dense(_typed(rec, 1, G_DT), ALIGNED)
+    mc = _dense(_u8(rec, 2), ALIGNED)
+    ms, mz = _f32(rec, 3), _u8(rec, 4)
     C = tl.load(rec + 6)
+    if ALIGNED:
+        C = tl.multiple_of(C, 16)
     rb = tl.load(rec + 7) + row
     base = row * C
     lo = tl.zeros((BLOCK,), tl.float32)
@@ -543,7 +563,9 @@ def lion_plain_multi_step_(params, grads, moms, *, lr: float, beta1: float, beta
         g = g.reshape(rows, cols).contiguous()
         keep.append(g)
         dev = p.device
-        buckets.setdefault((_G_CODES[p.dtype], _G_CODES[g.dtype]), []).append((len(recs), rows))
+        key = (_G_CODES[p.dtype], _G_CODES[g.dtype], _aligned(p.data_ptr(), g.data_ptr(), mom["codes"].data_ptr(),
+                                                              cols=cols))
+        buckets.setdefault(key, []).append((len(recs), rows))
         recs.append([p.data_ptr(), g.data_ptr(), mom["codes"].data_ptr(), mom["scales"].data_ptr(),
                      mom["zeros"].data_ptr(), 0, cols, rb])
         rb += rows
@@ -553,12 +575,12 @@ def lion_plain_multi_step_(params, grads, moms, *, lr: float, beta1: float, beta
     stats = torch.empty(rb * 2, dtype=torch.float32, device=dev)
     block, warps = LAUNCH["plain"]
     hyper = _hyper(lr, beta1, beta2, weight_decay)
-    for (pd, gd), rec_rows in buckets.items():
+    for (pd, gd, aligned), rec_rows in buckets.items():
         work = _work_list(dev, rec_rows)
         for write in (False, True):
             _plain_kernel[(work.shape[0],)](tab, work, stats, *hyper, WRITE=write, HAS_DECAY=bool(weight_decay),
-                                            P_DT=pd, G_DT=gd, BLOCK=block, NFIELDS=NF_PLAIN, num_warps=warps,
-                                            enable_fp_fusion=False)
+                                            P_DT=pd, G_DT=gd, BLOCK=block, NFIELDS=NF_PLAIN, ALIGNED=aligned,
+                                            num_warps=warps, enable_fp_fusion=False)
 
 
 def lion_plain_step_(p: torch.Tensor, g: torch.Tensor, mom: dict, *, lr: float, beta1: float, beta2: float,
