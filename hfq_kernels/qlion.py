@@ -74,8 +74,15 @@ def _typed(rec, i, CODE: tl.constexpr):
 
 # ---- shared arithmetic ------------------------------------------------------------------------------------------
 @triton.jit
-def _int8_at(c, s, z, offs, row, mask):
-    return (tl.load(c + offs, mask=mask, other=0).to(tl.float32) - tl.load(z + row).to(tl.float32)) * tl.load(s + row)
+def _int8_at(c, s, zf, offs, mask):
+    """INT8 values at offs of a row with scale s and zero point zf (scalars, float32)."""
+    return (tl.load(c + offs, mask=mask, other=0).to(tl.float32) - zf) * s
+
+
+@triton.jit
+def _row_sz(s, z, row):
+    """A row's scale and zero point (as float32), read once per program."""
+    return tl.load(s + row), tl.load(z + row).to(tl.float32)
 
 
 @triton.jit
@@ -85,25 +92,25 @@ def _direction(m, gv, b1, omb1):
 
 
 @triton.jit
-def _lion_move(w, g, gs, gz, mc, ms, mz, offs, mask, row, decay, lr, b1, omb1, G_INT8: tl.constexpr):
+def _lion_move(w, g, gs, gz, mc, ms, mz, offs, mask, decay, lr, b1, omb1, G_INT8: tl.constexpr):
     """Lion's update of the weight values w at `offs` (decay, then -lr * direction); also returns the gradient and
     momentum read there, float32."""
     if G_INT8:
-        gv = _int8_at(g, gs, gz, offs, row, mask)
+        gv = _int8_at(g, gs, gz, offs, mask)
     else:
         gv = tl.load(g + offs, mask=mask, other=0.0).to(tl.float32)
-    m = _int8_at(mc, ms, mz, offs, row, mask)
+    m = _int8_at(mc, ms, mz, offs, mask)
     w = w * decay
     w = w - _direction(m, gv, b1, omb1) * lr
     return w, gv, m
 
 
 @triton.jit
-def _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, offs, mask, row, decay, lr, b1, omb1, b2, omb2,
+def _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, offs, mask, decay, lr, b1, omb1, b2, omb2,
                  G_INT8: tl.constexpr):
     """Updated dense weight (float32; old outlier positions are dense zeros) and updated momentum at `offs`."""
-    w, gv, m = _lion_move(_int8_at(wc, ws, wz, offs, row, mask), g, gs, gz, mc, ms, mz, offs, mask, row, decay, lr,
-                          b1, omb1, G_INT8)
+    w, gv, m = _lion_move(_int8_at(wc, ws, wz, offs, mask), g, gs, gz, mc, ms, mz, offs, mask, decay, lr, b1,
+                          omb1, G_INT8)
     m = m * b2
     m = m + gv * omb2
     return w, m
@@ -131,7 +138,7 @@ def _program(tab, work, NFIELDS: tl.constexpr, ALIGNED: tl.constexpr):
     t = tl.load(work + 2 * pid).to(tl.int64)
     row = tl.load(work + 2 * pid + 1).to(tl.int64)
     rec = tab + t * NFIELDS
-    C = tl.load(rec + 13)
+    C = tl.load(rec + 13).to(tl.int32)
     if ALIGNED:
         C = tl.multiple_of(C, 16)
     return rec, row, tl.load(rec + 14) + row, C
@@ -139,12 +146,12 @@ def _program(tab, work, NFIELDS: tl.constexpr, ALIGNED: tl.constexpr):
 
 # ---- QLion on int8_dense_sparse weights ---------------------------------------------------------------------------
 @triton.jit
-def _outlier_values(sidx, sval, j, jmask, g, gs, gz, mc, ms, mz, row, t0, t1, decay, lr, b1, omb1,
+def _outlier_values(sidx, sval, j, jmask, g, gs, gz, mc, ms, mz, t0, t1, decay, lr, b1, omb1,
                     G_INT8: tl.constexpr):
     """Row `row`'s old outliers j: (flat index, updated value, stays outside the thresholds, Lion's direction)."""
     pos = tl.load(sidx + j, mask=jmask, other=0).to(tl.int64)
     v, gv, m = _lion_move(tl.load(sval + j, mask=jmask, other=0.0).to(tl.float32), g, gs, gz, mc, ms, mz, pos,
-                          jmask, row, decay, lr, b1, omb1, G_INT8)
+                          jmask, decay, lr, b1, omb1, G_INT8)
     return pos, v, ((v < t0) | (v > t1)) & jmask, _direction(m, gv, b1, omb1)
 
 
@@ -153,6 +160,9 @@ def _stats_kernel(tab, work, stats, counts, vbuf, decay, lr, b1, omb1, b2, omb2,
                   BLOCK: tl.constexpr, OB: tl.constexpr, NFIELDS: tl.constexpr, ALIGNED: tl.constexpr):
     rec, row, rb, C = _program(tab, work, NFIELDS, ALIGNED)
     wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT, ALIGNED)
+    sw, zw = _row_sz(ws, wz, row)
+    sg, zg = _row_sz(gs, gz, row)
+    sm, zm = _row_sz(ms, mz, row)
     thr, sidx, sval, rowptr = _f32(rec, 9), _i32(rec, 10), _typed(rec, 11, 1), _i32(rec, 12)
     vb = vbuf + tl.load(rec + 15)
     base = row * C
@@ -168,8 +178,8 @@ def _stats_kernel(tab, work, stats, counts, vbuf, decay, lr, b1, omb1, b2, omb2,
     for k in range(0, C, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < C
-        w0 = _int8_at(wc, ws, wz, base + offs, row, mask)
-        w, gv, m = _lion_move(w0, g, gs, gz, mc, ms, mz, base + offs, mask, row, decay, lr, b1, omb1, G_DT == 3)
+        w0 = _int8_at(wc, sw, zw, base + offs, mask)
+        w, gv, m = _lion_move(w0, g, sg, zg, mc, sm, zm, base + offs, mask, decay, lr, b1, omb1, G_DT == 3)
         m = m * b2
         m = m + gv * omb2
         out = ((w < t0) | (w > t1)) & mask
@@ -191,8 +201,8 @@ def _stats_kernel(tab, work, stats, counts, vbuf, decay, lr, b1, omb1, b2, omb2,
     for j0 in range(tl.load(rowptr + row), tl.load(rowptr + row + 1), OB):  # old outliers of this row
         j = j0 + tl.arange(0, OB)
         jmask = j < tl.load(rowptr + row + 1)
-        pos, v, stay, d = _outlier_values(sidx, sval, j, jmask, g, gs, gz, mc, ms, mz, row, t0, t1, decay, lr, b1,
-                                          omb1, G_DT == 3)
+        pos, v, stay, d = _outlier_values(sidx, sval, j, jmask, g, sg, zg, mc, sm, zm, t0, t1, decay, lr, b1, omb1,
+                                          G_DT == 3)
         tl.store(vb + j, v, mask=jmask)  # the write pass reads it: by then the momentum codes are new
         back = tl.where(stay | ~jmask, 0.0, v)  # returning to the dense part: in the row's range
         lo = tl.minimum(lo, tl.min(back, 0))
@@ -252,6 +262,9 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
                   NFIELDS: tl.constexpr, ALIGNED: tl.constexpr):
     rec, row, rb, C = _program(tab, work, NFIELDS, ALIGNED)
     wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT, ALIGNED)
+    sw, zw = _row_sz(ws, wz, row)
+    sg, zg = _row_sz(gs, gz, row)
+    sm, zm = _row_sz(ms, mz, row)
     thr, sidx, rowptr = _f32(rec, 9), _i32(rec, 10), _i32(rec, 12)
     vb = vbuf + tl.load(rec + 15)
     seed = tl.load(rec + 16)
@@ -273,7 +286,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
     for k in range(0, C, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < C
-        w, m = _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, base + offs, mask, row, decay, lr, b1, omb1, b2, omb2,
+        w, m = _lion_values(wc, sw, zw, g, sg, zg, mc, sm, zm, base + offs, mask, decay, lr, b1, omb1, b2, omb2,
                             G_DT == 3)
         out = ((w < t0) | (w > t1)) & mask
         r = _round(tl.div_rn(tl.where(out, 0.0, w), s_w), seed, base + offs, SR)
@@ -502,11 +515,12 @@ def _plain_kernel(tab, work, stats, decay, lr, b1, omb1, b2, omb2, WRITE: tl.con
     p, g = _dense(_typed(rec, 0, P_DT), ALIGNED), _dense(_typed(rec, 1, G_DT), ALIGNED)
     mc = _dense(_u8(rec, 2), ALIGNED)
     ms, mz = _f32(rec, 3), _u8(rec, 4)
-    C = tl.load(rec + 6)
+    C = tl.load(rec + 6).to(tl.int32)
     if ALIGNED:
         C = tl.multiple_of(C, 16)
     rb = tl.load(rec + 7) + row
     base = row * C
+    sm0, zm0 = _row_sz(ms, mz, row)
     lo = tl.zeros((BLOCK,), tl.float32)
     hi = tl.zeros((BLOCK,), tl.float32)
     if WRITE:
@@ -516,7 +530,7 @@ def _plain_kernel(tab, work, stats, decay, lr, b1, omb1, b2, omb2, WRITE: tl.con
         offs = k + tl.arange(0, BLOCK)
         mask = offs < C
         gv = tl.load(g + base + offs, mask=mask, other=0.0).to(tl.float32)
-        m = _int8_at(mc, ms, mz, base + offs, row, mask)
+        m = _int8_at(mc, sm0, zm0, base + offs, mask)
         if WRITE:
             w = tl.load(p + base + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_DECAY:
