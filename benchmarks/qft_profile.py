@@ -136,3 +136,36 @@ def step_host_profile(layers: int = 8, seq: int = 2048):
         print(f"QLion.step wall {1e3 * (time.perf_counter() - t):.1f} ms", flush=True)
         opt.zero_grad()
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def fwd_bwd_host_profile(layers: int = 8, seq: int = 2048):
+    """cProfile of one QFT forward+backward (the GPU work queued behind it): the host cost per QFT linear call."""
+    import cProfile
+    import pstats
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfq.qft import QFTConfig, QLion, quantize_model_
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    quantize_model_(model, QFTConfig(gradient_bits=8))
+    opt = QLion(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, 32000, (1, seq), device="cuda")
+    for i in range(3):
+        torch.cuda.synchronize()
+        if i == 2:
+            prof = cProfile.Profile()
+            prof.enable()
+        model(input_ids=ids, labels=ids).loss.backward()
+        if i == 2:
+            prof.disable()
+        torch.cuda.synchronize()
+        opt.step()
+        opt.zero_grad()
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(30)
+    st.sort_stats("cumtime").print_stats(40)
