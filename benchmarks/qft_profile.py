@@ -1,6 +1,7 @@
 """Where QFT spends its time on the device (torch.profiler, LLaMA-2-7B shapes): one QLion step of a weight (SR and
 RTN), one QFT linear forward+backward, and a whole training step of a 2-layer 7B-shaped model (seq 2048, gradient
-checkpointing) against bf16 AdamW: wall time, GPU busy time, top kernels and host ops.
+checkpointing) against bf16 AdamW: wall time, GPU busy time, top kernels and host ops. Also cProfiles of QLion.step
+(step_host_profile) and of a forward+backward (fwd_bwd_host_profile): `bash benchmarks/gpu_session.sh qft_step qft_host`.
 python benchmarks/qft_profile.py > qft_profile.txt"""
 from __future__ import annotations
 
