@@ -570,7 +570,8 @@ def ddp_ignore_int8_grad_weights_(model: nn.Module) -> list[str]:
 
 
 class _QLinearFn(torch.autograd.Function):
-    """y = x W^T + b with W dequantized on the fly; backward re-dequantizes (nothing full-precision saved).
+    """y = x W^T + b with W dequantized on the fly; backward re-dequantizes (nothing full-precision saved; under
+    activation checkpointing the recompute's decoded weight serves the backward right after it).
 
     dL/dW becomes W's bf16 `.grad`, or with `store_int8` goes to W's INT8 store (W.grad, an Int8Grad), averaged over
     ranks first when distributed: the float dL/dW then exists only inside this backward (one layer at a time) and
@@ -581,16 +582,22 @@ class _QLinearFn(torch.autograd.Function):
     def forward(ctx, x, w, b, store_int8=False, name=None):
         ctx.w, ctx.store_int8, ctx.name = w, store_int8, name
         ctx.has_b = b is not None
-        ctx.save_for_backward(x)
-        return F.linear(x, w.dequantize(x.dtype), b)
+        wd = w.dequantize(x.dtype)
+        # Under activation checkpointing the decoded weight is a saved tensor too: checkpointing drops it after the
+        # forward and its recompute hands the backward a fresh one (one layer's worth), so dL/dx needs no decode.
+        ctx.keep_w = _checkpointing()
+        ctx.save_for_backward(x, wd) if ctx.keep_w else ctx.save_for_backward(x)
+        return F.linear(x, wd, b)
 
     @staticmethod
     def backward(ctx, gy):
-        (x,) = ctx.saved_tensors
+        x, *kept = ctx.saved_tensors
+        wd = kept[0] if kept else None
         w = ctx.w
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = gy @ w.dequantize(gy.dtype)
+            gx = gy @ (wd if wd is not None and wd.dtype == gy.dtype else w.dequantize(gy.dtype))
+        del wd, kept
         if ctx.needs_input_grad[1]:
             gw = gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(gy.dtype)
             if ctx.store_int8:
@@ -603,6 +610,15 @@ class _QLinearFn(torch.autograd.Function):
         if ctx.has_b and ctx.needs_input_grad[2]:
             gb = gy.reshape(-1, gy.shape[-1]).sum(0)
         return gx, gw, gb, None, None
+
+
+def _checkpointing() -> bool:
+    """Whether torch.utils.checkpoint's saved-tensor hooks (its forward's, or its recompute's) are the active ones."""
+    if torch.compiler.is_compiling():
+        return False
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    name = getattr(top[0], "__qualname__", "") if top else ""
+    return "_checkpoint_hook" in name or "_recomputation_hook" in name
 
 
 def qlinear(x: torch.Tensor, w: QParam, b: torch.Tensor | None = None, *, store_int8: bool = False,

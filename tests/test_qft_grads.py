@@ -530,3 +530,29 @@ if __name__ == "__main__":
         import torch.multiprocessing as mp
 
         mp.spawn(_ddp_worker, args=(_free_port(), sys.argv[2]), nprocs=WORLD)
+
+
+def test_checkpoint_recompute_reuses_its_decoded_weight(monkeypatch):
+    """Under gradient checkpointing the recomputed forward's decoded weight serves the backward's dL/dx: two decodes
+    per linear and step instead of three, with gradients bit-identical to a run without checkpointing."""
+    import hfq.qparam as qp
+
+    calls = []
+    orig = qp._decode
+    monkeypatch.setattr(qp, "_decode", lambda *a, **k: calls.append(a[0]) or orig(*a, **k))
+    grads = {}
+    for ckpt in (False, True):
+        model = _tiny()
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        calls.clear()
+        torch.manual_seed(1)
+        ids = torch.randint(0, model.config.vocab_size, (2, 12))
+        model(input_ids=ids, labels=ids).loss.backward()
+        n_linear = sum(isinstance(m, nn.Module) and type(m).__name__ == "QFTLinear" for m in model.modules())
+        # forward + dL/dx; with checkpointing forward + recompute (whose decode dL/dx reuses), not 3 per linear
+        assert n_linear > 0 and len(calls) == 2 * n_linear, (ckpt, len(calls), n_linear)
+        grads[ckpt] = _grads(model)
+    for k in grads[False]:
+        assert torch.equal(grads[False][k], grads[True][k]), k
