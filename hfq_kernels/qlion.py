@@ -36,6 +36,7 @@ from hfq_kernels.int8 import _qparams, _rint, _store_cast, row_segments, set_row
 # kernel -> (elements per inner step of a row program, warps); benchmarks/qft_kernels.py --sweep times the choices
 LAUNCH = {"stats": (1024, 8), "write": (1024, 8), "plain": (1024, 8)}
 OB = 64  # outliers per inner step of a row program
+SR_DRAW = "hash"  # SR uniforms: "hash" (integer hash of seed and index) or "philox" (tl.rand)
 SORT_MAX = 4096  # longest row segment sorted inside the write kernel; longer ones are sorted by torch
 NF = 22  # int64 fields per weight record
 _G_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # 3: INT8 gradient codes
@@ -237,9 +238,32 @@ def _append(new_idx, new_val, at, sel, pos, v):
 
 
 @triton.jit
-def _round(x, seed, pos, SR: tl.constexpr):
+def _mix(h):
+    """murmur3's 32-bit finalizer (wrapping int32 products, logical shifts)."""
+    h = h ^ (h >> 16)
+    h = (h.to(tl.int32, bitcast=True) * -2048144789).to(tl.uint32, bitcast=True)  # 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = (h.to(tl.int32, bitcast=True) * -1028477387).to(tl.uint32, bitcast=True)  # 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _uniform(seed, pos, HASH: tl.constexpr):
+    """A uniform draw in [0, 1) per flat index pos: Philox (tl.rand), or with HASH a 24-bit uniform from a hash of
+    (seed, index), ~10 integer ops instead of Philox's ~100 (SR needs uniformity and no dependence on the value)."""
+    if HASH:
+        s = _mix(seed.to(tl.uint32))
+        h = _mix((pos.to(tl.int32) * -1640531535).to(tl.uint32, bitcast=True) ^ s)  # 0x9E3779B1
+        u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+    else:
+        u = tl.rand(seed, pos.to(tl.int32))
+    return u
+
+
+@triton.jit
+def _round(x, seed, pos, SR: tl.constexpr, HASH: tl.constexpr):
     if SR:
-        r = tl.floor(x + tl.rand(seed, pos.to(tl.int32)))
+        r = tl.floor(x + _uniform(seed, pos, HASH))
     else:
         r = _rint(x)
     return r
@@ -261,7 +285,7 @@ def _sort_segment(new_idx, new_bits, at, n, SEG: tl.constexpr):
 @triton.jit
 def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb2, G_DT: tl.constexpr,
                   SR: tl.constexpr, BLOCK: tl.constexpr, OB: tl.constexpr, SEG: tl.constexpr,
-                  NFIELDS: tl.constexpr, ALIGNED: tl.constexpr):
+                  NFIELDS: tl.constexpr, ALIGNED: tl.constexpr, HASH: tl.constexpr):
     rec, row, rb, C = _program(tab, work, NFIELDS, ALIGNED)
     wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT, ALIGNED)
     sw, zw = _row_sz(ws, wz, row)
@@ -291,7 +315,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
         w, m = _lion_values(wc, sw, zw, g, sg, zg, mc, sm, zm, base + offs, mask, decay, lr, b1, omb1, b2, omb2,
                             G_DT == 3)
         out = ((w < t0) | (w > t1)) & mask
-        r = _round(tl.div_rn(tl.where(out, 0.0, w), s_w), seed, base + offs, SR)
+        r = _round(tl.div_rn(tl.where(out, 0.0, w), s_w), seed, base + offs, SR, HASH)
         tl.store(wc + base + offs, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=mask)
         qm = tl.minimum(tl.maximum(_rint(tl.div_rn(m, s_m)) + z_m, 0.0), 255.0)
         tl.store(mc + base + offs, qm.to(tl.uint8), mask=mask)
@@ -305,7 +329,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
         pos = tl.load(sidx + j, mask=jmask, other=0).to(tl.int64)
         v = tl.load(vb + j, mask=jmask, other=0.0)
         stay = ((v < t0) | (v > t1)) & jmask
-        r = _round(tl.div_rn(tl.where(stay, 0.0, v), s_w), seed ^ 0x2545F491, pos, SR)  # a stream of its own
+        r = _round(tl.div_rn(tl.where(stay, 0.0, v), s_w), seed ^ 0x2545F491, pos, SR, HASH)  # a stream of its own
         tl.store(wc + pos, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=jmask)
         at = _append(new_idx, new_val, at, stay, pos, v)
     if SEG > 0:
@@ -463,7 +487,8 @@ def qlion_dense_sparse_finish(ctx: dict, synced: list) -> list:
         work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == key])
         _write_kernel[(work.shape[0],)](tab, work, ctx["stats"], ctx["counts"], ctx["cum"], ctx["vbuf"],
                                         *ctx["hyper"], G_DT=key[0], SR=ctx["sr"], BLOCK=block, OB=OB, SEG=seg,
-                                        NFIELDS=NF, ALIGNED=key[1], num_warps=warps, enable_fp_fusion=False)
+                                        NFIELDS=NF, ALIGNED=key[1], HASH=SR_DRAW == "hash", num_warps=warps,
+                                        enable_fp_fusion=False)
     if seg == 0:  # some row's new segment is too long to sort in a program
         out = [(*_sorted(idx, val), ptr) for idx, val, ptr in out]
     return out
