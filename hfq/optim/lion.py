@@ -46,11 +46,11 @@ class QLion(QParamOptimizer):
     refresh_thresholds_every (None: each int8_dense_sparse weight follows its QFTConfig.outlier_refresh_steps;
     N > 0 overrides it: its outlier thresholds are re-set from the updated weight on every N-th step of it. The
     paper refreshes them once per epoch (App. C): pass steps per epoch), fused (None: int8_dense_sparse weights
-    with INT8 momentum on CUDA take the fused Triton step, hfq_kernels.int8, which reads the INT8 gradient store
-    as it is; False: always the torch ops; True: also CPU tensors under TRITON_INTERPRET=1). The fused step's RTN
-    results equal the torch ops'; its SR draws come from a Philox stream per step and weight (keyed by seed, the
-    weight's position in the optimizer and its step count, so resumed runs and DDP ranks draw the same), not from
-    the torch generator.
+    with INT8 momentum on CUDA take the fused multi-tensor Triton step, hfq_kernels.qlion, which reads the INT8
+    gradient store as it is; False: always the torch ops; True: also CPU tensors under TRITON_INTERPRET=1). The
+    fused step's RTN results equal the torch ops'; its SR draws come from a hashed counter stream per step and weight
+    (keyed by seed, the weight's position in the optimizer and its step count, so resumed runs and DDP ranks draw the
+    same), not from the torch generator.
     """
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,
