@@ -51,8 +51,9 @@ def main():
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
 
 
-def model_step(method: str, layers: int = 2, seq: int = 2048, fused=None):
-    """Wall time of one training step and the GPU's busy time inside it (the rest is the GPU waiting for the host)."""
+def _model(method: str, layers: int, fused=None):
+    """A random-init LLaMA-2-7B-shaped model with `layers` layers, gradient checkpointing on, and its optimizer:
+    QFT (INT8 gradients) + QLion, or bf16 weights + fused AdamW."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hfq.qft import QFTConfig, QLion, quantize_model_
@@ -66,9 +67,13 @@ def model_step(method: str, layers: int = 2, seq: int = 2048, fused=None):
     model.config.use_cache = False
     if method == "qft":
         quantize_model_(model, QFTConfig(gradient_bits=8))
-        opt = QLion(model.parameters(), lr=1e-5, fused=fused)
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        return model, QLion(model.parameters(), lr=1e-5, fused=fused)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+
+def model_step(method: str, layers: int = 2, seq: int = 2048, fused=None):
+    """Wall time of one training step and the GPU's busy time inside it (the rest is the GPU waiting for the host)."""
+    model, opt = _model(method, layers, fused)
     ids = torch.randint(0, 32000, (1, seq), device="cuda")
 
     def one():
@@ -99,29 +104,13 @@ def model_step(method: str, layers: int = 2, seq: int = 2048, fused=None):
     torch.cuda.empty_cache()
 
 
-if __name__ == "__main__":
-    main()
-    for m in ("bf16_adamw", "qft"):
-        model_step(m)
-
-
 def step_host_profile(layers: int = 8, seq: int = 2048):
     """cProfile of QLion.step alone (after a synced backward): where its host time goes."""
     import cProfile
     import pstats
     import time
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from hfq.qft import QFTConfig, QLion, quantize_model_
-
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
-                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    quantize_model_(model, QFTConfig(gradient_bits=8))
-    opt = QLion(model.parameters(), lr=1e-5)
+    model, opt = _model("qft", layers)
     ids = torch.randint(0, 32000, (1, seq), device="cuda")
     for i in range(4):
         model(input_ids=ids, labels=ids).loss.backward()
@@ -144,17 +133,7 @@ def fwd_bwd_host_profile(layers: int = 8, seq: int = 2048):
     import cProfile
     import pstats
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from hfq.qft import QFTConfig, QLion, quantize_model_
-
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=layers, num_attention_heads=32,
-                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    quantize_model_(model, QFTConfig(gradient_bits=8))
-    opt = QLion(model.parameters(), lr=1e-5)
+    model, opt = _model("qft", layers)
     ids = torch.randint(0, 32000, (1, seq), device="cuda")
     for i in range(3):
         torch.cuda.synchronize()
@@ -170,3 +149,9 @@ def fwd_bwd_host_profile(layers: int = 8, seq: int = 2048):
     st = pstats.Stats(prof)
     st.sort_stats("tottime").print_stats(30)
     st.sort_stats("cumtime").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
+    for m in ("bf16_adamw", "qft"):
+        model_step(m)

@@ -7,6 +7,7 @@ references and `import hfq_kernels.*` works on CPU-only installs.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 import torch
 
@@ -158,3 +159,53 @@ def member(i, n0, n1, n2, sa0, sa1, sa2, sb0, sb1, sb2, pa0, pa1, pa2, pb0, pb1,
     """Member i's geometry in a grouped launch: (rows N, two strides, two pointers) chosen from three members."""
     return (sel3(i, n0, n1, n2), sel3(i, sa0, sa1, sa2), sel3(i, sb0, sb1, sb2), pick3(i, pa0, pa1, pa2),
             pick3(i, pb0, pb1, pb2))
+
+
+# ---- multi-tensor launches (hfq_kernels.eco, hfq_kernels.qlion): an int64 table, one record of fields per tensor ----
+TABLE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # float dtype -> table_ptr's CODE
+
+
+@triton.jit
+def table_ptr(rec, i, CODE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Field i of a table record as a typed pointer (CODE: 0 fp32, 1 bf16, 2 fp16, 3 uint8, 4 int16, 5 int32);
+    ALIGNED: the address is a multiple of 16 bytes (vector loads and stores)."""
+    a = tl.load(rec + i)
+    if CODE == 1:
+        p = a.to(tl.pointer_type(tl.bfloat16))
+    elif CODE == 2:
+        p = a.to(tl.pointer_type(tl.float16))
+    elif CODE == 3:
+        p = a.to(tl.pointer_type(tl.uint8))
+    elif CODE == 4:
+        p = a.to(tl.pointer_type(tl.int16))
+    elif CODE == 5:
+        p = a.to(tl.pointer_type(tl.int32))
+    else:
+        p = a.to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+def upload_table(recs, device) -> torch.Tensor:
+    """The records (lists of ints) as an int64 table on `device` (CUDA: through pinned memory, not waiting)."""
+    t = torch.tensor(recs, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+class LRU(OrderedDict):
+    """A small cache of launch tables and work lists, least recently used dropped first."""
+
+    def __init__(self, size):
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key, make):
+        v = self.get(key)
+        if v is None:
+            v = self[key] = make()
+            if len(self) > self.size:
+                self.popitem(last=False)
+        else:
+            self.move_to_end(key)
+        return v

@@ -29,11 +29,10 @@ with probability within 2^-17 of frac, so E[Q(x)] is unbiased to that. On the H1
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
-from hfq_kernels._triton import HAS_TRITON, INTERPRET, available, e4m3_to_f32, on_gpu, tl, triton  # noqa: F401
+from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, TABLE_CODES, available, e4m3_to_f32,  # noqa: F401
+                                 on_gpu, table_ptr, tl, triton, upload_table)
 from hfq_kernels.reference import eco as Fn
 from hfq_kernels.reference import fp8 as _fp8
 MAX_ONE_PASS = 8192
@@ -43,25 +42,7 @@ LAUNCH = {64: (16, 4), 128: (16, 4), 256: (8, 4), 512: (4, 4), 1024: (2, 4), 204
           8192: (1, 16)}
 
 
-_G_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _S_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-@triton.jit
-def _ptr(rec, i, CODE: tl.constexpr, ALIGNED: tl.constexpr):
-    """Record field i of the pointer table as a typed pointer (CODE: 0 fp32, 1 bf16, 2 fp16, 3 uint8)."""
-    a = tl.load(rec + i)
-    if CODE == 1:
-        p = a.to(tl.pointer_type(tl.bfloat16))
-    elif CODE == 2:
-        p = a.to(tl.pointer_type(tl.float16))
-    elif CODE == 3:
-        p = a.to(tl.pointer_type(tl.uint8))
-    else:
-        p = a.to(tl.pointer_type(tl.float32))
-    if ALIGNED:
-        p = tl.multiple_of(p, 16)
-    return p
 
 
 @triton.jit
@@ -184,11 +165,11 @@ def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, ep
     t = tl.load(work_ptr + 2 * pid).to(tl.int64)
     row0 = tl.load(work_ptr + 2 * pid + 1)
     rec = tab_ptr + t * 8
-    codes_ptr = _ptr(rec, 0, 3, ALIGNED)
-    scales_ptr = _ptr(rec, 1, 0, False)
-    g_ptr = _ptr(rec, 2, G_DT, ALIGNED)
-    m_ptr = _ptr(rec, 3, M_DT, ALIGNED)
-    v_ptr = _ptr(rec, 4, V_DT, ALIGNED)
+    codes_ptr = table_ptr(rec, 0, 3, ALIGNED)
+    scales_ptr = table_ptr(rec, 1, 0, False)
+    g_ptr = table_ptr(rec, 2, G_DT, ALIGNED)
+    m_ptr = table_ptr(rec, 3, M_DT, ALIGNED)
+    v_ptr = table_ptr(rec, 4, V_DT, ALIGNED)
     n_rows = tl.load(rec + 5)
     n_cols = tl.load(rec + 6)
     if ALIGNED:
@@ -259,24 +240,8 @@ def _block(c):
     return max(MIN_BLOCK, min(triton.next_power_of_2(c), MAX_ONE_PASS))
 
 
-class _LRU(OrderedDict):
-    def __init__(self, size):
-        super().__init__()
-        self.size = size
-
-    def get_or(self, key, make):
-        v = self.get(key)
-        if v is None:
-            v = self[key] = make()
-            if len(self) > self.size:
-                self.popitem(last=False)
-        else:
-            self.move_to_end(key)
-        return v
-
-
-_TABLES = _LRU(32)  # (device, pointer/shape records) -> int64 table on the device
-_WORK = _LRU(32)  # (device, rows per tensor, ROWS) -> int32 work list on the device
+_TABLES = LRU(32)  # (device, pointer/shape records) -> int64 table on the device
+_WORK = LRU(32)  # (device, rows per tensor, ROWS) -> int32 work list on the device
 
 
 def _work_list(device, n_rows, rows_per_prog):
@@ -312,7 +277,7 @@ def eco_adamw_fp8_prepare(codes, scales, grads, exp_avgs, exp_avg_sqs, *, check=
                 raise ValueError("eco_adamw_fp8: all tensors must be on one device")
         r, cols = c.shape
         try:
-            dts = (_G_CODES[g.dtype], _S_CODES[m.dtype], _S_CODES[v.dtype])
+            dts = (TABLE_CODES[g.dtype], _S_CODES[m.dtype], _S_CODES[v.dtype])
         except KeyError:
             raise ValueError(f"unsupported dtypes grad {g.dtype}, exp_avg {m.dtype}, exp_avg_sq {v.dtype}") from None
         ptrs = (c.data_ptr(), scales[i].data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr())
@@ -324,12 +289,7 @@ def eco_adamw_fp8_prepare(codes, scales, grads, exp_avgs, exp_avg_sqs, *, check=
         rows_per_prog, warps = LAUNCH.get(block, (1, 4))
         recs = tuple(recs)
 
-        def make(recs=recs):
-            t = torch.tensor(recs, dtype=torch.int64)
-            if device.type == "cuda":
-                return t.pin_memory().to(device, non_blocking=True)
-            return t
-        tab = _TABLES.get_or((str(device), recs), make)
+        tab = _TABLES.get_or((str(device), recs), lambda recs=recs: upload_table(recs, device))
         work = _work_list(device, tuple(rec[5] for rec in recs), rows_per_prog)
         out.append((tab, work, block, two_pass, dts, aligned, rows_per_prog, warps))
     return _Plan(device, out, (list(exp_avgs), list(exp_avg_sqs), list(grads)))

@@ -27,11 +27,9 @@ one Philox call per 4 elements (tl.rand4x reshaped into the block) was slower st
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
-from hfq_kernels._triton import f32_to_bf16_rne, tl, triton
+from hfq_kernels._triton import LRU, TABLE_CODES, f32_to_bf16_rne, table_ptr, tl, triton, upload_table
 from hfq_kernels.int8 import _qparams, _rint, _store_cast, row_segments, set_row_segments
 
 # kernel -> (elements per inner step of a row program, warps); benchmarks/qft_kernels.py --sweep times the choices
@@ -40,40 +38,6 @@ OB = 64  # outliers per inner step of a row program
 SR_DRAW = "hash"  # SR uniforms: "hash" (integer hash of seed and index) or "philox" (tl.rand)
 SORT_MAX = 4096  # longest row segment sorted inside the write kernel; longer ones are sorted by torch
 NF = 22  # int64 fields per weight record
-_G_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # 3: INT8 gradient codes
-
-
-# ---- pointer table access ---------------------------------------------------------------------------------------
-@triton.jit
-def _u8(rec, i):
-    return tl.load(rec + i).to(tl.pointer_type(tl.uint8))
-
-
-@triton.jit
-def _f32(rec, i):
-    return tl.load(rec + i).to(tl.pointer_type(tl.float32))
-
-
-@triton.jit
-def _i32(rec, i):
-    return tl.load(rec + i).to(tl.pointer_type(tl.int32))
-
-
-@triton.jit
-def _typed(rec, i, CODE: tl.constexpr):
-    """Field i as a pointer of dtype CODE (0 fp32, 1 bf16, 2 fp16, 3 uint8, 4 int16)."""
-    a = tl.load(rec + i)
-    if CODE == 1:
-        p = a.to(tl.pointer_type(tl.bfloat16))
-    elif CODE == 2:
-        p = a.to(tl.pointer_type(tl.float16))
-    elif CODE == 3:
-        p = a.to(tl.pointer_type(tl.uint8))
-    elif CODE == 4:
-        p = a.to(tl.pointer_type(tl.int16))
-    else:
-        p = a.to(tl.pointer_type(tl.float32))
-    return p
 
 
 # ---- shared arithmetic ------------------------------------------------------------------------------------------
@@ -112,27 +76,21 @@ def _lion_move(w, g, gs, gz, mc, ms, mz, offs, mask, decay, lr, b1, omb1, G_INT8
 @triton.jit
 def _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, offs, mask, decay, lr, b1, omb1, b2, omb2,
                  G_INT8: tl.constexpr):
-    """Updated dense weight (float32; old outlier positions are dense zeros) and updated momentum at `offs`."""
-    w, gv, m = _lion_move(_int8_at(wc, ws, wz, offs, mask), g, gs, gz, mc, ms, mz, offs, mask, decay, lr, b1,
-                          omb1, G_INT8)
+    """The dense weight at `offs` before and after the update (float32; old outlier positions are dense zeros) and
+    the updated momentum."""
+    w0 = _int8_at(wc, ws, wz, offs, mask)
+    w, gv, m = _lion_move(w0, g, gs, gz, mc, ms, mz, offs, mask, decay, lr, b1, omb1, G_INT8)
     m = m * b2
     m = m + gv * omb2
-    return w, m
-
-
-@triton.jit
-def _dense(p, ALIGNED: tl.constexpr):
-    """A row-major [R, C] data pointer; ALIGNED: it and C are multiples of 16 (vector loads and stores)."""
-    if ALIGNED:
-        p = tl.multiple_of(p, 16)
-    return p
+    return w0, w, m
 
 
 @triton.jit
 def _weight_ptrs(rec, G_DT: tl.constexpr, ALIGNED: tl.constexpr):
     """The record's weight, gradient and momentum pointers (fields 0-8)."""
-    return (_dense(_u8(rec, 0), ALIGNED), _f32(rec, 1), _u8(rec, 2), _dense(_typed(rec, 3, G_DT), ALIGNED),
-            _f32(rec, 4), _u8(rec, 5), _dense(_u8(rec, 6), ALIGNED), _f32(rec, 7), _u8(rec, 8))
+    return (table_ptr(rec, 0, 3, ALIGNED), table_ptr(rec, 1, 0, False), table_ptr(rec, 2, 3, False),
+            table_ptr(rec, 3, G_DT, ALIGNED), table_ptr(rec, 4, 0, False), table_ptr(rec, 5, 3, False),
+            table_ptr(rec, 6, 3, ALIGNED), table_ptr(rec, 7, 0, False), table_ptr(rec, 8, 3, False))
 
 
 @triton.jit
@@ -167,7 +125,8 @@ def _stats_kernel(tab, work, stats, counts, vbuf, decay, lr, b1, omb1, b2, omb2,
     sw, zw = _row_sz(ws, wz, row)
     sg, zg = _row_sz(gs, gz, row)
     sm, zm = _row_sz(ms, mz, row)
-    thr, sidx, sval, rowptr = _f32(rec, 9), _i32(rec, 10), _typed(rec, 11, 1), _i32(rec, 12)
+    thr, sidx = table_ptr(rec, 9, 0, False), table_ptr(rec, 10, 5, False)
+    sval, rowptr = table_ptr(rec, 11, 1, False), table_ptr(rec, 12, 5, False)
     vb = vbuf + tl.load(rec + 15)
     base = row * C
     t0 = tl.load(thr)
@@ -182,10 +141,8 @@ def _stats_kernel(tab, work, stats, counts, vbuf, decay, lr, b1, omb1, b2, omb2,
     for k in range(0, C, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < C
-        w0 = _int8_at(wc, sw, zw, base + offs, mask)
-        w, gv, m = _lion_move(w0, g, sg, zg, mc, sm, zm, base + offs, mask, decay, lr, b1, omb1, G_DT == 3)
-        m = m * b2
-        m = m + gv * omb2
+        w0, w, m = _lion_values(wc, sw, zw, g, sg, zg, mc, sm, zm, base + offs, mask, decay, lr, b1, omb1, b2, omb2,
+                                G_DT == 3)
         out = ((w < t0) | (w > t1)) & mask
         zero = (w0 == 0.0) & mask  # moved to exactly -lr*direction: counted, not ranged (see below)
         n_up += (zero & (w > 0)).to(tl.int32)
@@ -292,10 +249,10 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
     sw, zw = _row_sz(ws, wz, row)
     sg, zg = _row_sz(gs, gz, row)
     sm, zm = _row_sz(ms, mz, row)
-    thr, sidx, rowptr = _f32(rec, 9), _i32(rec, 10), _i32(rec, 12)
+    thr, sidx, rowptr = table_ptr(rec, 9, 0, False), table_ptr(rec, 10, 5, False), table_ptr(rec, 12, 5, False)
     vb = vbuf + tl.load(rec + 15)
     seed = tl.load(rec + 16)
-    new_idx, new_val, new_ptr = _i32(rec, 17), _typed(rec, 18, 1), _i32(rec, 19)
+    new_idx, new_val, new_ptr = table_ptr(rec, 17, 5, False), table_ptr(rec, 18, 1, False), table_ptr(rec, 19, 5, False)
     base = row * C
     t0 = tl.load(thr)
     t1 = tl.load(thr + 1)
@@ -313,7 +270,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
     for k in range(0, C, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < C
-        w, m = _lion_values(wc, sw, zw, g, sg, zg, mc, sm, zm, base + offs, mask, decay, lr, b1, omb1, b2, omb2,
+        _, w, m = _lion_values(wc, sw, zw, g, sg, zg, mc, sm, zm, base + offs, mask, decay, lr, b1, omb1, b2, omb2,
                             G_DT == 3)
         out = ((w < t0) | (w > t1)) & mask
         r = _round(tl.div_rn(tl.where(out, 0.0, w), s_w), seed, base + offs, SR, HASH)
@@ -336,7 +293,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
     if SEG > 0:
         if (n_cross > 0) & (n_all > n_cross):  # both runs present: merge them
             tl.debug_barrier()
-            _sort_segment(new_idx, _typed(rec, 18, 4), at0, n_all, SEG)
+            _sort_segment(new_idx, table_ptr(rec, 18, 4, False), at0, n_all, SEG)
     tl.debug_barrier()  # every thread has read the old row scales before they are replaced
     tl.store(ws + row, s_w)
     tl.store(wz + row, z_w.to(tl.uint8))
@@ -344,24 +301,8 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
     tl.store(mz + row, z_m.to(tl.uint8))
 
 
-class _LRU(OrderedDict):
-    def __init__(self, size):
-        super().__init__()
-        self.size = size
-
-    def get_or(self, key, make):
-        v = self.get(key)
-        if v is None:
-            v = self[key] = make()
-            if len(self) > self.size:
-                self.popitem(last=False)
-        else:
-            self.move_to_end(key)
-        return v
-
-
-_WORK = _LRU(64)  # (device, (record, rows) pairs) -> int32 work list
-_ENDS = _LRU(64)  # (device, rows per weight) -> int64 index of each weight's last row in the flat buffers
+_WORK = LRU(64)  # (device, (record, rows) pairs) -> int32 work list
+_ENDS = LRU(64)  # (device, rows per weight) -> int64 index of each weight's last row in the flat buffers
 
 
 def _work_list(device, recs_rows) -> torch.Tensor:
@@ -372,23 +313,19 @@ def _work_list(device, recs_rows) -> torch.Tensor:
     return _WORK.get_or((str(device), tuple(recs_rows)), make)
 
 
-def _upload(recs, device) -> torch.Tensor:
-    t = torch.tensor(recs, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
 def _aligned(*ptrs, cols: int) -> bool:
     return cols % 16 == 0 and all(p % 16 == 0 for p in ptrs)
 
 
 def _g_code(grad: dict) -> int:
+    """table_ptr's CODE of the gradient: a float dtype's, or 3 for INT8 gradient codes."""
     if "codes" in grad:
         return 3
     try:
-        return _G_CODES[grad["value"].dtype]
+        return TABLE_CODES[grad["value"].dtype]
     except KeyError:
         raise ValueError(f"qlion: gradient dtype {grad['value'].dtype} not supported "
-                         f"(allowed {tuple(_G_CODES)} or INT8 codes)") from None
+                         f"(allowed {tuple(TABLE_CODES)} or INT8 codes)") from None
 
 
 def _hyper(lr, beta1, beta2, weight_decay):
@@ -449,7 +386,7 @@ def qlion_dense_sparse_begin(items, *, lr: float, beta1: float, beta2: float, we
     if not items:
         ctx["sync"] = torch.zeros(1, dtype=torch.int64)
         return ctx
-    tab = _upload([r + [0] * (NF - len(r)) for r in recs], dev)
+    tab = upload_table([r + [0] * (NF - len(r)) for r in recs], dev)
     block, warps = LAUNCH["stats"]
     for key in sorted(set(codes_l)):
         work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == key])
@@ -481,7 +418,7 @@ def qlion_dense_sparse_finish(ctx: dict, synced: list) -> list:
         out.append((idx, val, ptr))
         recs.append(rec + [idx.data_ptr(), val.data_ptr(), ptr.data_ptr(), start, rows])
         start = end
-    tab = _upload(recs, dev)
+    tab = upload_table(recs, dev)
     block, warps = LAUNCH["write"]
     rows_l, codes_l = ctx["rows"], ctx["codes"]
     for key in sorted(set(codes_l)):
@@ -540,9 +477,8 @@ def _plain_kernel(tab, work, stats, decay, lr, b1, omb1, b2, omb2, WRITE: tl.con
     pid = tl.program_id(0)
     rec = tab + tl.load(work + 2 * pid).to(tl.int64) * NFIELDS
     row = tl.load(work + 2 * pid + 1).to(tl.int64)
-    p, g = _dense(_typed(rec, 0, P_DT), ALIGNED), _dense(_typed(rec, 1, G_DT), ALIGNED)
-    mc = _dense(_u8(rec, 2), ALIGNED)
-    ms, mz = _f32(rec, 3), _u8(rec, 4)
+    p, g, mc = table_ptr(rec, 0, P_DT, ALIGNED), table_ptr(rec, 1, G_DT, ALIGNED), table_ptr(rec, 2, 3, ALIGNED)
+    ms, mz = table_ptr(rec, 3, 0, False), table_ptr(rec, 4, 3, False)
     C = tl.load(rec + 6).to(tl.int32)
     if ALIGNED:
         C = tl.multiple_of(C, 16)
@@ -598,14 +534,14 @@ def lion_plain_multi_step_(params, grads, moms, *, lr: float, beta1: float, beta
         rows, cols = mom["codes"].shape
         if p.dtype not in (torch.bfloat16, torch.float32) or not p.is_contiguous():
             raise ValueError(f"lion_plain_step_: parameter must be contiguous bf16/fp32, got {p.dtype}")
-        if g.dtype not in _G_CODES:
-            raise ValueError(f"lion_plain_step_: gradient dtype {g.dtype} not supported (allowed {tuple(_G_CODES)})")
+        if g.dtype not in TABLE_CODES:
+            raise ValueError(f"lion_plain_step_: gradient dtype {g.dtype} not supported (allowed {tuple(TABLE_CODES)})")
         if not rows * cols:
             continue
         g = g.reshape(rows, cols).contiguous()
         keep.append(g)
         dev = p.device
-        key = (_G_CODES[p.dtype], _G_CODES[g.dtype], _aligned(p.data_ptr(), g.data_ptr(), mom["codes"].data_ptr(),
+        key = (TABLE_CODES[p.dtype], TABLE_CODES[g.dtype], _aligned(p.data_ptr(), g.data_ptr(), mom["codes"].data_ptr(),
                                                               cols=cols))
         buckets.setdefault(key, []).append((len(recs), rows))
         recs.append([p.data_ptr(), g.data_ptr(), mom["codes"].data_ptr(), mom["scales"].data_ptr(),
@@ -613,7 +549,7 @@ def lion_plain_multi_step_(params, grads, moms, *, lr: float, beta1: float, beta
         rb += rows
     if not recs:
         return
-    tab = _upload(recs, dev)
+    tab = upload_table(recs, dev)
     stats = torch.empty(rb * 2, dtype=torch.float32, device=dev)
     block, warps = LAUNCH["plain"]
     hyper = _hyper(lr, beta1, beta2, weight_decay)
