@@ -39,6 +39,7 @@ for part in "$@"; do
 q.step_host_profile(8); [q.model_step(m, 8) for m in ('qft', 'bf16_adamw')]" > "$OUT/qft_step.txt" 2>&1 ;;
     qft_host) timeout 200 python -c "import sys; sys.path.insert(0, 'benchmarks'); import qft_profile as q; \
 q.fwd_bwd_host_profile(8)" > "$OUT/qft_host.txt" 2>&1 ;;
+    qft_sweep) timeout 300 python benchmarks/qft_kernels.py --sweep --out "$OUT" > "$OUT/qft_sweep.txt" 2>&1 ;;
     qft_mem) timeout 540 python benchmarks/qft_memory.py --out "$OUT" > "$OUT/qft_mem.txt" 2>&1 ;;
     qerl_profile) timeout 240 python benchmarks/qerl_update_profile.py --out "$OUT" > "$OUT/qerl_profile.txt" 2>&1 ;;
     *) echo "unknown part $part" ;;

@@ -83,25 +83,60 @@ def cases(shape, tokens):
             "qlion_step": (lion(False), lion(True)), f"linear_fwd_bwd_M{tokens}": (fb_bf16, fb_qft)}
 
 
+def _layer_step():
+    """QLion's step over one LLaMA-2-7B layer's seven int8_dense_sparse weights (INT8 gradients), and fused bf16
+    AdamW's over the same shapes: two callables."""
+    from hfq.qft import QLion
+    from hfq.qparam import Int8Grad, QParam
+
+    shapes = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]
+    ps, stores = [], []
+    for shape in shapes:
+        w = torch.randn(*shape, device="cuda") * 0.02
+        ps.append(torch.nn.Parameter(QParam.from_float(w, "int8_dense_sparse", outlier_fraction=0.01)))
+        stores.append(Int8Grad(torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 1e-3))
+    opt = QLion(ps, lr=1e-5)
+    bf = [torch.nn.Parameter(torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
+    for p in bf:
+        p.grad = torch.randn_like(p) * 1e-3
+    adam = torch.optim.AdamW(bf, lr=1e-5, fused=True)
+
+    def qlion():
+        for p, st in zip(ps, stores):
+            p.grad = st
+        opt.step()
+
+    return qlion, adam.step
+
+
 def sweep(args):
-    """Elements per inner step x warps for each kernel family, on the 11008 x 4096 weight (median of repeats)."""
-    from hfq_kernels import int8 as K
+    """QLion's multi-tensor step on one 7B layer: (elements per inner step, warps) of the statistics and write
+    kernels and the quotient (IEEE division or reciprocal multiply), against fused bf16 AdamW, interleaved."""
     from hfq_kernels import qlion as Q
 
-    ops = cases((11008, 4096), args.tokens)
-    fams = {"decode": (K, ["decode"], ops["decode"][1]), "quant": (K, ["quant"], ops["int8_grad_accumulate"][1]),
-            "qlion": (Q, ["stats", "write"], ops["qlion_step"][1])}
+    qlion, adam = _layer_step()
+    default = dict(Q.LAUNCH), Q.QDIV
+    cfgs = [((1024, 8), (1024, 8), "rn"), ((1024, 8), (1024, 8), "recip"), ((2048, 8), (2048, 8), "recip"),
+            ((4096, 8), (4096, 8), "recip"), ((2048, 16), (2048, 16), "recip"), ((4096, 16), (4096, 16), "recip"),
+            ((1024, 4), (1024, 4), "recip"), ((512, 4), (512, 4), "recip"), ((2048, 4), (2048, 4), "recip")]
+    times = {i: [] for i in range(len(cfgs))}
+    t_adam = []
+    for _ in range(args.repeats):
+        for i, (st, wr, qd) in enumerate(cfgs):
+            Q.LAUNCH["stats"], Q.LAUNCH["write"], Q.QDIV = st, wr, qd
+            qlion()
+            times[i].append(timed(qlion, 5))
+        t_adam.append(timed(adam, 5))
+    Q.LAUNCH.update(default[0])
+    Q.QDIV = default[1]
+    t_adam.sort()
+    a = t_adam[len(t_adam) // 2]
     rows = []
-    for fam, (mod, keys, fn) in fams.items():
-        default = dict(mod.LAUNCH)
-        for cfg in [(1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (512, 4)]:
-            for k in keys:
-                mod.LAUNCH[k] = cfg
-            fn()
-            t = sorted(timed(fn, 10) for _ in range(args.repeats))
-            rows.append(dict(family=fam, block=cfg[0], warps=cfg[1], us=t[len(t) // 2], spread=[t[0], t[-1]]))
-            print(rows[-1], flush=True)
-        mod.LAUNCH.update(default)
+    for i, (st, wr, qd) in enumerate(cfgs):
+        t = sorted(times[i])
+        rows.append(dict(stats=st, write=wr, qdiv=qd, us=t[len(t) // 2], spread=[t[0], t[-1]], adamw_us=a,
+                         ratio=t[len(t) // 2] / a))
+        print(rows[-1], flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "qft_kernels_sweep.json"), "w") as f:
         json.dump(rows, f, indent=1)

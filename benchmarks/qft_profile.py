@@ -91,6 +91,18 @@ def model_step(method: str, layers: int = 2, seq: int = 2048, fused=None):
         one()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / 3
+    fb, st = [], []
+    for _ in range(3):  # the two phases timed apart (a sync between them)
+        t = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        fb.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        st.append(time.perf_counter() - t)
+    print(f"phases {method}: forward+backward {1e3 * sorted(fb)[1]:.1f} ms, optimizer {1e3 * sorted(st)[1]:.1f} ms")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         one()
         torch.cuda.synchronize()

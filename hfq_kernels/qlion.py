@@ -36,6 +36,7 @@ from hfq_kernels.int8 import _qparams, _rint, _store_cast, row_segments, set_row
 LAUNCH = {"stats": (1024, 8), "write": (1024, 8), "plain": (1024, 8)}
 OB = 64  # outliers per inner step of a row program
 SR_DRAW = "hash"  # SR uniforms: "hash" (integer hash of seed and index) or "philox" (tl.rand)
+QDIV = "rn"  # codes from x / scale: "rn" (IEEE division, as the references) or "recip" (x * (1 / scale))
 SORT_MAX = 4096  # longest row segment sorted inside the write kernel; longer ones are sorted by torch
 NF = 22  # int64 fields per weight record
 
@@ -228,6 +229,26 @@ def _round(x, seed, pos, SR: tl.constexpr, HASH: tl.constexpr):
 
 
 @triton.jit
+def _inv(s, RECIP: tl.constexpr):
+    """What the per-element quotient x / s multiplies by under RECIP (1 / s, once per row), else s itself."""
+    if RECIP:
+        r = tl.div_rn(1.0, s)
+    else:
+        r = s
+    return r
+
+
+@triton.jit
+def _quot(x, r, RECIP: tl.constexpr):
+    """x / s with r = _inv(s, RECIP)."""
+    if RECIP:
+        q = x * r
+    else:
+        q = tl.div_rn(x, r)
+    return q
+
+
+@triton.jit
 def _sort_segment(new_idx, new_bits, at, n, SEG: tl.constexpr):
     """Sort the n entries at `at` by index (the dense crossings and the staying outliers are each sorted already)."""
     o = tl.arange(0, SEG)
@@ -243,7 +264,8 @@ def _sort_segment(new_idx, new_bits, at, n, SEG: tl.constexpr):
 @triton.jit
 def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb2, G_DT: tl.constexpr,
                   SR: tl.constexpr, BLOCK: tl.constexpr, OB: tl.constexpr, SEG: tl.constexpr,
-                  NFIELDS: tl.constexpr, ALIGNED: tl.constexpr, HASH: tl.constexpr):
+                  NFIELDS: tl.constexpr, ALIGNED: tl.constexpr, HASH: tl.constexpr,
+                  RECIP: tl.constexpr):
     rec, row, rb, C = _program(tab, work, NFIELDS, ALIGNED)
     wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT, ALIGNED)
     sw, zw = _row_sz(ws, wz, row)
@@ -260,6 +282,8 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
     z_w = tl.load(qs + rb * 4 + 1)
     s_m = tl.load(qs + rb * 4 + 2)
     z_m = tl.load(qs + rb * 4 + 3)
+    r_w = _inv(s_w, RECIP)
+    r_m = _inv(s_m, RECIP)
     n_all = tl.load(counts + rb * 2)
     n_cross = tl.load(counts + rb * 2 + 1)
     at0 = (tl.load(cum + rb) - n_all - tl.load(rec + 20)).to(tl.int32)  # this row's start in the weight's new list
@@ -273,9 +297,9 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
         _, w, m = _lion_values(wc, sw, zw, g, sg, zg, mc, sm, zm, base + offs, mask, decay, lr, b1, omb1, b2, omb2,
                             G_DT == 3)
         out = ((w < t0) | (w > t1)) & mask
-        r = _round(tl.div_rn(tl.where(out, 0.0, w), s_w), seed, base + offs, SR, HASH)
+        r = _round(_quot(tl.where(out, 0.0, w), r_w, RECIP), seed, base + offs, SR, HASH)
         tl.store(wc + base + offs, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=mask)
-        qm = tl.minimum(tl.maximum(_rint(tl.div_rn(m, s_m)) + z_m, 0.0), 255.0)
+        qm = tl.minimum(tl.maximum(_rint(_quot(m, r_m, RECIP)) + z_m, 0.0), 255.0)
         tl.store(mc + base + offs, qm.to(tl.uint8), mask=mask)
         if n_cross > 0:  # most rows have none: no block-wide scan then
             at = _append(new_idx, new_val, at, out, base + offs, w)
@@ -287,7 +311,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
         pos = tl.load(sidx + j, mask=jmask, other=0).to(tl.int64)
         v = tl.load(vb + j, mask=jmask, other=0.0)
         stay = ((v < t0) | (v > t1)) & jmask
-        r = _round(tl.div_rn(tl.where(stay, 0.0, v), s_w), seed ^ 0x2545F491, pos, SR, HASH)  # a stream of its own
+        r = _round(_quot(tl.where(stay, 0.0, v), r_w, RECIP), seed ^ 0x2545F491, pos, SR, HASH)  # a stream of its own
         tl.store(wc + pos, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=jmask)
         at = _append(new_idx, new_val, at, stay, pos, v)
     if SEG > 0:
@@ -425,7 +449,8 @@ def qlion_dense_sparse_finish(ctx: dict, synced: list) -> list:
         work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == key])
         _write_kernel[(work.shape[0],)](tab, work, ctx["stats"], ctx["counts"], ctx["cum"], ctx["vbuf"],
                                         *ctx["hyper"], G_DT=key[0], SR=ctx["sr"], BLOCK=block, OB=OB, SEG=seg,
-                                        NFIELDS=NF, ALIGNED=key[1], HASH=SR_DRAW == "hash", num_warps=warps,
+                                        NFIELDS=NF, ALIGNED=key[1], HASH=SR_DRAW == "hash", RECIP=QDIV == "recip",
+                                        num_warps=warps,
                                         enable_fp_fusion=False)
     if seg == 0:  # some row's new segment is too long to sort in a program
         out = [(*_sorted(idx, val), ptr) for idx, val, ptr in out]
