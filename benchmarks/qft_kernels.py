@@ -83,7 +83,7 @@ def cases(shape, tokens):
             "qlion_step": (lion(False), lion(True)), f"linear_fwd_bwd_M{tokens}": (fb_bf16, fb_qft)}
 
 
-def _layer_step():
+def _layer_step(rounding="sr"):
     """QLion's step over one LLaMA-2-7B layer's seven int8_dense_sparse weights (INT8 gradients), and fused bf16
     AdamW's over the same shapes: two callables."""
     from hfq.qft import QLion
@@ -95,7 +95,7 @@ def _layer_step():
         w = torch.randn(*shape, device="cuda") * 0.02
         ps.append(torch.nn.Parameter(QParam.from_float(w, "int8_dense_sparse", outlier_fraction=0.01)))
         stores.append(Int8Grad(torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 1e-3))
-    opt = QLion(ps, lr=1e-5)
+    opt = QLion(ps, lr=1e-5, rounding=rounding)
     bf = [torch.nn.Parameter(torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
     for p in bf:
         p.grad = torch.randn_like(p) * 1e-3
@@ -111,31 +111,37 @@ def _layer_step():
 
 def sweep(args):
     """QLion's multi-tensor step on one 7B layer: (elements per inner step, warps) of the statistics and write
-    kernels and the quotient (IEEE division or reciprocal multiply), against fused bf16 AdamW, interleaved."""
+    kernels, the quotient (IEEE division or reciprocal multiply), loads issued a block ahead, SR or RTN, against
+    fused bf16 AdamW over the same shapes, interleaved."""
     from hfq_kernels import qlion as Q
 
     qlion, adam = _layer_step()
-    default = dict(Q.LAUNCH), Q.QDIV
-    cfgs = [((1024, 8), (1024, 8), "rn"), ((1024, 8), (1024, 8), "recip"), ((2048, 8), (2048, 8), "recip"),
-            ((4096, 8), (4096, 8), "recip"), ((2048, 16), (2048, 16), "recip"), ((4096, 16), (4096, 16), "recip"),
-            ((1024, 4), (1024, 4), "recip"), ((512, 4), (512, 4), "recip"), ((2048, 4), (2048, 4), "recip")]
+    rtn, _ = _layer_step(rounding="rtn")
+    default = dict(Q.LAUNCH), Q.QDIV, Q.PREFETCH
+    # (block, warps), quotient, prefetch, rounding
+    cfgs = [((512, 4), "rn", False, "sr"), ((512, 4), "recip", False, "sr"), ((512, 4), "recip", True, "sr"),
+            ((256, 2), "recip", True, "sr"), ((512, 2), "recip", True, "sr"), ((1024, 4), "recip", True, "sr"),
+            ((256, 1), "recip", True, "sr"), ((256, 2), "recip", False, "sr"), ((1024, 8), "recip", True, "sr"),
+            ((256, 4), "recip", True, "sr"), ((512, 4), "recip", True, "rtn")]
     times = {i: [] for i in range(len(cfgs))}
     t_adam = []
     for _ in range(args.repeats):
-        for i, (st, wr, qd) in enumerate(cfgs):
-            Q.LAUNCH["stats"], Q.LAUNCH["write"], Q.QDIV = st, wr, qd
-            qlion()
-            times[i].append(timed(qlion, 5))
+        for i, (bw, qd, pf, rnd) in enumerate(cfgs):
+            Q.LAUNCH["stats"] = Q.LAUNCH["write"] = bw
+            Q.QDIV, Q.PREFETCH = qd, pf
+            fn = qlion if rnd == "sr" else rtn
+            fn()
+            times[i].append(timed(fn, 5))
         t_adam.append(timed(adam, 5))
     Q.LAUNCH.update(default[0])
-    Q.QDIV = default[1]
+    Q.QDIV, Q.PREFETCH = default[1:]
     t_adam.sort()
     a = t_adam[len(t_adam) // 2]
     rows = []
-    for i, (st, wr, qd) in enumerate(cfgs):
+    for i, (bw, qd, pf, rnd) in enumerate(cfgs):
         t = sorted(times[i])
-        rows.append(dict(stats=st, write=wr, qdiv=qd, us=t[len(t) // 2], spread=[t[0], t[-1]], adamw_us=a,
-                         ratio=t[len(t) // 2] / a))
+        rows.append(dict(launch=bw, qdiv=qd, prefetch=pf, rounding=rnd, us=t[len(t) // 2], spread=[t[0], t[-1]],
+                         adamw_us=a, ratio=t[len(t) // 2] / a))
         print(rows[-1], flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "qft_kernels_sweep.json"), "w") as f:

@@ -37,6 +37,7 @@ LAUNCH = {"stats": (1024, 8), "write": (1024, 8), "plain": (1024, 8)}
 OB = 64  # outliers per inner step of a row program
 SR_DRAW = "hash"  # SR uniforms: "hash" (integer hash of seed and index) or "philox" (tl.rand)
 QDIV = "rn"  # codes from x / scale: "rn" (IEEE division, as the references) or "recip" (x * (1 / scale))
+PREFETCH = False  # issue the next block's loads before this block's arithmetic (stats and write kernels)
 SORT_MAX = 4096  # longest row segment sorted inside the write kernel; longer ones are sorted by torch
 NF = 22  # int64 fields per weight record
 
@@ -75,15 +76,45 @@ def _lion_move(w, g, gs, gz, mc, ms, mz, offs, mask, decay, lr, b1, omb1, G_INT8
 
 
 @triton.jit
-def _lion_values(wc, ws, wz, g, gs, gz, mc, ms, mz, offs, mask, decay, lr, b1, omb1, b2, omb2,
-                 G_INT8: tl.constexpr):
-    """The dense weight at `offs` before and after the update (float32; old outlier positions are dense zeros) and
-    the updated momentum."""
-    w0 = _int8_at(wc, ws, wz, offs, mask)
-    w, gv, m = _lion_move(w0, g, gs, gz, mc, ms, mz, offs, mask, decay, lr, b1, omb1, G_INT8)
+def _raw(wc, g, mc, offs, mask, G_INT8: tl.constexpr):
+    """The stored weight codes, gradient (codes or floats) and momentum codes at `offs`, as loaded."""
+    if G_INT8:
+        gr = tl.load(g + offs, mask=mask, other=0)
+    else:
+        gr = tl.load(g + offs, mask=mask, other=0.0)
+    return tl.load(wc + offs, mask=mask, other=0), gr, tl.load(mc + offs, mask=mask, other=0)
+
+
+@triton.jit
+def _lion_values(raw, ws, wz, gs, gz, ms, mz, decay, lr, b1, omb1, b2, omb2, G_INT8: tl.constexpr):
+    """From _raw's loads: the dense weight before and after the update (float32; old outlier positions are dense
+    zeros) and the updated momentum."""
+    wr, gr, mr = raw
+    w0 = (wr.to(tl.float32) - wz) * ws
+    if G_INT8:
+        gv = (gr.to(tl.float32) - gz) * gs
+    else:
+        gv = gr.to(tl.float32)
+    m = (mr.to(tl.float32) - mz) * ms
+    w = w0 * decay
+    w = w - _direction(m, gv, b1, omb1) * lr
     m = m * b2
     m = m + gv * omb2
     return w0, w, m
+
+
+@triton.jit
+def _next_raw(wc, g, mc, base, k, C, nxt, BLOCK: tl.constexpr, G_INT8: tl.constexpr, PREFETCH: tl.constexpr):
+    """(this block's loads, the loads carried to the next iteration): with PREFETCH the next block's loads are
+    issued before this block's arithmetic (twice the bytes in flight per thread)."""
+    offs = k + tl.arange(0, BLOCK)
+    if PREFETCH:
+        cur = nxt
+        o2 = offs + BLOCK
+        nxt = _raw(wc, g, mc, base + o2, o2 < C, G_INT8)
+    else:
+        cur = _raw(wc, g, mc, base + offs, offs < C, G_INT8)
+    return cur, nxt
 
 
 @triton.jit
@@ -120,7 +151,8 @@ def _outlier_values(sidx, sval, j, jmask, g, gs, gz, mc, ms, mz, t0, t1, decay, 
 
 @triton.jit
 def _stats_kernel(tab, work, stats, counts, vbuf, decay, lr, b1, omb1, b2, omb2, G_DT: tl.constexpr,
-                  BLOCK: tl.constexpr, OB: tl.constexpr, NFIELDS: tl.constexpr, ALIGNED: tl.constexpr):
+                  BLOCK: tl.constexpr, OB: tl.constexpr, NFIELDS: tl.constexpr, ALIGNED: tl.constexpr,
+                  PREFETCH: tl.constexpr):
     rec, row, rb, C = _program(tab, work, NFIELDS, ALIGNED)
     wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT, ALIGNED)
     sw, zw = _row_sz(ws, wz, row)
@@ -139,11 +171,12 @@ def _stats_kernel(tab, work, stats, counts, vbuf, decay, lr, b1, omb1, b2, omb2,
     n = tl.zeros((BLOCK,), tl.int32)
     n_up = tl.zeros((BLOCK,), tl.int32)  # dense zeros moved to +lr / -lr: old outliers' positions among them
     n_dn = tl.zeros((BLOCK,), tl.int32)
+    nxt = _raw(wc, g, mc, base + tl.arange(0, BLOCK), tl.arange(0, BLOCK) < C, G_DT == 3)
     for k in range(0, C, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < C
-        w0, w, m = _lion_values(wc, sw, zw, g, sg, zg, mc, sm, zm, base + offs, mask, decay, lr, b1, omb1, b2, omb2,
-                                G_DT == 3)
+        raw, nxt = _next_raw(wc, g, mc, base, k, C, nxt, BLOCK, G_DT == 3, PREFETCH)
+        w0, w, m = _lion_values(raw, sw, zw, sg, zg, sm, zm, decay, lr, b1, omb1, b2, omb2, G_DT == 3)
         out = ((w < t0) | (w > t1)) & mask
         zero = (w0 == 0.0) & mask  # moved to exactly -lr*direction: counted, not ranged (see below)
         n_up += (zero & (w > 0)).to(tl.int32)
@@ -265,7 +298,7 @@ def _sort_segment(new_idx, new_bits, at, n, SEG: tl.constexpr):
 def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb2, G_DT: tl.constexpr,
                   SR: tl.constexpr, BLOCK: tl.constexpr, OB: tl.constexpr, SEG: tl.constexpr,
                   NFIELDS: tl.constexpr, ALIGNED: tl.constexpr, HASH: tl.constexpr,
-                  RECIP: tl.constexpr):
+                  RECIP: tl.constexpr, PREFETCH: tl.constexpr):
     rec, row, rb, C = _program(tab, work, NFIELDS, ALIGNED)
     wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT, ALIGNED)
     sw, zw = _row_sz(ws, wz, row)
@@ -291,11 +324,12 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
     if row == tl.load(rec + 21) - 1:
         tl.store(new_ptr + row + 1, at0 + n_all)
     at = at0
+    nxt = _raw(wc, g, mc, base + tl.arange(0, BLOCK), tl.arange(0, BLOCK) < C, G_DT == 3)
     for k in range(0, C, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < C
-        _, w, m = _lion_values(wc, sw, zw, g, sg, zg, mc, sm, zm, base + offs, mask, decay, lr, b1, omb1, b2, omb2,
-                            G_DT == 3)
+        raw, nxt = _next_raw(wc, g, mc, base, k, C, nxt, BLOCK, G_DT == 3, PREFETCH)
+        _, w, m = _lion_values(raw, sw, zw, sg, zg, sm, zm, decay, lr, b1, omb1, b2, omb2, G_DT == 3)
         out = ((w < t0) | (w > t1)) & mask
         r = _round(_quot(tl.where(out, 0.0, w), r_w, RECIP), seed, base + offs, SR, HASH)
         tl.store(wc + base + offs, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=mask)
@@ -415,7 +449,8 @@ def qlion_dense_sparse_begin(items, *, lr: float, beta1: float, beta2: float, we
     for key in sorted(set(codes_l)):
         work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == key])
         _stats_kernel[(work.shape[0],)](tab, work, stats, counts, vbuf, *hyper, G_DT=key[0], BLOCK=block, OB=OB,
-                                        NFIELDS=NF, ALIGNED=key[1], num_warps=warps, enable_fp_fusion=False)
+                                        NFIELDS=NF, ALIGNED=key[1], PREFETCH=PREFETCH, num_warps=warps,
+                                        enable_fp_fusion=False)
     cnt = counts[:, 0]
     ctx["cum"] = cum = torch.cumsum(cnt, 0, dtype=torch.int64)
     ends = _ENDS.get_or((str(dev), tuple(rows_l)), lambda: torch.tensor(rows_l).cumsum(0).sub(1).to(dev))
@@ -450,7 +485,7 @@ def qlion_dense_sparse_finish(ctx: dict, synced: list) -> list:
         _write_kernel[(work.shape[0],)](tab, work, ctx["stats"], ctx["counts"], ctx["cum"], ctx["vbuf"],
                                         *ctx["hyper"], G_DT=key[0], SR=ctx["sr"], BLOCK=block, OB=OB, SEG=seg,
                                         NFIELDS=NF, ALIGNED=key[1], HASH=SR_DRAW == "hash", RECIP=QDIV == "recip",
-                                        num_warps=warps,
+                                        PREFETCH=PREFETCH, num_warps=warps,
                                         enable_fp_fusion=False)
     if seg == 0:  # some row's new segment is too long to sort in a program
         out = [(*_sorted(idx, val), ptr) for idx, val, ptr in out]
