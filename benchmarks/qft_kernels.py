@@ -118,16 +118,17 @@ def sweep(args):
     qlion, adam = _layer_step()
     rtn, _ = _layer_step(rounding="rtn")
     default = dict(Q.LAUNCH), Q.QDIV, Q.PREFETCH
-    # (block, warps), quotient, prefetch, rounding
-    cfgs = [((512, 4), "rn", False, "sr"), ((512, 4), "recip", False, "sr"), ((512, 4), "recip", True, "sr"),
-            ((256, 2), "recip", True, "sr"), ((512, 2), "recip", True, "sr"), ((1024, 4), "recip", True, "sr"),
-            ((256, 1), "recip", True, "sr"), ((256, 2), "recip", False, "sr"), ((1024, 8), "recip", True, "sr"),
-            ((256, 4), "recip", True, "sr"), ((512, 4), "recip", True, "rtn")]
+    # (block, warps) of the statistics and of the write kernel, quotient, prefetch, rounding
+    cfgs = [((512, 4), (512, 4), "rn", False, "sr"), ((256, 1), (256, 1), "recip", True, "sr"),
+            ((128, 1), (128, 1), "recip", True, "sr"), ((512, 1), (512, 1), "recip", True, "sr"),
+            ((256, 1), (512, 2), "recip", True, "sr"), ((512, 2), (256, 1), "recip", True, "sr"),
+            ((1024, 1), (1024, 1), "recip", True, "sr"), ((256, 1), (256, 1), "recip", False, "sr"),
+            ((256, 1), (256, 1), "rn", True, "sr"), ((256, 1), (256, 1), "recip", True, "rtn")]
     times = {i: [] for i in range(len(cfgs))}
     t_adam = []
     for _ in range(args.repeats):
-        for i, (bw, qd, pf, rnd) in enumerate(cfgs):
-            Q.LAUNCH["stats"] = Q.LAUNCH["write"] = bw
+        for i, (sb, wb, qd, pf, rnd) in enumerate(cfgs):
+            Q.LAUNCH["stats"], Q.LAUNCH["write"] = sb, wb
             Q.QDIV, Q.PREFETCH = qd, pf
             fn = qlion if rnd == "sr" else rtn
             fn()
@@ -138,9 +139,9 @@ def sweep(args):
     t_adam.sort()
     a = t_adam[len(t_adam) // 2]
     rows = []
-    for i, (bw, qd, pf, rnd) in enumerate(cfgs):
+    for i, (sb, wb, qd, pf, rnd) in enumerate(cfgs):
         t = sorted(times[i])
-        rows.append(dict(launch=bw, qdiv=qd, prefetch=pf, rounding=rnd, us=t[len(t) // 2], spread=[t[0], t[-1]],
+        rows.append(dict(stats=sb, write=wb, qdiv=qd, prefetch=pf, rounding=rnd, us=t[len(t) // 2], spread=[t[0], t[-1]],
                          adamw_us=a, ratio=t[len(t) // 2] / a))
         print(rows[-1], flush=True)
     os.makedirs(args.out, exist_ok=True)
