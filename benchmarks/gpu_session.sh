@@ -40,7 +40,10 @@ q.step_host_profile(8); [q.model_step(m, 8) for m in ('qft', 'bf16_adamw')]" > "
     qft_host) timeout 200 python -c "import sys; sys.path.insert(0, 'benchmarks'); import qft_profile as q; \
 q.fwd_bwd_host_profile(8)" > "$OUT/qft_host.txt" 2>&1 ;;
     qft_sweep) timeout 300 python benchmarks/qft_kernels.py --sweep --out "$OUT" > "$OUT/qft_sweep.txt" 2>&1 ;;
-    qft_mem) timeout 540 python benchmarks/qft_memory.py --out "$OUT" > "$OUT/qft_mem.txt" 2>&1 ;;
+    # the 7B itself: both models resident (~71 GiB), step times interleaved at 32 layers
+    qft_t32) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 400 python benchmarks/qft_memory.py \
+               --methods qft,bf16_adamw --time-layers 32 --repeats 5 --name qft_step_7b --out "$OUT" > "$OUT/qft_t32.txt" 2>&1 ;;
+    qft_mem) timeout 540 python benchmarks/qft_memory.py --repeats 5 --out "$OUT" > "$OUT/qft_mem.txt" 2>&1 ;;
     qerl_profile) timeout 240 python benchmarks/qerl_update_profile.py --out "$OUT" > "$OUT/qerl_profile.txt" 2>&1 ;;
     *) echo "unknown part $part" ;;
   esac

@@ -111,37 +111,33 @@ def _layer_step(rounding="sr"):
 
 def sweep(args):
     """QLion's multi-tensor step on one 7B layer: (elements per inner step, warps) of the statistics and write
-    kernels, the quotient (IEEE division or reciprocal multiply), loads issued a block ahead, SR or RTN, against
-    fused bf16 AdamW over the same shapes, interleaved."""
+    kernels, loads issued a block ahead or not, SR or RTN, against fused bf16 AdamW over the same shapes,
+    interleaved."""
     from hfq_kernels import qlion as Q
 
     qlion, adam = _layer_step()
     rtn, _ = _layer_step(rounding="rtn")
-    default = dict(Q.LAUNCH), Q.QDIV, Q.PREFETCH
-    # (block, warps) of the statistics and of the write kernel, quotient, prefetch, rounding
-    cfgs = [((512, 4), (512, 4), "rn", False, "sr"), ((256, 1), (256, 1), "recip", True, "sr"),
-            ((128, 1), (128, 1), "recip", True, "sr"), ((512, 1), (512, 1), "recip", True, "sr"),
-            ((256, 1), (512, 2), "recip", True, "sr"), ((512, 2), (256, 1), "recip", True, "sr"),
-            ((1024, 1), (1024, 1), "recip", True, "sr"), ((256, 1), (256, 1), "recip", False, "sr"),
-            ((256, 1), (256, 1), "rn", True, "sr"), ((256, 1), (256, 1), "recip", True, "rtn")]
+    default = dict(Q.LAUNCH), Q.PREFETCH
+    # (block, warps) of the statistics and of the write kernel, prefetch, rounding
+    cfgs = [((1024, 8), (1024, 8), False, "sr"), ((256, 1), (512, 2), True, "sr"), ((256, 1), (256, 1), True, "sr"),
+            ((128, 1), (512, 2), True, "sr"), ((256, 1), (512, 2), False, "sr"), ((256, 1), (512, 2), True, "rtn")]
     times = {i: [] for i in range(len(cfgs))}
     t_adam = []
     for _ in range(args.repeats):
-        for i, (sb, wb, qd, pf, rnd) in enumerate(cfgs):
-            Q.LAUNCH["stats"], Q.LAUNCH["write"] = sb, wb
-            Q.QDIV, Q.PREFETCH = qd, pf
+        for i, (sb, wb, pf, rnd) in enumerate(cfgs):
+            Q.LAUNCH["stats"], Q.LAUNCH["write"], Q.PREFETCH = sb, wb, pf
             fn = qlion if rnd == "sr" else rtn
             fn()
             times[i].append(timed(fn, 5))
         t_adam.append(timed(adam, 5))
     Q.LAUNCH.update(default[0])
-    Q.QDIV, Q.PREFETCH = default[1:]
+    Q.PREFETCH = default[1]
     t_adam.sort()
     a = t_adam[len(t_adam) // 2]
     rows = []
-    for i, (sb, wb, qd, pf, rnd) in enumerate(cfgs):
+    for i, (sb, wb, pf, rnd) in enumerate(cfgs):
         t = sorted(times[i])
-        rows.append(dict(stats=sb, write=wb, qdiv=qd, prefetch=pf, rounding=rnd, us=t[len(t) // 2], spread=[t[0], t[-1]],
+        rows.append(dict(stats=sb, write=wb, prefetch=pf, rounding=rnd, us=t[len(t) // 2], spread=[t[0], t[-1]],
                          adamw_us=a, ratio=t[len(t) // 2] / a))
         print(rows[-1], flush=True)
     os.makedirs(args.out, exist_ok=True)
@@ -154,7 +150,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    ap.add_argument("--sweep", action="store_true", help="time launch choices of hfq_kernels.int8/qlion LAUNCH and exit")
+    ap.add_argument("--sweep", action="store_true", help="time launch choices of QLion's kernels (hfq_kernels.qlion) and exit")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.sweep:

@@ -343,7 +343,8 @@ def _f(x, nd=2, suffix=""):
 
 def write(res, out_dir):
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "qft_memory.json"), "w") as f:
+    name = res["config"].get("name", "qft_memory")
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(res, f, indent=1)
     c = res["config"]
     lines = [f"# QFT Table 1: training memory, LLaMA-2-7B-shaped ({res['device']}, {res['date']}, commit "
@@ -373,7 +374,7 @@ def write(res, out_dir):
                          f"{_f(None if r.get('bf16_adamw_s_spread') is None else 100 * r['bf16_adamw_s_spread'], 1, '%')}"
                          f" | {_f(r.get('ratio_vs_bf16_adamw'), 2, 'x')} | {r.get('status', '')} |")
     lines += ["", "## Notes"] + [f"- {n}" for n in res["notes"]]
-    with open(os.path.join(out_dir, "qft_memory.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -396,6 +397,7 @@ def main():
                     help="device memory assumed for the fits-or-extrapolate decision (default: the GPU's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--name", default="qft_memory", help="basename of the .json/.md written to --out")
     a = ap.parse_args()
     methods = [m for m in a.methods.split(",") if m]
     bad = [m for m in methods if m not in ALL]
@@ -445,7 +447,7 @@ def main():
                config=dict(hidden=a.hidden, intermediate=a.intermediate, layers=a.layers, heads=a.heads,
                            kv_heads=a.kv_heads or a.heads, vocab=a.vocab, seq=a.seq, batch=1, grad_ckpt=a.grad_ckpt,
                            repeats=a.repeats, time_layers=a.time_layers, fallback_layers=list(a.fallback_layers),
-                           methods=methods),
+                           methods=methods, name=a.name),
                memory=[], timing=[], notes=notes)
     write(res, a.out)
     for m in methods:

@@ -14,8 +14,8 @@ separate sparse product they cost M x nnz scattered multiply-adds, about the den
 7B shapes. Decoding the whole weight reads 1 byte and writes 2 per element (~60 us for 4096 x 11008 on an H100),
 a fraction of the GEMM it feeds; the bf16 weight is a per-call temporary of one layer.
 
-Arithmetic follows the references op for op, compiled without FMA contraction, IEEE divisions; RTN codes equal the
-reference's on CPU (tests/test_qft_kernels.py).
+Arithmetic follows the references op for op, compiled without FMA contraction; a row's codes are x * (1 / scale) with
+the reciprocal (IEEE division) once per row, as the reference computes them; RTN codes equal the reference's on CPU (tests/test_qft_kernels.py).
 """
 from __future__ import annotations
 
@@ -169,11 +169,12 @@ def _quant_rows_kernel(g, codes, scales, zeros, finite, C, ACC: tl.constexpr, BL
     hi = tl.max(hi, 0)
     s = tl.where(hi > lo, tl.div_rn(hi - lo, 255.0), 1.0)
     z = tl.minimum(tl.maximum(_rint(tl.div_rn(-lo, s)), 0.0), 255.0)
+    r = tl.div_rn(1.0, s)
     for k in range(0, C, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < C
         x, fin = _grad_value(g, codes, so, zo, base + offs, mask, ACC)
-        q = tl.minimum(tl.maximum(_rint(tl.div_rn(x, s)) + z, 0.0), 255.0)
+        q = tl.minimum(tl.maximum(_rint(x * r) + z, 0.0), 255.0)
         tl.store(codes + base + offs, q.to(tl.uint8), mask=mask)
     tl.store(scales + row, s)
     tl.store(zeros + row, z.to(tl.uint8))

@@ -19,11 +19,16 @@ per program: a program handles one row. The dense + sparse step runs two passes 
          (keys (index << 16 | bf16 bits)); the new list's row segments are written too (the next step and the
          decode read them instead of searching the list).
 Between the passes one host sync per step reads every weight's new list length (to allocate the lists).
-Arithmetic follows the references op for op, compiled without FMA contraction, IEEE divisions; RTN results equal
-the references' on CPU (tests/test_qft_kernels.py). SR draws: a 24-bit uniform per element from a 32-bit integer
-hash (murmur3's finalizer) of the weight's seed and the element's flat index (old outliers: another key); on the H100
-QLion's step of 8 7B-shaped layers took 31.6 ms with it against 33.8 ms with Philox (tl.rand, SR_DRAW = "philox");
-one Philox call per 4 elements (tl.rand4x reshaped into the block) was slower still.
+Arithmetic follows the references op for op, compiled without FMA contraction; codes are x * (1 / scale), the
+reciprocal (IEEE division) once per row as reference.intq computes it; RTN results equal the references' on CPU
+(tests/test_qft_kernels.py). SR draws: a 24-bit uniform per element from a 32-bit integer hash (murmur3's finalizer)
+of the weight's seed and the element's flat index (old outliers: another key); on the H100 QLion's step of 8
+7B-shaped layers took 31.6 ms with it against 33.8 ms with Philox (tl.rand, SR_DRAW = "philox").
+Launch shapes (benchmarks/qft_kernels.py --sweep, one 7B layer's seven weights on the H100): one-warp statistics
+programs and two-warp write programs, the next block's loads issued before this block's arithmetic, and the
+reciprocal instead of a division per element, took the step from 3.8 ms to 1.7-1.9 ms (fused bf16 AdamW: 1.29 ms):
+the per-row prologue (dependent loads of the work item, record and row scales) is latency that only many small
+programs in flight hide.
 """
 from __future__ import annotations
 
@@ -33,11 +38,10 @@ from hfq_kernels._triton import LRU, TABLE_CODES, f32_to_bf16_rne, table_ptr, tl
 from hfq_kernels.int8 import _qparams, _rint, _store_cast, row_segments, set_row_segments
 
 # kernel -> (elements per inner step of a row program, warps); benchmarks/qft_kernels.py --sweep times the choices
-LAUNCH = {"stats": (1024, 8), "write": (1024, 8), "plain": (1024, 8)}
+LAUNCH = {"stats": (256, 1), "write": (512, 2), "plain": (1024, 8)}
 OB = 64  # outliers per inner step of a row program
 SR_DRAW = "hash"  # SR uniforms: "hash" (integer hash of seed and index) or "philox" (tl.rand)
-QDIV = "rn"  # codes from x / scale: "rn" (IEEE division, as the references) or "recip" (x * (1 / scale))
-PREFETCH = False  # issue the next block's loads before this block's arithmetic (stats and write kernels)
+PREFETCH = True  # issue the next block's loads before this block's arithmetic (stats and write kernels)
 SORT_MAX = 4096  # longest row segment sorted inside the write kernel; longer ones are sorted by torch
 NF = 22  # int64 fields per weight record
 
@@ -262,26 +266,6 @@ def _round(x, seed, pos, SR: tl.constexpr, HASH: tl.constexpr):
 
 
 @triton.jit
-def _inv(s, RECIP: tl.constexpr):
-    """What the per-element quotient x / s multiplies by under RECIP (1 / s, once per row), else s itself."""
-    if RECIP:
-        r = tl.div_rn(1.0, s)
-    else:
-        r = s
-    return r
-
-
-@triton.jit
-def _quot(x, r, RECIP: tl.constexpr):
-    """x / s with r = _inv(s, RECIP)."""
-    if RECIP:
-        q = x * r
-    else:
-        q = tl.div_rn(x, r)
-    return q
-
-
-@triton.jit
 def _sort_segment(new_idx, new_bits, at, n, SEG: tl.constexpr):
     """Sort the n entries at `at` by index (the dense crossings and the staying outliers are each sorted already)."""
     o = tl.arange(0, SEG)
@@ -298,7 +282,7 @@ def _sort_segment(new_idx, new_bits, at, n, SEG: tl.constexpr):
 def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb2, G_DT: tl.constexpr,
                   SR: tl.constexpr, BLOCK: tl.constexpr, OB: tl.constexpr, SEG: tl.constexpr,
                   NFIELDS: tl.constexpr, ALIGNED: tl.constexpr, HASH: tl.constexpr,
-                  RECIP: tl.constexpr, PREFETCH: tl.constexpr):
+                  PREFETCH: tl.constexpr):
     rec, row, rb, C = _program(tab, work, NFIELDS, ALIGNED)
     wc, ws, wz, g, gs, gz, mc, ms, mz = _weight_ptrs(rec, G_DT, ALIGNED)
     sw, zw = _row_sz(ws, wz, row)
@@ -315,8 +299,8 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
     z_w = tl.load(qs + rb * 4 + 1)
     s_m = tl.load(qs + rb * 4 + 2)
     z_m = tl.load(qs + rb * 4 + 3)
-    r_w = _inv(s_w, RECIP)
-    r_m = _inv(s_m, RECIP)
+    r_w = tl.div_rn(1.0, s_w)  # codes are x * (1 / scale), as reference.intq computes them
+    r_m = tl.div_rn(1.0, s_m)
     n_all = tl.load(counts + rb * 2)
     n_cross = tl.load(counts + rb * 2 + 1)
     at0 = (tl.load(cum + rb) - n_all - tl.load(rec + 20)).to(tl.int32)  # this row's start in the weight's new list
@@ -331,9 +315,9 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
         raw, nxt = _next_raw(wc, g, mc, base, k, C, nxt, BLOCK, G_DT == 3, PREFETCH)
         _, w, m = _lion_values(raw, sw, zw, sg, zg, sm, zm, decay, lr, b1, omb1, b2, omb2, G_DT == 3)
         out = ((w < t0) | (w > t1)) & mask
-        r = _round(_quot(tl.where(out, 0.0, w), r_w, RECIP), seed, base + offs, SR, HASH)
+        r = _round(tl.where(out, 0.0, w) * r_w, seed, base + offs, SR, HASH)
         tl.store(wc + base + offs, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=mask)
-        qm = tl.minimum(tl.maximum(_rint(_quot(m, r_m, RECIP)) + z_m, 0.0), 255.0)
+        qm = tl.minimum(tl.maximum(_rint(m * r_m) + z_m, 0.0), 255.0)
         tl.store(mc + base + offs, qm.to(tl.uint8), mask=mask)
         if n_cross > 0:  # most rows have none: no block-wide scan then
             at = _append(new_idx, new_val, at, out, base + offs, w)
@@ -345,7 +329,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
         pos = tl.load(sidx + j, mask=jmask, other=0).to(tl.int64)
         v = tl.load(vb + j, mask=jmask, other=0.0)
         stay = ((v < t0) | (v > t1)) & jmask
-        r = _round(_quot(tl.where(stay, 0.0, v), r_w, RECIP), seed ^ 0x2545F491, pos, SR, HASH)  # a stream of its own
+        r = _round(tl.where(stay, 0.0, v) * r_w, seed ^ 0x2545F491, pos, SR, HASH)  # a stream of its own
         tl.store(wc + pos, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=jmask)
         at = _append(new_idx, new_val, at, stay, pos, v)
     if SEG > 0:
@@ -484,7 +468,7 @@ def qlion_dense_sparse_finish(ctx: dict, synced: list) -> list:
         work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == key])
         _write_kernel[(work.shape[0],)](tab, work, ctx["stats"], ctx["counts"], ctx["cum"], ctx["vbuf"],
                                         *ctx["hyper"], G_DT=key[0], SR=ctx["sr"], BLOCK=block, OB=OB, SEG=seg,
-                                        NFIELDS=NF, ALIGNED=key[1], HASH=SR_DRAW == "hash", RECIP=QDIV == "recip",
+                                        NFIELDS=NF, ALIGNED=key[1], HASH=SR_DRAW == "hash",
                                         PREFETCH=PREFETCH, num_warps=warps,
                                         enable_fp_fusion=False)
     if seg == 0:  # some row's new segment is too long to sort in a program
@@ -550,6 +534,7 @@ def _plain_kernel(tab, work, stats, decay, lr, b1, omb1, b2, omb2, WRITE: tl.con
     if WRITE:
         s_m = tl.load(stats + rb * 2)
         z_m = tl.load(stats + rb * 2 + 1)
+        r_m = tl.div_rn(1.0, s_m)
     for k in range(0, C, BLOCK):
         offs = k + tl.arange(0, BLOCK)
         mask = offs < C
@@ -566,7 +551,7 @@ def _plain_kernel(tab, work, stats, decay, lr, b1, omb1, b2, omb2, WRITE: tl.con
         m = m * b2
         m = m + gv * omb2
         if WRITE:
-            qm = tl.minimum(tl.maximum(_rint(tl.div_rn(m, s_m)) + z_m, 0.0), 255.0)
+            qm = tl.minimum(tl.maximum(_rint(m * r_m) + z_m, 0.0), 255.0)
             tl.store(mc + base + offs, qm.to(tl.uint8), mask=mask)
         else:
             m = tl.where(mask, m, 0.0)

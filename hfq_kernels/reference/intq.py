@@ -4,7 +4,7 @@
   per tensor or per group of `group_size` contiguous input elements. INT4 codes are packed two per byte as
   (code + 8): element 2i in the low nibble, 2i+1 in the high nibble.
 - Asymmetric INT-b per output channel (QFT eq. 1-2): s = (max-min)/(2^b-1), z = round(-min/s),
-  code = clamp(round(w/s) + z, 0, 2^b-1), value = (code - z) * s. The range always contains 0, so 0 is exact.
+  code = clamp(round(w * (1/s)) + z, 0, 2^b-1) (the reciprocal once per row, as the kernels compute it), value = (code - z) * s. The range always contains 0, so 0 is exact.
   The one INT8 quantizer of hfq: weights' dense part, QFT's INT8 gradients and QLion's INT8 momentum.
 - Dense + sparse (QFT eq. 3): values outside [T_min, T_max] (the `outlier_fraction` tails, split evenly) are
   kept in bf16 as (flat int32 index, value) pairs; the dense rest (outliers zeroed) is INT8 per channel.
@@ -108,7 +108,7 @@ def quantize_int_asym(w: torch.Tensor, bits: int = 8, rounding: str = "rtn", gen
     hi = w.amax(-1, keepdim=True).clamp_min(0)
     scales = torch.where(hi > lo, (hi - lo) / qmax, torch.ones_like(hi))
     zeros = torch.round(-lo / scales).clamp(0, qmax)
-    q = (round_int(w / scales, rounding, generator) + zeros).clamp(0, qmax)
+    q = (round_int(w * (1.0 / scales), rounding, generator) + zeros).clamp(0, qmax)  # one division per row
     return q.to(torch.uint8), scales, zeros.to(torch.uint8)
 
 
