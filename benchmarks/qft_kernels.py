@@ -140,9 +140,53 @@ def sweep(args):
         rows.append(dict(stats=sb, write=wb, prefetch=pf, rounding=rnd, us=t[len(t) // 2], spread=[t[0], t[-1]],
                          adamw_us=a, ratio=t[len(t) // 2] / a))
         print(rows[-1], flush=True)
+    rows += _sweep_rows(args)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "qft_kernels_sweep.json"), "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def _sweep_rows(args):
+    """Launch shapes of the INT8 gradient (one 7B layer's seven gradients, accumulating) and of QLion's plain step
+    (an embedding-sized bf16 parameter), interleaved."""
+    from hfq_kernels import int8 as K
+    from hfq_kernels import qlion as Q
+
+    shapes = [(4096, 4096)] * 4 + [(11008, 4096)] * 2 + [(4096, 11008)]
+    gs = [torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 1e-3 for s in shapes]
+    st = [(torch.zeros(*s, dtype=torch.uint8, device="cuda"), torch.ones(s[0], 1, device="cuda"),
+           torch.zeros(s[0], 1, dtype=torch.uint8, device="cuda")) for s in shapes]
+
+    def quant():
+        for g, (c, sc, z) in zip(gs, st):
+            K.int8_quantize_rows_(g, c, sc, z, accumulate=True)
+
+    p = torch.randn(32000, 4096, device="cuda", dtype=torch.bfloat16) * 0.02
+    g = torch.randn_like(p) * 1e-3
+    mom = dict(codes=torch.full((32000, 4096), 128, dtype=torch.uint8, device="cuda"),
+               scales=torch.full((32000, 1), 1e-5, device="cuda"), zeros=torch.full((32000, 1), 128, dtype=torch.uint8,
+                                                                                       device="cuda"))
+
+    def plain():
+        Q.lion_plain_step_(p, g, mom, lr=1e-6, beta1=0.9, beta2=0.99, weight_decay=0.0)
+
+    cases = [("quant", K, fn_cfg) for fn_cfg in [(1024, 4), (512, 2), (256, 1), (2048, 4)]]
+    cases += [("plain", Q, fn_cfg) for fn_cfg in [(1024, 8), (512, 2), (256, 1), (1024, 4)]]
+    fns = {"quant": quant, "plain": plain}
+    default = {"quant": K.LAUNCH["quant"], "plain": Q.LAUNCH["plain"]}
+    times = {i: [] for i in range(len(cases))}
+    for _ in range(args.repeats):
+        for i, (name, mod, cfg) in enumerate(cases):
+            mod.LAUNCH[name] = cfg
+            fns[name]()
+            times[i].append(timed(fns[name], 5))
+            mod.LAUNCH[name] = default[name]
+    rows = []
+    for i, (name, _, cfg) in enumerate(cases):
+        t = sorted(times[i])
+        rows.append(dict(kernel=name, launch=cfg, us=t[len(t) // 2], spread=[t[0], t[-1]]))
+        print(rows[-1], flush=True)
+    return rows
 
 
 def main():
