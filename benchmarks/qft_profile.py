@@ -116,6 +116,45 @@ def model_step(method: str, layers: int = 2, seq: int = 2048, fused=None):
     torch.cuda.empty_cache()
 
 
+def step_times(method: str, layers: int = 32, steps: int = 8, seq: int = 2048, gc_off: bool = False):
+    """Each step's wall time (synced after each), allocator retries and device allocations during them, Python
+    GC collections: what makes single steps slow."""
+    import gc
+    import time
+
+    model, opt = _model(method, layers)
+    ids = torch.randint(0, 32000, (1, seq), device="cuda")
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    if gc_off:
+        gc.collect()
+        gc.disable()
+    counts = [0, 0, 0]
+    cb = lambda phase, info: counts.__setitem__(info["generation"], counts[info["generation"]] + (phase == "stop"))
+    gc.callbacks.append(cb)
+    m0 = torch.cuda.memory_stats()
+    out = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        out.append(round(1e3 * (time.perf_counter() - t), 1))
+    gc.callbacks.remove(cb)
+    gc.enable()
+    m1 = torch.cuda.memory_stats()
+    print(f"step times {method} {layers} layers gc_off={gc_off}: {out} ms; alloc retries "
+          f"{m1['num_alloc_retries'] - m0['num_alloc_retries']}, device mallocs "
+          f"{m1.get('num_device_alloc', 0) - m0.get('num_device_alloc', 0)}, gc collections per generation {counts}",
+          flush=True)
+    del model, opt
+    torch.cuda.empty_cache()
+
+
 def step_host_profile(layers: int = 8, seq: int = 2048):
     """cProfile of QLion.step alone (after a synced backward): where its host time goes."""
     import cProfile
