@@ -155,6 +155,30 @@ def step_times(method: str, layers: int = 32, steps: int = 8, seq: int = 2048, g
     torch.cuda.empty_cache()
 
 
+def opt_profile(layers: int = 8, seq: int = 2048):
+    """torch.profiler of QLion.step alone (after a synced backward): every kernel it launches, by GPU time."""
+    model, opt = _model("qft", layers)
+    ids = torch.randint(0, 32000, (1, seq), device="cuda")
+    for i in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        if i == 2:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                opt.step()
+                torch.cuda.synchronize()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    ka = prof.key_averages()
+    print(f"==== QLion.step kernels, {layers} layers")
+    for e in sorted(ka, key=lambda e: -e.self_device_time_total)[:25]:
+        print(f"  {e.self_device_time_total / 1e3:8.2f} ms GPU  {e.self_cpu_time_total / 1e3:8.2f} ms CPU  "
+              f"x{e.count:<5d} {e.key[:100]}")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+    del model, opt
+    torch.cuda.empty_cache()
+
+
 def step_host_profile(layers: int = 8, seq: int = 2048):
     """cProfile of QLion.step alone (after a synced backward): where its host time goes."""
     import cProfile
