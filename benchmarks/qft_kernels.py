@@ -170,21 +170,25 @@ def _sweep_rows(args):
     def plain():
         Q.lion_plain_step_(p, g, mom, lr=1e-6, beta1=0.9, beta2=0.99, weight_decay=0.0)
 
-    cases = [("quant", K, fn_cfg) for fn_cfg in [(1024, 4), (512, 2), (256, 1), (2048, 4)]]
-    cases += [("plain", Q, fn_cfg) for fn_cfg in [(1024, 8), (512, 2), (256, 1), (1024, 4)]]
+    # (kernel, module, launch shape, rows up to this length read once: INT8 gradient only)
+    cases = [("quant", K, (1024, 4), 0), ("quant", K, (1024, 4), 16384), ("plain", Q, (1024, 8), None),
+             ("plain", Q, (1024, 4), None)]
     fns = {"quant": quant, "plain": plain}
     default = {"quant": K.LAUNCH["quant"], "plain": Q.LAUNCH["plain"]}
+    one_default = K.ONE_PASS_MAX
     times = {i: [] for i in range(len(cases))}
     for _ in range(args.repeats):
-        for i, (name, mod, cfg) in enumerate(cases):
+        for i, (name, mod, cfg, one) in enumerate(cases):
             mod.LAUNCH[name] = cfg
+            K.ONE_PASS_MAX = one_default if one is None else one
             fns[name]()
             times[i].append(timed(fns[name], 5))
             mod.LAUNCH[name] = default[name]
+    K.ONE_PASS_MAX = one_default
     rows = []
-    for i, (name, _, cfg) in enumerate(cases):
+    for i, (name, _, cfg, one) in enumerate(cases):
         t = sorted(times[i])
-        rows.append(dict(kernel=name, launch=cfg, us=t[len(t) // 2], spread=[t[0], t[-1]]))
+        rows.append(dict(kernel=name, launch=cfg, one_pass_max=one, us=t[len(t) // 2], spread=[t[0], t[-1]]))
         print(rows[-1], flush=True)
     return rows
 

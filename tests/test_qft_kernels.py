@@ -50,7 +50,9 @@ def test_dequantize_op_compiles():
 
 @pytest.mark.parametrize("rows,cols", SHAPES)
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
-def test_quantize_rows_and_accumulate_match_reference(rows, cols, gdtype):
+@pytest.mark.parametrize("one_pass_max", [K.ONE_PASS_MAX, 0])  # each row read once / in blocks, twice
+def test_quantize_rows_and_accumulate_match_reference(rows, cols, gdtype, one_pass_max, monkeypatch):
+    monkeypatch.setattr(K, "ONE_PASS_MAX", one_pass_max)
     torch.manual_seed(cols)
     g1 = (torch.randn(rows, cols, device=DEV) * 1e-3).to(gdtype)
     g2 = (torch.randn(rows, cols, device=DEV) * 3e-3).to(gdtype)
@@ -77,7 +79,9 @@ def same_codes(c, s, z, rc, rs, rz):
     assert ((a - b).abs() <= s * 1.0001).all() and ((a - b).abs() > s * 0.5).float().mean() < 0.07
 
 
-def test_quantize_rows_flags_nonfinite_and_zeroes_it():
+@pytest.mark.parametrize("one_pass_max", [K.ONE_PASS_MAX, 0])
+def test_quantize_rows_flags_nonfinite_and_zeroes_it(one_pass_max, monkeypatch):
+    monkeypatch.setattr(K, "ONE_PASS_MAX", one_pass_max)
     g = torch.randn(4, 33, device=DEV)
     g[2, 7], g[3, 0] = float("nan"), float("-inf")
     c = torch.empty(4, 33, dtype=torch.uint8, device=DEV)
