@@ -43,6 +43,7 @@ q.step_host_profile(8); [q.model_step(m, 8) for m in ('qft', 'bf16_adamw')]" > "
 [q.step_times(m, 32, gc_off=g) for m in ('qft', 'bf16_adamw') for g in (False, True)]" > "$OUT/qft_steps.txt" 2>&1 ;;
     qft_opt) timeout 200 python -c "import sys; sys.path.insert(0, 'benchmarks'); import qft_profile as q; \
 q.opt_profile(8)" > "$OUT/qft_opt.txt" 2>&1 ;;
+    qft_ab) timeout 300 python benchmarks/qft_ab.py > "$OUT/qft_ab.txt" 2>&1 ;;
     qft_host) timeout 200 python -c "import sys; sys.path.insert(0, 'benchmarks'); import qft_profile as q; \
 q.fwd_bwd_host_profile(8)" > "$OUT/qft_host.txt" 2>&1 ;;
     qft_sweep) timeout 300 python benchmarks/qft_kernels.py --sweep --out "$OUT" > "$OUT/qft_sweep.txt" 2>&1 ;;
