@@ -451,7 +451,7 @@ def qlion_dense_sparse_finish(ctx: dict, synced: list) -> list:
     if not items:
         return []
     ends, need = synced[:-1], synced[-1]
-    seg = 0 if need > SORT_MAX else max(16, 1 << max(need - 1, 0).bit_length())
+    seg = _seg_bucket(need)
     out, recs, start = [], [], 0
     for (w, *_), rec, rows, end in zip(items, ctx["recs"], ctx["rows"], ends):
         n = end - start
@@ -466,14 +466,34 @@ def qlion_dense_sparse_finish(ctx: dict, synced: list) -> list:
     rows_l, codes_l = ctx["rows"], ctx["codes"]
     for key in sorted(set(codes_l)):
         work = _work_list(dev, [(i, r) for i, (r, c) in enumerate(zip(rows_l, codes_l)) if c == key])
-        _write_kernel[(work.shape[0],)](tab, work, ctx["stats"], ctx["counts"], ctx["cum"], ctx["vbuf"],
-                                        *ctx["hyper"], G_DT=key[0], SR=ctx["sr"], BLOCK=block, OB=OB, SEG=seg,
-                                        NFIELDS=NF, ALIGNED=key[1], HASH=SR_DRAW == "hash",
-                                        PREFETCH=PREFETCH, num_warps=warps,
-                                        enable_fp_fusion=False)
+        launch = dict(G_DT=key[0], SR=ctx["sr"], BLOCK=block, OB=OB, NFIELDS=NF, ALIGNED=key[1],
+                      HASH=SR_DRAW == "hash", PREFETCH=PREFETCH, num_warps=warps, enable_fp_fusion=False)
+        args = (tab, work, ctx["stats"], ctx["counts"], ctx["cum"], ctx["vbuf"], *ctx["hyper"])
+        _compile_buckets(args, launch, dev)
+        _write_kernel[(work.shape[0],)](*args, SEG=seg, **launch)
     if seg == 0:  # some row's new segment is too long to sort in a program
         out = [(*_sorted(idx, val), ptr) for idx, val, ptr in out]
     return out
+
+
+SEG_BUCKETS = (64, 512, SORT_MAX)  # in-kernel merge sizes: each is a compiled variant of the write kernel
+_COMPILED: set = set()
+
+
+def _seg_bucket(need: int) -> int:
+    """The write kernel's merge size for a longest mixed row segment of `need` (0: torch sorts after it)."""
+    return next((b for b in SEG_BUCKETS if need <= b <= SORT_MAX), 0)
+
+
+def _compile_buckets(args, launch: dict, dev) -> None:
+    """Compile every merge size of this write-kernel variant at its first use (launches of an empty grid), so
+    that a step whose longest mixed row first reaches a larger bucket does not stall on the JIT mid-training."""
+    key = (str(dev), tuple(sorted(launch.items())))
+    if key in _COMPILED or dev.type != "cuda":
+        return
+    for seg in (0,) + SEG_BUCKETS:
+        _write_kernel[(0,)](*args, SEG=seg, **launch)
+    _COMPILED.add(key)
 
 
 def _sorted(idx, val):
