@@ -134,13 +134,12 @@ class QParamOptimizer(torch.optim.Optimizer):
         dev = next((f.device for f in flags if f.device.type != "cpu"), flags[0].device)
         return items, order, torch.cat([f.to(dev, non_blocking=True) for f in flags])
 
-    def _finish_check(self, pending, ok_host: list | None = None) -> None:
-        """Wait for the check (the one host sync of the step; `ok_host`: its flags already read, as a list, by a
-        caller that folds them into a sync of its own); refuse the step on a bad gradient, naming it."""
+    def _finish_check(self, pending) -> None:
+        """Wait for the check (the one host sync of the step); refuse the step on a bad gradient, naming it."""
         if pending is None:
             return
         items, order, ok = pending
-        ok = ok.cpu() if ok_host is None else torch.tensor(ok_host, dtype=torch.bool)
+        ok = ok.cpu()
         if not bool(ok.all()):
             gi, pi, p = items[min(order[j] for j in (~ok).nonzero().flatten().tolist())]  # first in param order
             raise ValueError(f"non-finite gradient (NaN/Inf) in {self._param_name(gi, pi, p)}: step refused, "

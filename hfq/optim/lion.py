@@ -26,7 +26,7 @@ import torch
 from hfq_kernels import int8 as _k
 from hfq_kernels import qlion as _q
 from hfq_kernels.reference.intq import as_rows, dequantize_int_asym, quantize_int_asym
-from ..qparam import Int8Grad, QParam, int8_grad, int8_kernels, pop_int8_grad
+from ..qparam import Int8Grad, QParam, int8_kernels, pop_int8_grad
 from .base import QParamOptimizer
 
 MOMENTUM_BITS = (None, 8)
@@ -99,57 +99,36 @@ class QLion(QParamOptimizer):
     # ---- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """Lion's step of every parameter with a gradient. Nothing is modified before the NaN/Inf verdict; the fused
-        weights' statistics pass (which writes only scratch buffers) runs first, so that the verdict and its outlier
-        counts come back in one host sync, and the Python work before it overlaps the GPU's tail of the backward."""
         loss, pending = self._begin_step(closure)
-        begun, rest = [], []
+        self._finish_check(pending)
+        begun = []
         for group in self.param_groups:
             dense: dict = {}
             plain: dict = {}
-            other = []
             for p in group["params"]:
                 if not self._has_grad(p):
                     continue
-                q8 = int8_grad(p)
                 if self._use_fused(p, group):
-                    dense.setdefault(p.device, []).append((p, self._fused_item(p, p.grad if q8 is None else q8)))
+                    g = pop_int8_grad(p)
+                    dense.setdefault(p.device, []).append((p, self._fused_item(p, p.grad if g is None else g)))
                     continue
-                if q8 is None and self._plain_fused(p, p.grad):  # the kernel reads a bf16/fp16 gradient as it is
-                    plain.setdefault(p.device, []).append((p, p.grad))
-                else:
-                    other.append(p)  # its float32 gradient is made after the check, one parameter at a time
-            rest.append((group, plain, other))
-            begun += [(items, self._fused_begin([it for _, it in items], group)) for items in dense.values()]
-        synced = self._sync(pending, [ctx for _, ctx in begun])
-        for group, plain, other in rest:
-            for p in other:
                 q8 = pop_int8_grad(p)
-                self.update_param_(p, p.grad.float() if q8 is None else q8.dequantize(torch.float32), group)
+                g = p.grad if q8 is None else q8.dequantize(torch.float32)
+                if self._plain_fused(p, g):  # the kernel reads a bf16/fp16 gradient as it is
+                    plain.setdefault(p.device, []).append((p, g))
+                else:
+                    self.update_param_(p, g.float(), group)
             for items in plain.values():
                 self._plain_step(items, group)
-        for items, ctx in begun:
-            n = ctx["sync"].numel()
-            self._fused_finish([p for p, _ in items], ctx, synced[:n])
-            synced = synced[n:]
+            begun += [(items, self._fused_begin([it for _, it in items], group)) for items in dense.values()]
+        if begun:  # one host sync per step: the new outlier lists' lengths of every weight
+            synced = torch.cat([ctx["sync"].to(begun[0][1]["sync"].device) for _, ctx in begun]).tolist()
+            at = 0
+            for items, ctx in begun:
+                n = ctx["sync"].numel()
+                self._fused_finish([p for p, _ in items], ctx, synced[at:at + n])
+                at += n
         return loss
-
-    def _sync(self, pending, ctxs) -> list:
-        """The step's one host sync: the NaN/Inf verdict (raises, nothing modified) and the fused contexts' counts,
-        returned as one list of ints."""
-        if not ctxs:
-            self._finish_check(pending)
-            return []
-        dev = ctxs[0]["sync"].device
-        parts = [ctx["sync"].to(dev) for ctx in ctxs]
-        n_ok = 0
-        if pending is not None:
-            n_ok = pending[2].numel()
-            parts.insert(0, pending[2].to(dev, torch.int64))
-        host = torch.cat(parts).tolist()
-        if pending is not None:
-            self._finish_check(pending, [bool(v) for v in host[:n_ok]])
-        return host[n_ok:]
 
     def _use_fused(self, p, group) -> bool:
         """The fused Triton step applies: an int8_dense_sparse QParam, INT8 momentum, lr > 0, no outlier refresh
@@ -237,11 +216,13 @@ class QLion(QParamOptimizer):
                                   beta2=b2, weight_decay=wd)
 
     def _fused_item(self, p: QParam, g) -> tuple:
-        """(weight, gradient, momentum, seed) of p for hfq_kernels.qlion (p's step is counted by _fused_finish)."""
+        """(weight, gradient, momentum, seed) of p for hfq_kernels.qlion; counts p's step."""
         mom = self._momentum(p)
+        state = self.state[p]
+        state["step"] += 1
         grad = ({"codes": g.codes, "scales": g.scales, "zeros": g.zeros} if isinstance(g, Int8Grad)
                 else {"value": g})
-        seed = self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(self.state[p]["step"]) + 1
+        seed = self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(state["step"])
         return p.qtensors(), grad, mom, seed
 
     def _fused_begin(self, items, group) -> dict:
@@ -249,9 +230,7 @@ class QLion(QParamOptimizer):
         return _q.qlion_dense_sparse_begin(items, lr=lr, beta1=b1, beta2=b2, weight_decay=wd,
                                            rounding=self.rounding)
 
-    def _fused_finish(self, params, ctx: dict, synced: list) -> None:
-        """The write pass of begun weights; their INT8 gradients are consumed and their steps counted."""
+    @staticmethod
+    def _fused_finish(params, ctx: dict, synced: list) -> None:
         for p, new in zip(params, _q.qlion_dense_sparse_finish(ctx, synced)):
             _q.store_outliers_(p.sparse_idx, p.sparse_val, new, p.codes.shape[-1])
-            pop_int8_grad(p)
-            self.state[p]["step"] += 1
