@@ -16,7 +16,7 @@ for part in "$@"; do
              tests/test_quest.py tests/test_eco.py tests/test_qparam.py tests/test_qft_lion.py tests/test_nvfp4_model.py \
              tests/test_rollout_kernels.py tests/test_hadamard.py tests/test_kernels_imports.py tests/test_peft_routes.py \
              tests/test_optim_guard.py tests/test_qft_kernels.py > "$OUT/tests.txt" 2>&1 ;;
-    qft) timeout 240 python -m pytest -q -p no:cacheprovider tests/test_qft_kernels.py tests/test_qft_lion.py \
+    qft) timeout 400 python -m pytest -q -p no:cacheprovider tests/test_qft_kernels.py tests/test_qft_lion.py \
            tests/test_qft_grads.py tests/test_qft_outliers.py tests/test_qft.py > "$OUT/qft_tests.txt" 2>&1
          timeout 200 python benchmarks/qft_kernels.py --out "$OUT" > "$OUT/qft_kernels.txt" 2>&1 ;;
     ecotest) timeout 120 python -m pytest -q -p no:cacheprovider tests/test_eco_kernel.py tests/test_eco.py > "$OUT/ecotest.txt" 2>&1 ;;

@@ -1,6 +1,6 @@
 """A/B of QFT step variants on one 7B-shaped model (8 layers), steps interleaved, GC off while timing:
-the INT8 gradient kernel's one-pass rows on/off, and a host sync right before QLion.step (the step's former
-two-sync structure) or not. python benchmarks/qft_ab.py (device)."""
+QLion's in-kernel merge sizes (three buckets compiled at first use, or every power of two compiled when first
+needed). python benchmarks/qft_ab.py (device)."""
 from __future__ import annotations
 
 import gc
@@ -17,25 +17,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 def main(layers=8, repeats=7):
     import qft_profile as q
-    from hfq_kernels import int8 as K
-
     model, opt = q._model("qft", layers)
     base, bopt = q._model("bf16_adamw", layers)
     ids = torch.randint(0, 32000, (1, 2048), device="cuda")
 
-    def step(m, o, one=16384, pre_sync=False):
-        K.ONE_PASS_MAX = one
+    from hfq_kernels import qlion as Q
+
+    def step(m, o, buckets=Q.SEG_BUCKETS, precompile=True):
+        Q.SEG_BUCKETS, Q.PRECOMPILE = buckets, precompile
         torch.cuda.synchronize()
         t = time.perf_counter()
         m(input_ids=ids, labels=ids).loss.backward()
-        if pre_sync:
-            torch.cuda.synchronize()
         o.step()
         o.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    variants = {"qft": dict(), "qft_two_pass_quant": dict(one=0), "qft_sync_before_step": dict(pre_sync=True)}
+    variants = {"qft": dict(), "qft_pow2_merge": dict(buckets=tuple(2 ** i for i in range(4, 13)), precompile=False)}
     for v in variants.values():
         step(model, opt, **v)
     step(base, bopt)
@@ -50,7 +48,8 @@ def main(layers=8, repeats=7):
     b = statistics.median(res["bf16_adamw"])
     for k, t in res.items():
         m = statistics.median(t)
-        print(f"{k:24s} median {1e3 * m:7.1f} ms  min {1e3 * min(t):7.1f}  max {1e3 * max(t):7.1f}  x bf16 {m / b:.3f}")
+        print(f"{k:24s} median {1e3 * m:7.1f} ms  min {1e3 * min(t):7.1f}  max {1e3 * max(t):7.1f}  x bf16 {m / b:.3f}"
+              f"  steps {[round(1e3 * x, 1) for x in t]}")
 
 
 if __name__ == "__main__":

@@ -477,6 +477,7 @@ def qlion_dense_sparse_finish(ctx: dict, synced: list) -> list:
 
 
 SEG_BUCKETS = (64, 512, SORT_MAX)  # in-kernel merge sizes: each is a compiled variant of the write kernel
+PRECOMPILE = True  # compile every merge size of a write-kernel variant at its first use
 _COMPILED: set = set()
 
 
@@ -489,7 +490,7 @@ def _compile_buckets(args, launch: dict, dev) -> None:
     """Compile every merge size of this write-kernel variant at its first use (launches of an empty grid), so
     that a step whose longest mixed row first reaches a larger bucket does not stall on the JIT mid-training."""
     key = (str(dev), tuple(sorted(launch.items())))
-    if key in _COMPILED or dev.type != "cuda":
+    if not PRECOMPILE or key in _COMPILED or dev.type != "cuda":
         return
     for seg in (0,) + SEG_BUCKETS:
         _write_kernel[(0,)](*args, SEG=seg, **launch)
