@@ -7,6 +7,11 @@ Interface (the layouts are the canonical compressed-tensors ones, read directly 
   hfq::nvfp4_dequantize(packed, scale, global_recip, dtype) -> [out,in]
   hfq::nvfp4_linear(x[...,in], packed, scale, global_recip, bias?) -> [...,out]  (grads: x, bias)
   hfq::nvfp4_linear_grad_input(grad[...,out], packed, scale, global_recip) -> [...,in]
+The same on the g4 layout (hfq_kernels.nvfp4_gluon: NVFP4Linear's storage where the Gluon kernel runs; n, k are
+the weight's [out, in]); CPU runs the torch reference (unrepack + fp4), CUDA the Gluon / Triton kernels:
+  hfq::nvfp4_g4_dequantize(words, scales, global_recip, n, k, dtype) -> [n, k]
+  hfq::nvfp4_g4_linear(x[...,k], words, scales, global_recip, n, k, bias?) -> [...,n]  (grads: x, bias)
+  hfq::nvfp4_g4_linear_grad_input(grad[...,n], words, scales, global_recip, n, k) -> [...,k]
 """
 from __future__ import annotations
 
@@ -17,8 +22,10 @@ import torch.nn.functional as F
 
 from hfq_kernels._autotune import Tuner, m_bucket
 from hfq_kernels._triton import HAS_TRITON, on_gpu
-from hfq_kernels.nvfp4_matmul import (KINDS, LINEAR_TUNER, LinearPlan, check_bias, grad_input, grad_input_impl,
-                                      linear, linear_impl, plan_linear)
+from hfq_kernels import nvfp4_gluon as g4
+from hfq_kernels.nvfp4_matmul import (KINDS, LINEAR_TUNER, LinearPlan, _check_g4_call, check_bias, grad_input,
+                                      grad_input_impl, grad_input_g4, linear, linear_g4, linear_impl, plan_linear,
+                                      plan_linear_g4)
 from hfq_kernels.nvfp4_quant import check_packed, dequantize, quantize
 from hfq_kernels.reference import fp4
 
@@ -202,6 +209,89 @@ def _(grad, packed, scale, global_scale):
 
 nvfp4_linear.register_autograd(_backward, setup_context=_setup)
 
+
+# ----------------------------------------------------------------------------------------------- g4 layout ops
+@torch.library.custom_op("hfq::nvfp4_g4_dequantize", mutates_args=())
+def nvfp4_g4_dequantize(words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    g4.check_g4(words, scales, n, k)
+    return g4.dequantize_g4_ref(words, scales, global_scale, n, k, dtype)
+
+
+@nvfp4_g4_dequantize.register_kernel("cuda")
+def _(words, scales, global_scale, n, k, dtype):
+    g4.check_g4(words, scales, n, k)
+    if on_gpu(words):
+        return g4.dequantize_g4(words, scales, global_scale, n, k, dtype)
+    return g4.dequantize_g4_ref(words, scales, global_scale, n, k, dtype)
+
+
+@nvfp4_g4_dequantize.register_fake
+def _(words, scales, global_scale, n, k, dtype):
+    return words.new_empty((n, k), dtype=dtype)
+
+
+def _g4_linear_ref(x, words, scales, global_scale, n, k, bias):
+    _check_g4_call(x, words, scales, global_scale, bias, n, k)
+    return F.linear(x, g4.dequantize_g4_ref(words, scales, global_scale, n, k, x.dtype), bias)
+
+
+@torch.library.custom_op("hfq::nvfp4_g4_linear", mutates_args=())
+def nvfp4_g4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, n: int,
+                    k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _g4_linear_ref(x, words, scales, global_scale, n, k, bias)
+
+
+@nvfp4_g4_linear.register_kernel("cuda")
+def _(x, words, scales, global_scale, n, k, bias=None):
+    if on_gpu(x):
+        return linear_g4(x, words, scales, global_scale, n, k, bias)
+    return _g4_linear_ref(x, words, scales, global_scale, n, k, bias)
+
+
+@nvfp4_g4_linear.register_fake
+def _(x, words, scales, global_scale, n, k, bias=None):
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.custom_op("hfq::nvfp4_g4_linear_grad_input", mutates_args=())
+def nvfp4_g4_linear_grad_input(grad: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                               global_scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    return grad @ g4.dequantize_g4_ref(words, scales, global_scale, n, k, grad.dtype)
+
+
+@nvfp4_g4_linear_grad_input.register_kernel("cuda")
+def _(grad, words, scales, global_scale, n, k):
+    if on_gpu(grad):
+        return grad_input_g4(grad, words, scales, global_scale, n, k)
+    return grad @ g4.dequantize_g4_ref(words, scales, global_scale, n, k, grad.dtype)
+
+
+@nvfp4_g4_linear_grad_input.register_fake
+def _(grad, words, scales, global_scale, n, k):
+    return grad.new_empty((*grad.shape[:-1], k))
+
+
+def _g4_setup(ctx, inputs, output):
+    x, words, scales, global_scale, n, k, bias = inputs
+    ctx.save_for_backward(words, scales, global_scale)
+    ctx.nk = (n, k)
+    ctx.has_bias = bias is not None
+
+
+def _g4_backward(ctx, grad):
+    words, scales, global_scale = ctx.saved_tensors
+    gx = gb = None
+    if ctx.needs_input_grad[0]:
+        gx = torch.ops.hfq.nvfp4_g4_linear_grad_input(grad, words, scales, global_scale, *ctx.nk)
+    if ctx.has_bias and ctx.needs_input_grad[6]:
+        gb = grad.reshape(-1, grad.shape[-1]).sum(0)
+    return gx, None, None, None, None, None, gb
+
+
+nvfp4_g4_linear.register_autograd(_g4_backward, setup_context=_g4_setup)
+
 __all__ = ["nvfp4_quantize", "nvfp4_dequantize", "nvfp4_linear", "nvfp4_linear_grad_input", "quantize",
            "dequantize", "linear", "grad_input", "linear_eager", "eager_fast_ok", "check_packed", "m_bucket",
-           "Tuner", "LINEAR_TUNER", "KINDS", "LinearPlan", "plan_linear", "plan_apply"]
+           "Tuner", "LINEAR_TUNER", "KINDS", "LinearPlan", "plan_linear", "plan_apply", "nvfp4_g4_dequantize",
+           "nvfp4_g4_linear", "nvfp4_g4_linear_grad_input", "plan_linear_g4"]

@@ -9,8 +9,15 @@ Repacked layout (built once per weight by `repack`, cached; state_dict/save keep
   is a pair of bf16 = e2m1 * 2^-126 (exact, 11 integer ops per 8 codes), which times the scale is the MMA's A
   register for k-slab i directly (no layout conversion, no shared memory).
   Scales: one byte per (row, block) at ((rt*KC + kc)*32 + lane)*2 + hrow, encoding bf16(scale * 2^112) as
-  (exponent - 230) << 3 | mantissa, so bf16x2(s, s) = byte * 0x00100010 + 0x73007300 (one IMAD); blocks whose
-  scale is 0 get zero codes. W = A * 2^14 / global_recip; x stays bf16 (the B operand, two 16-byte loads).
+  (exponent - 230) << 3 | mantissa, so bf16x2(s, s) = byte * 0x00100010 + 0x73007300 (one IMAD). E4M3's
+  non-zero scales use bytes 0..143; scale 0 is byte 208 (ZERO_SCALE_BYTE), which that IMAD turns into bf16 -0.0:
+  the block's codes are kept as they are and still decode to zero. W = A * 2^14 / global_recip; x stays bf16
+  (the B operand, two 16-byte loads).
+
+This "g4" layout is what NVFP4Linear keeps on a GPU that runs the kernel (no canonical copy beside it): besides
+the Gluon decode kernel, `dequantize_g4` (Triton, also under the interpreter) serves prefill, training forward
+and grad-input, and `unrepack` gives the canonical compressed-tensors tensors back for save/export. The round
+trip canonical -> g4 -> canonical is bit-exact except for a scale of -0.0 (written back as +0.0; values equal).
 """
 from __future__ import annotations
 
@@ -19,10 +26,11 @@ import weakref
 
 import torch
 
-from hfq_kernels._triton import HAS_TRITON, INTERPRET, cdiv
+from hfq_kernels._triton import HAS_TRITON, INTERPRET, cdiv, e2m1_to_f32, f32_to_bf16_rne, tl, triton
 
 _G4_SM = (0, 3, -3, 6)
 _G4_SS = (0, 3, 1, 2)
+ZERO_SCALE_BYTE = 208  # (bf16 bits 0x8000 - 0x7300) >> 4: decodes to -0.0
 
 
 def _shifted(dst: str, a: int) -> str:
@@ -183,10 +191,9 @@ def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     bl = torch.zeros((nt * 16, kc * 4), dtype=torch.float32, device=dev)
     bl[:n, :k // 16] = sv
     zero = bl == 0
-    codes.view(nt * 16, kc * 4, 16).masked_fill_(zero[:, :, None], 0)  # zero-scale blocks: zero codes (exact)
     bits = (bl * 2.0 ** 112).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-    sb = torch.where(zero, torch.zeros_like(bits), (((bits >> 7) - 230) << 3) | ((bits >> 4) & 7))
-    if bool(((sb < 0) | (sb > 255)).any()) or bool(((bits & 15) != 0).any()):
+    sb = torch.where(zero, torch.full_like(bits, ZERO_SCALE_BYTE), (((bits >> 7) - 230) << 3) | ((bits >> 4) & 7))
+    if bool(((sb < 0) | ((sb > 143) & ~zero)).any()) or bool(((bits & 15) != 0).any()):
         raise ValueError("nvfp4 gluon repack: scale outside the E4M3 range (negative, NaN or not E4M3)")
     c = codes.view(nt, 2, 8, kc, 4, 2, 4, 2).to(torch.int64)  # rt, hrow, g, kc, c, wsub, i, h
     word = torch.zeros((nt, 2, 8, kc, 4, 2), dtype=torch.int64, device=dev)
@@ -199,6 +206,91 @@ def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, tor
     word = torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
     sr = sb.view(nt, 2, 8, kc, 4).permute(0, 3, 2, 4, 1).reshape(-1).to(torch.uint8)  # rt, kc, g, c, hrow
     return word.contiguous(), sr.contiguous()
+
+
+def unrepack(wr: torch.Tensor, sr: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The g4 layout (wr, sr) of an [n, k] weight -> canonical (packed u8[n, k/2], scale e4m3[n, k/16]);
+    the inverse of `repack` (pure torch, any device)."""
+    check_g4(wr, sr, n, k)
+    nt, kc = cdiv(n, 16), cdiv(k, 64)
+    w = (wr.to(torch.int64) & 0xFFFFFFFF).view(nt, kc, 8, 4, 2, 2).permute(0, 4, 2, 1, 3, 5)  # rt,hrow,g,kc,c,wsub
+    codes = torch.empty((nt, 2, 8, kc, 4, 2, 4, 2), dtype=torch.uint8, device=wr.device)
+    for i in range(4):
+        for h in range(2):
+            mag = (w >> (6 + 16 * h - _G4_SM[i])) & 7
+            sign = (w >> (15 + 16 * h - _G4_SS[i])) & 1
+            codes[..., i, h] = (mag | (sign << 3)).to(torch.uint8)
+    codes = codes.view(nt * 16, kc * 64)[:n, :k]
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    sb = sr.view(nt, kc, 8, 4, 2).permute(0, 4, 2, 1, 3).reshape(nt * 16, kc * 4)[:n, :k // 16].to(torch.int32)
+    val = (((sb << 4) + (230 << 7)).to(torch.int16).view(torch.bfloat16).float() * 2.0 ** -112)
+    val = torch.where(sb == ZERO_SCALE_BYTE, torch.zeros_like(val), val)
+    return packed, val.to(torch.float8_e4m3fn).contiguous()
+
+
+def g4_numel(n: int, k: int) -> tuple[int, int]:
+    """(int32 words, scale bytes) of the g4 layout of an [n, k] weight (rows padded to 16, K to 64)."""
+    nt, kc = cdiv(n, 16), cdiv(k, 64)
+    return nt * kc * 128, nt * kc * 64
+
+
+def check_g4(wr: torch.Tensor, sr: torch.Tensor, n: int, k: int, name: str = "nvfp4") -> None:
+    """Raise ValueError unless (wr, sr) are the g4 layout's tensors of an [n, k] weight."""
+    if k % 16 or n <= 0 or k <= 0:
+        raise ValueError(f"{name}: g4 layout needs in_features a positive multiple of 16, got [{n}, {k}]")
+    nw, ns = g4_numel(n, k)
+    if wr.dtype != torch.int32 or wr.shape != (nw,) or sr.dtype != torch.uint8 or sr.shape != (ns,):
+        raise ValueError(f"{name}: g4 layout of [{n}, {k}] needs int32 words [{nw}] and uint8 scales [{ns}], got "
+                         f"{wr.dtype} {tuple(wr.shape)} and {sr.dtype} {tuple(sr.shape)}")
+
+
+def dequantize_g4_ref(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """Torch reference: the [n, k] weight in `dtype`, equal bit for bit to fp4.nvfp4_dequantize of the canonical
+    tensors (the canonical form's e2m1(code) * (scale / global_recip))."""
+    from hfq_kernels.reference import fp4
+
+    packed, scale = unrepack(wr, sr, n, k)
+    return fp4.nvfp4_dequantize(packed, scale, global_scale, dtype)
+
+
+@triton.jit
+def _g4_dequant_kernel(wr_ptr, sr_ptr, recip_ptr, out_ptr, N, K, KC, BC: tl.constexpr):
+    """Rows 16*pid_r .. +15 (one row tile) and columns BC*pid_c .. of the g4 weight, decoded to out [N, K]."""
+    rt = tl.program_id(0)
+    r = tl.arange(0, 16)
+    col = tl.program_id(1) * BC + tl.arange(0, BC)
+    hrow = (r // 8)[:, None]
+    g = (r % 8)[:, None]
+    kc = (col // 64)[None, :]
+    c = ((col % 64) // 16)[None, :]
+    wsub = ((col % 16) // 8)[None, :]
+    i = ((col % 8) // 2)[None, :]
+    h = (col % 2)[None, :]
+    base = ((rt * KC + kc) * 32 + 4 * g + c).to(tl.int64)
+    word = tl.load(wr_ptr + base * 4 + 2 * hrow + wsub)
+    sm = tl.where(i == 0, 0, tl.where(i == 1, 3, tl.where(i == 2, -3, 6)))
+    ss = tl.where(i == 0, 0, tl.where(i == 1, 3, tl.where(i == 2, 1, 2)))
+    code = ((word >> (6 + 16 * h - sm)) & 7) | (((word >> (15 + 16 * h - ss)) & 1) << 3)
+    sb = tl.load(sr_ptr + base * 2 + hrow).to(tl.int32)
+    # the byte's bf16(scale * 2^112) as fp32 bits, exponent lowered by 112: the E4M3 scale exactly (>= 2^-9)
+    sval = tl.where(sb == 208, 0.0, ((sb << 20) + (118 << 23)).to(tl.float32, bitcast=True))
+    v = e2m1_to_f32(code) * tl.math.div_rn(sval, tl.load(recip_ptr))
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        v = f32_to_bf16_rne(v)
+    else:
+        v = v.to(out_ptr.dtype.element_ty)
+    row = rt * 16 + 8 * hrow + g
+    tl.store(out_ptr + row.to(tl.int64) * K + col[None, :], v, mask=(row < N) & (col[None, :] < K))
+
+
+def dequantize_g4(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16, out=None) -> torch.Tensor:
+    """The [n, k] weight of the g4 tensors in `dtype` (Triton; bit-identical to dequantize_g4_ref). No checks:
+    callers validate once (check_g4)."""
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype, device=wr.device)
+    recip = global_scale if global_scale.dtype == torch.float32 else global_scale.float()
+    _g4_dequant_kernel[(cdiv(n, 16), cdiv(k, 256))](wr, sr, recip, out, n, k, cdiv(k, 64), BC=256, num_warps=4)
+    return out
 
 
 def emulate(x: torch.Tensor, wr: torch.Tensor, sr: torch.Tensor, n: int, k: int, recip) -> torch.Tensor:
@@ -249,6 +341,13 @@ def _sm80(device: torch.device) -> bool:
     if ok is None:
         ok = _CAPABLE[idx] = torch.cuda.get_device_capability(idx) >= (8, 0)
     return ok
+
+
+def device_ok(device: torch.device) -> bool:
+    """Whether the Gluon kernel runs on `device` (CUDA sm_80+, gluon available, no interpreter,
+    HFQ_NVFP4_GLUON != 0): there NVFP4Linear keeps its weight in the g4 layout."""
+    return (HAS_GLUON and not INTERPRET and device.type == "cuda" and os.environ.get("HFQ_NVFP4_GLUON", "1") != "0"
+            and _sm80(device))
 
 
 def supported(x2: torch.Tensor) -> bool:

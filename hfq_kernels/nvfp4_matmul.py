@@ -785,3 +785,75 @@ def plan_linear(x, packed, scale, global_scale, bias=None) -> LinearPlan:
                  su8=su8, has_bias=has_bias, out_shape=(*x.shape[:-1], n))
     fwd = _kind_forward(c, kind, config, x)
     return LinearPlan(fwd, grad, final, gen, config)
+
+
+# ----------------------------------------------------------------------------------------------- the g4 layout
+# NVFP4Linear's storage on GPUs that run the Gluon kernel (hfq_kernels.nvfp4_gluon's module doc): decode
+# (bf16, M <= 64) runs the Gluon kernel on it directly; every other product dequantizes it (Triton) and calls
+# cuBLAS, so no canonical copy is needed on the device.
+def _g4_recip(global_scale):
+    return global_scale if global_scale.dtype == torch.float32 else global_scale.float()
+
+
+def _check_g4_call(x, wr, sr, global_scale, bias, n, k, what="nvfp4_g4_linear"):
+    gluon.check_g4(wr, sr, n, k)
+    if global_scale.numel() != 1:
+        raise ValueError(f"{what}: weight_global_scale must have one element, got shape {tuple(global_scale.shape)}")
+    check_bias(bias, n)
+    if x.shape[-1] != k:
+        raise ValueError(f"{what}: x has in_features={x.shape[-1]} but the weight has {k}")
+
+
+def _g4_gluon(x2, wr, sr, recip, bias, n, k):
+    """The Gluon decode of x2 [M, K] (bf16, M <= 64) with its default/tuned config."""
+    m = x2.shape[0]
+    cfg = gluon_config(m, n, k, x2.device)
+    split, cps = _splits(cdiv(k, 64), cfg.get("split", 1))
+    return _with_partials(x2, n, bias, recip, split, None,
+                          lambda dst, y: gluon.launch(x2, wr, sr, recip, bias, dst, y.stride(0), n, cfg, split, cps))
+
+
+def linear_g4(x, wr, sr, global_scale, n: int, k: int, bias=None):
+    """y = x @ dequant(W)^T + bias for a weight in the g4 layout (CUDA)."""
+    _check_g4_call(x, wr, sr, global_scale, bias, n, k)
+    recip = _g4_recip(global_scale)
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] > 0 and gluon.supported(x2):
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        return _g4_gluon(x2, wr, sr, recip, bias, n, k).reshape(*x.shape[:-1], n)
+    return F.linear(x, gluon.dequantize_g4(wr, sr, recip, n, k, x.dtype), bias)
+
+
+def grad_input_g4(g, wr, sr, global_scale, n: int, k: int):
+    """grad_x = g @ dequant(W) for a weight in the g4 layout: dequantize (Triton), then cuBLAS."""
+    if g.shape[-1] != n:
+        raise ValueError(f"nvfp4_g4_linear_grad_input: grad has {g.shape[-1]} features but the weight has {n} rows")
+    return g @ gluon.dequantize_g4(wr, sr, _g4_recip(global_scale), n, k, g.dtype)
+
+
+def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
+    """plan_linear() for a weight in the g4 layout: the Gluon kernel where gluon.supported(x), else dequantize_g4 +
+    cuBLAS (config kind "dequant"); grad always dequantize_g4 + cuBLAS. Raises for bad inputs on the first call."""
+    _check_g4_call(x, wr, sr, global_scale, bias, n, k)
+    rf = global_scale if global_scale.dtype == torch.float32 else None  # else converted per call (stays current)
+
+    def dequant(dtype):
+        return gluon.dequantize_g4(wr, sr, rf if rf is not None else global_scale.float(), n, k, dtype)
+
+    def grad(g):
+        return g @ dequant(g.dtype)
+
+    def dense(x, b):
+        return F.linear(x, dequant(x.dtype), b)
+
+    x2 = x.detach().reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0 or not gluon.supported(x2):
+        return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, {"kind": "dequant"})
+    config = gluon_config(m, n, k, x.device)
+    split, cps = _splits(cdiv(k, 64), config.get("split", 1))
+    run = gluon.launcher(m, n, k, config, split, cps, bias is not None)
+    c = _PlanCtx(m=m, n=n, k=k, dt=x.dtype, dev=x.device, rf=rf, global_scale=global_scale,
+                 has_bias=bias is not None, out_shape=(*x.shape[:-1], n))
+    fwd = _finish(c, split, lambda x2, b, dst, y, aux: run(x2, wr, sr, c.recip(), b, dst, n))
+    return LinearPlan(lambda x, b: fwd(x, b), grad, True, LINEAR_TUNER.gen, config)

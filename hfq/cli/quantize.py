@@ -29,8 +29,7 @@ def _linear_bytes(model) -> tuple[int, int]:
         if isinstance(m, NVFP4Linear):
             n = m.in_features * m.out_features
             before += 2 * n
-            after += sum(b.numel() * b.element_size() for b in (m.weight_packed, m.weight_scale,
-                                                               m.weight_global_scale) if b is not None)
+            after += sum(b.numel() * b.element_size() for b in m.buffers(recurse=False) if b is not None)
         elif type(m) is nn.Linear:
             before += 2 * m.weight.numel()
             after += 2 * m.weight.numel()

@@ -1,15 +1,23 @@
 """`NVFP4Linear`: a frozen FP4 linear layer holding compressed-tensors' buffers; the input gets a gradient."""
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import hfq_kernels.nvfp4 as _K  # registers torch.ops.hfq.*
+from hfq_kernels import nvfp4_gluon as _G4
 from hfq_kernels.reference import fp4
 
 _BLOCK = {"nvfp4": fp4.NVFP4_BLOCK, "mxfp4": fp4.MXFP4_BLOCK}
 _MAX_PLANS = 64  # per layer: distinct input shapes whose launch plans are kept
+_CANON = ("weight_packed", "weight_scale")
+_G4_BUFS = ("weight_g4", "weight_g4_scale")
+# HFQ_NVFP4_G4=0: layers keep the canonical buffers on the GPU too (the decode kernel then caches its repacked copy
+# beside them: two copies). Per layer: NVFP4Linear.allow_g4.
+G4_DEFAULT = os.environ.get("HFQ_NVFP4_G4", "1") != "0"
 
 
 class NVFP4Linear(nn.Module):
@@ -20,6 +28,14 @@ class NVFP4Linear(nn.Module):
     (the reciprocal 448*6/amax; NVFP4 only). The base weight is frozen: training goes through LoRA.
     `weight_dtype` is the dtype the weight has in the model (what `weight`, a merge or a dense rebuild give);
     it follows model casts such as `.to(torch.bfloat16)` while the codes and scales stay as they are.
+
+    Layout: on a GPU where the Gluon decode kernel runs (`hfq_kernels.nvfp4_gluon.device_ok`) an NVFP4 layer keeps
+    its codes and scales only in that kernel's "g4" layout (buffers `weight_g4` int32, `weight_g4_scale` u8, not
+    persistent): decode, prefill, training forward and grad-input all read it, so there is one copy of the weight
+    on the device. It is entered after loading, on a move to such a GPU, when `set_weight` is called on one, or at
+    the first forward there; moving elsewhere returns to the canonical buffers. state_dict / save_pretrained
+    always hold the canonical compressed-tensors tensors (converted back bit-exactly), and reading
+    `weight_packed` / `weight_scale` in the g4 layout returns a freshly converted (read-only) canonical copy.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "nvfp4",
@@ -32,6 +48,7 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"in_features={in_features} is not a multiple of the {format} block size {blk}")
         self.in_features, self.out_features = in_features, out_features
         self.format, self.compute_dtype = format, compute_dtype
+        self.allow_g4 = G4_DEFAULT  # switch to the g4 layout where the Gluon kernel runs (see the class doc)
         self.weight_dtype = dtype or torch.get_default_dtype()
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         sdt = torch.float8_e4m3fn if format == "nvfp4" else torch.uint8
@@ -68,24 +85,118 @@ class NVFP4Linear(nn.Module):
             self.weight_global_scale = gs.to(self.weight_packed.device) if self.weight_packed.device.type != "meta" else gs
         else:
             packed, scale = fp4.mxfp4_quantize(w, name=name)
-        self.weight_packed = packed
-        self.weight_scale = scale
+        was_g4 = self.layout == "g4"
+        if was_g4:
+            self._drop(_G4_BUFS)
+            self.register_buffer("weight_packed", packed)
+            self.register_buffer("weight_scale", scale)
+        else:
+            self.weight_packed = packed
+            self.weight_scale = scale
         self.__dict__.pop("_hfq_plans", None)
+        if was_g4:  # a canonical layer on a kernel GPU switches at load / move / first forward
+            self.to_g4_layout_()
+
+    # ----------------------------------------------------------------------------------------- layouts
+    @property
+    def layout(self) -> str:
+        """"g4" (the Gluon kernel's layout, on GPUs that run it) or "canonical" (compressed-tensors' buffers)."""
+        return "g4" if "weight_g4" in self._buffers else "canonical"
+
+    def g4_wanted(self, device: torch.device) -> bool:
+        """Whether this layer keeps the g4 layout on `device` (NVFP4, allow_g4, the Gluon kernel runs there)."""
+        return self.format == "nvfp4" and self.allow_g4 and _G4.device_ok(device)
+
+    def _drop(self, names) -> None:
+        for nm in names:
+            self._buffers.pop(nm, None)
+        self.__dict__.pop("_hfq_plans", None)
+
+    @torch.no_grad()
+    def to_g4_layout_(self) -> "NVFP4Linear":
+        """Keep codes and scales in the g4 layout only (NVFP4 on a real device; a no-op otherwise). Works on any
+        device (CPU tests use the torch reference on it); NVFP4Linear calls it itself where the kernel runs."""
+        p = self._buffers.get("weight_packed")
+        if self.format != "nvfp4" or p is None or p.device.type == "meta":
+            return self
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return self  # no conversion (it syncs) inside a CUDA graph capture
+        wr, sr = _G4.repack(p, self._buffers["weight_scale"])
+        self._drop(_CANON)
+        self.register_buffer("weight_g4", wr, persistent=False)
+        self.register_buffer("weight_g4_scale", sr, persistent=False)
+        return self
+
+    @torch.no_grad()
+    def to_canonical_layout_(self) -> "NVFP4Linear":
+        """Back to the canonical compressed-tensors buffers (bit-exact inverse of to_g4_layout_)."""
+        if self.layout != "g4":
+            return self
+        packed, scale = self.canonical()
+        self._drop(_G4_BUFS)
+        self.register_buffer("weight_packed", packed)
+        self.register_buffer("weight_scale", scale)
+        return self
+
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight_packed, weight_scale) in the canonical layout, whatever this layer holds (a copy in g4)."""
+        b = self._buffers
+        if "weight_g4" in b:
+            return _G4.unrepack(b["weight_g4"], b["weight_g4_scale"], self.out_features, self.in_features)
+        return b["weight_packed"], b["weight_scale"]
+
+    def __getattr__(self, name):
+        if name in _CANON:
+            b = self.__dict__.get("_buffers", {})
+            if "weight_g4" in b:
+                return self.canonical()[_CANON.index(name)]
+        return super().__getattr__(name)
+
+    def __setattr__(self, name, value):
+        if name in _CANON and "weight_g4" in self.__dict__.get("_buffers", {}):
+            self.to_canonical_layout_()  # an assigned canonical tensor replaces the g4 one (no stale copy)
+        super().__setattr__(name, value)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.layout == "g4":
+            packed, scale = self.canonical()
+            destination[prefix + "weight_packed"] = packed
+            destination[prefix + "weight_scale"] = scale
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        g4 = self.layout == "g4"
+        if g4:
+            self.to_canonical_layout_()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.__dict__.pop("_hfq_plans", None)
+        if g4:
+            self.to_g4_layout_()
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The weight as a dense [out, in] tensor."""
+        b = self._buffers
+        if "weight_g4" in b:
+            return torch.ops.hfq.nvfp4_g4_dequantize(b["weight_g4"], b["weight_g4_scale"], self.weight_global_scale,
+                                                     self.out_features, self.in_features, dtype)
         if self.format == "nvfp4":
             return torch.ops.hfq.nvfp4_dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
         return fp4.mxfp4_dequantize(self.weight_packed, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.format == "nvfp4" and not torch.compiler.is_compiling() and _K.eager_fast_ok(x):
+            if "weight_packed" in self._buffers and self.g4_wanted(x.device):
+                self.to_g4_layout_()  # e.g. a layer built on the GPU directly (no load, no move)
             return self._forward_planned(x)
         in_dtype = x.dtype
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if self.format == "nvfp4":  # torch.compile, fake/subclass tensors, dispatch modes, functorch, CPU
+        bufs = self._buffers
+        if "weight_g4" in bufs:  # torch.compile, fake/subclass tensors, dispatch modes, functorch, CPU
+            y = torch.ops.hfq.nvfp4_g4_linear(x, bufs["weight_g4"], bufs["weight_g4_scale"], self.weight_global_scale,
+                                              self.out_features, self.in_features, bias)
+        elif self.format == "nvfp4":
             y = torch.ops.hfq.nvfp4_linear(x, self.weight_packed, self.weight_scale, self.weight_global_scale, bias)
         else:
             y = F.linear(x, self.dequantize(x.dtype), bias)
@@ -102,7 +213,9 @@ class NVFP4Linear(nn.Module):
         if cdt is not None and cdt != in_dtype:
             x = x.to(cdt)
         bufs = self._buffers
-        p, s, g = bufs["weight_packed"], bufs["weight_scale"], bufs["weight_global_scale"]
+        g4 = "weight_g4" in bufs
+        p, s = (bufs["weight_g4"], bufs["weight_g4_scale"]) if g4 else (bufs["weight_packed"], bufs["weight_scale"])
+        g = bufs["weight_global_scale"]
         b = self._parameters["bias"]
         tok = (id(p), id(s), id(g), id(b), p.data_ptr(), s.data_ptr(), g.data_ptr(), p.shape, s.shape)
         st = self.__dict__.get("_hfq_plans")
@@ -112,7 +225,10 @@ class NVFP4Linear(nn.Module):
         key = (x.shape, x.dtype, x.device)
         plan = plans.get(key)
         if plan is None or plan.gen != _K.LINEAR_TUNER.gen:
-            plan = _K.plan_linear(x, p, s, g, b)
+            if g4:
+                plan = _K.plan_linear_g4(x, p, s, g, b, self.out_features, self.in_features)
+            else:
+                plan = _K.plan_linear(x, p, s, g, b)
             if plan.final:
                 if len(plans) >= _MAX_PLANS:  # e.g. many sequence lengths: start over rather than grow
                     plans.clear()
@@ -131,13 +247,15 @@ class NVFP4Linear(nn.Module):
 
     @property
     def qweight(self) -> torch.Tensor:
-        """The packed codes, under PEFT's name for a quantized layer's storage: PEFT reads its device from here
-        instead of dequantizing `weight` several times per wrapped layer."""
-        return self.weight_packed
+        """The resident codes (canonical packed bytes or g4 words), under PEFT's name for a quantized layer's
+        storage: PEFT reads its device from here instead of dequantizing `weight` several times per wrapped layer."""
+        b = self._buffers
+        return b["weight_g4"] if "weight_g4" in b else b["weight_packed"]
 
     def _apply(self, fn, recurse=True):
         # Moves follow `fn`; dtype casts (model.half(), .to(bfloat16)) must not touch codes and scales.
         keep = {k: b for k, b in self._buffers.items() if b is not None}
+        dev0 = self.qweight.device
         self.__dict__.pop("_hfq_plans", None)  # plans hold the old tensors: a move must not keep a second copy
         self.weight_dtype = fn(torch.empty(0, dtype=self.weight_dtype)).dtype
         super()._apply(fn, recurse)
@@ -145,6 +263,13 @@ class NVFP4Linear(nn.Module):
             new = self._buffers[k]
             if new.dtype != old.dtype:
                 self._buffers[k] = old.to(new.device)
+        dev = self.qweight.device
+        if dev == dev0:  # a dtype cast: the layout stays
+            return self
+        if self.layout == "g4" and dev.type != "meta" and not self.g4_wanted(dev):
+            self.to_canonical_layout_()
+        elif self.layout == "canonical" and self.g4_wanted(dev):
+            self.to_g4_layout_()
         return self
 
     def extra_repr(self) -> str:
@@ -152,7 +277,7 @@ class NVFP4Linear(nn.Module):
                 f"format={self.format}")
 
 
-_CODE_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale")
+_CODE_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale", "weight_g4", "weight_g4_scale")
 
 
 def mark_ddp_ignore(model: nn.Module) -> list[str]:
@@ -163,7 +288,7 @@ def mark_ddp_ignore(model: nn.Module) -> list[str]:
     checkpoint, so the codes need no sync. Uses DDP's `_ddp_params_and_buffers_to_ignore` (names relative to
     the module handed to DDP: call this on the outermost model, e.g. the PEFT model). Returns the names added."""
     names = [f"{mn}.{b}" if mn else b for mn, m in model.named_modules() if isinstance(m, NVFP4Linear)
-             for b in _CODE_BUFFERS if getattr(m, b, None) is not None]
+             for b in _CODE_BUFFERS if b in m._buffers or m.format == "nvfp4"]  # both layouts: it may change
     prev = list(model.__dict__.get("_ddp_params_and_buffers_to_ignore", []))
     object.__setattr__(model, "_ddp_params_and_buffers_to_ignore", sorted(set(prev) | set(names)))
     return names

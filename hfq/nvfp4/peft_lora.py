@@ -59,7 +59,7 @@ class NVFP4LoraLinear(LoraLinear):
 
     def _get_base_layer_device_and_dtype(self, base_layer):
         if isinstance(base_layer, NVFP4Linear):  # without dequantizing the whole weight
-            return base_layer.weight_packed.device, base_layer.weight_dtype
+            return base_layer.qweight.device, base_layer.weight_dtype
         return super()._get_base_layer_device_and_dtype(base_layer)
 
     def get_delta_weight(self, adapter: str) -> torch.Tensor:

@@ -125,6 +125,10 @@ class NVFP4HfQuantizer(HfqQuantizer):
             raise ValueError(f"NVFP4: no weight was found in the checkpoint for {leftover[:10]}")
         model.hfq_quantization_report = {"quantized": list(self.converted), "skipped": dict(self.skipped),
                                          "rel_error": dict(self.rel_error)}
+        for name in self.converted:  # where the Gluon kernel runs: its layout only, no second copy
+            mod = model.get_submodule(name)
+            if mod.g4_wanted(mod.qweight.device):
+                mod.to_g4_layout_()
         mark_ddp_ignore(model)
         return model
 

@@ -1,0 +1,252 @@
+"""The g4 layout: NVFP4Linear's only weight copy on GPUs that run the Gluon decode kernel.
+
+Checked on CPU (torch reference; Triton dequantize under TRITON_INTERPRET=1) and, with CUDA, on the GPU: the
+canonical -> g4 -> canonical round trip is bit-exact, every product reads g4 with the canonical values, a layer
+holds one copy, state_dict / save_pretrained / load / PEFT see the canonical compressed-tensors tensors.
+"""
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hfq_kernels import nvfp4 as K
+from hfq_kernels import nvfp4_gluon as G4
+from hfq_kernels.reference import fp4
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weight(n, k, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * torch.logspace(-3, 0.5, n)[:, None]
+    w[0, :16] = 0.0  # scale 0, codes 0
+    if k >= 32:
+        w[0, 16:32] = -0.0  # scale 0, sign-only codes (must survive the round trip)
+    w[min(1, n - 1), :16] *= 1e-5  # E4M3 subnormal block scale
+    w[n - 1, k - 16:] = 448.0 * 6  # the largest block scale
+    return w.to(dtype)
+
+
+def _canonical(n, k, seed=0):
+    return fp4.nvfp4_quantize(_weight(n, k, seed))
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (37, 160), (5, 272), (64, 16), (33, 48)])
+def test_round_trip_bit_exact(n, k):
+    p, s, r = _canonical(n, k, seed=n * k)
+    wr, sr = G4.repack(p, s)
+    assert (wr.numel(), sr.numel()) == G4.g4_numel(n, k)
+    p2, s2 = G4.unrepack(wr, sr, n, k)
+    assert torch.equal(p2, p)
+    assert torch.equal(s2.view(torch.uint8), s.view(torch.uint8))
+    assert int((sr == G4.ZERO_SCALE_BYTE).sum()) >= 1  # the zero blocks (and the padding) use the zero byte
+    ref = fp4.nvfp4_dequantize(p, s, r, torch.float32)
+    assert torch.equal(G4.dequantize_g4_ref(wr, sr, r, n, k, torch.float32), ref)
+
+
+@settings(max_examples=12, deadline=None)
+@given(nt=st.integers(1, 5), kb=st.integers(1, 9), seed=st.integers(0, 2 ** 16))
+def test_round_trip_random_codes(nt, kb, seed):
+    """Any bytes (all 16 codes, any finite non-negative E4M3 scale, zero scales) survive the round trip."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = nt * 16 - (seed % 7), kb * 16
+    p = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    s = torch.randint(0, 127, (n, k // 16), generator=g, dtype=torch.uint8)  # 0x00..0x7E: +0 .. 448
+    s[torch.rand(s.shape, generator=g) < 0.2] = 0
+    s = s.view(torch.float8_e4m3fn)
+    p2, s2 = G4.unrepack(*G4.repack(p, s), n, k)
+    assert torch.equal(p2, p) and torch.equal(s2.view(torch.uint8), s.view(torch.uint8))
+
+
+def test_gluon_arithmetic_on_zero_scale_blocks():
+    """The Gluon kernel's decode (emulated bit for bit in torch) reads byte 208 as scale 0 whatever the codes."""
+    n, k = 32, 128
+    p, s, r = _canonical(n, k, seed=5)
+    p[0, :8] = 0x9F  # sign-and-magnitude codes in the all-zero block: still zero
+    wr, sr = G4.repack(p, s)
+    x = torch.randn(3, k)
+    ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
+    assert ((G4.emulate(x, wr, sr, n, k, r) - ref).norm() / ref.norm()) < 1e-6
+
+
+@pytest.mark.parametrize("n,k", [(37, 160), (16, 272), (48, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_dequantize_bit_identical(n, k, dtype):
+    p, s, r = _canonical(n, k, seed=n + k)
+    wr, sr = (t.to(DEV) for t in G4.repack(p, s))
+    out = torch.full((n, k), float("nan"), dtype=dtype, device=DEV)
+    G4.dequantize_g4(wr, sr, r.to(DEV), n, k, dtype, out=out)
+    assert torch.equal(out.cpu(), fp4.nvfp4_dequantize(p, s, r, dtype))
+
+
+def test_ops_registered_with_fake_and_autograd():
+    n, k = 48, 64
+    p, s, r = _canonical(n, k)
+    wr, sr = G4.repack(p, s)
+    x = torch.randn(3, k, requires_grad=True)
+    b = torch.randn(n, requires_grad=True)
+    torch.library.opcheck(torch.ops.hfq.nvfp4_g4_linear.default, (x, wr, sr, r, n, k, b))
+    torch.library.opcheck(torch.ops.hfq.nvfp4_g4_dequantize.default, (wr, sr, r, n, k, torch.bfloat16))
+    torch.library.opcheck(torch.ops.hfq.nvfp4_g4_linear_grad_input.default, (torch.randn(3, n), wr, sr, r, n, k))
+    y = torch.ops.hfq.nvfp4_g4_linear(x, wr, sr, r, n, k, b)
+    x2, b2 = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    y2 = torch.ops.hfq.nvfp4_linear(x2, p, s, r, b2)
+    assert torch.equal(y, y2)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    y2.backward(gy)
+    assert torch.equal(x.grad, x2.grad) and torch.equal(b.grad, b2.grad)
+
+
+def test_bad_g4_tensors_named():
+    p, s, r = _canonical(16, 64)
+    wr, sr = G4.repack(p, s)
+    with pytest.raises(ValueError, match=r"g4 layout of \[16, 128\]"):
+        torch.ops.hfq.nvfp4_g4_dequantize(wr, sr, r, 16, 128, torch.float32)
+    with pytest.raises(ValueError, match="in_features=32 but the weight has 64"):
+        torch.ops.hfq.nvfp4_g4_linear(torch.randn(2, 32), wr, sr, r, 16, 64, None)
+    bad = s.clone()
+    bad.view(torch.uint8)[0, 0] = 0x7F  # E4M3 NaN
+    with pytest.raises(ValueError, match="scale outside the E4M3 range"):
+        G4.repack(p, bad)
+
+
+# ------------------------------------------------------------------------------------------- NVFP4Linear
+def _layer(n=48, k=64, bias=True, dtype=torch.bfloat16, seed=0):
+    from hfq.nvfp4 import NVFP4Linear
+
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(_weight(n, k, seed) * 0.1)
+        if bias:
+            lin.bias.copy_(torch.randn(n, generator=g))
+    return NVFP4Linear.from_linear(lin.to(dtype))
+
+
+def _resident_bytes(mod):
+    return sum(b.numel() * b.element_size() for b in mod.buffers())
+
+
+def test_layer_holds_one_copy_and_computes_the_same():
+    ref = _layer()
+    lay = _layer().to_g4_layout_()
+    assert lay.layout == "g4" and ref.layout == "canonical"
+    assert set(lay._buffers) == {"weight_g4", "weight_g4_scale", "weight_global_scale"}
+    assert _resident_bytes(lay) == _resident_bytes(ref)  # 48 x 64: no padding, the same bytes
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = lay(x), ref(x2)
+    assert torch.equal(y, y2)
+    y.sum().backward()
+    y2.sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(lay.weight, ref.weight) and torch.equal(lay.dequantize(torch.float32),
+                                                                ref.dequantize(torch.float32))
+    # the canonical names still read (a converted copy), and assigning one replaces the g4 storage
+    assert torch.equal(lay.weight_packed, ref.weight_packed)
+    assert torch.equal(lay.weight_scale.view(torch.uint8), ref.weight_scale.view(torch.uint8))
+    lay.weight_packed = ref.weight_packed.clone()
+    assert lay.layout == "canonical" and torch.equal(lay(x.detach()), y.detach())
+
+
+def test_state_dict_and_load_are_canonical():
+    ref = _layer(seed=1)
+    lay = _layer(seed=1).to_g4_layout_()
+    sd, sd_ref = lay.state_dict(), ref.state_dict()
+    assert list(sd) == list(sd_ref) or set(sd) == set(sd_ref)
+    for key in sd_ref:
+        assert sd[key].dtype == sd_ref[key].dtype and torch.equal(sd[key].view(torch.uint8),
+                                                                  sd_ref[key].view(torch.uint8)), key
+    other = _layer(seed=2).to_g4_layout_()
+    other.load_state_dict(sd_ref)  # a canonical checkpoint into a g4 layer: loaded, and g4 again
+    assert other.layout == "g4"
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(other(x), ref(x))
+    with pytest.raises(RuntimeError, match="weight_packed"):
+        other.load_state_dict({**sd_ref, "weight_packed": sd_ref["weight_packed"][:, :16]})
+
+
+def test_set_weight_keeps_the_layout_and_moves_stay_one_copy():
+    lay = _layer(seed=3).to_g4_layout_()
+    w = _weight(48, 64, seed=9)
+    lay.set_weight(w)
+    assert lay.layout == "g4"
+    p, s, r = fp4.nvfp4_quantize(w)
+    assert torch.equal(lay.weight_packed, p)
+    lay.to(torch.float16)  # a dtype cast leaves codes alone
+    assert lay.layout == "g4" and lay.weight_g4.dtype == torch.int32 and lay.bias.dtype == torch.float16
+    lay.to_canonical_layout_()
+    assert set(lay._buffers) == {"weight_packed", "weight_scale", "weight_global_scale"}
+    assert torch.equal(lay.weight_packed, p)
+
+
+def test_eager_plan_path_reads_g4(monkeypatch):
+    """The CUDA host path (per-shape plans) on CPU: Triton dequantize of g4 under the interpreter + matmul."""
+    monkeypatch.setattr(K, "EAGER_ON_CPU", True)
+    ref = _layer(n=32, k=96, seed=4)
+    lay = _layer(n=32, k=96, seed=4).to_g4_layout_()
+    lay.bias.requires_grad_(True)
+    for shape in ((1, 96), (3, 7, 96)):
+        x = torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+        y = lay(x)
+        assert (x.shape, x.dtype, x.device) in lay._hfq_plans[1]
+        x2 = x.detach().clone().requires_grad_()
+        y2 = F.linear(x2, ref.dequantize(torch.bfloat16), ref.bias)
+        assert torch.equal(y, y2)
+        gy = torch.randn_like(y)
+        y.backward(gy)
+        y2.backward(gy)
+        assert torch.equal(x.grad, x2.grad)
+    assert lay.bias.grad is not None
+
+
+def test_compile_through_the_g4_op():
+    lay = _layer(n=32, k=64, seed=6).to_g4_layout_()
+    ref = _layer(n=32, k=64, seed=6)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    out = torch.compile(lay, backend="aot_eager", fullgraph=True)(x)
+    assert torch.equal(out, ref(x))
+
+
+# ------------------------------------------------------------------------------------------- model routes
+def test_model_save_load_peft_in_g4(tmp_path):
+    """A quantized model switched to g4: save_pretrained writes canonical tensors that a fresh interpreter loads
+    to the same logits; plain PEFT LoRA trains on it."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    import hfq  # noqa: F401
+    from hfq.nvfp4 import NVFP4Config, NVFP4Linear
+    from hfq.tiny import save_tiny
+
+    tiny = str(save_tiny(tmp_path / "tiny", arch="qwen2"))
+    model = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=NVFP4Config())
+    ids = torch.randint(4, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    before = model(ids).logits
+    lays = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    canon_bytes = sum(_resident_bytes(m) for m in lays)
+    for m in lays:
+        m.to_g4_layout_()
+    assert sum(_resident_bytes(m) for m in lays) <= canon_bytes * 1.5  # padding of tiny shapes only
+    assert torch.equal(model(ids).logits, before)
+    model.save_pretrained(tmp_path / "q")
+    torch.save(before, tmp_path / "logits.pt")
+    code = ("import torch, hfq; from transformers import AutoModelForCausalLM as A; "
+            f"m = A.from_pretrained({str(tmp_path / 'q')!r}); "
+            f"ids = torch.randint(4, 100, (2, 9), generator=torch.Generator().manual_seed(0)); "
+            f"assert torch.equal(m(ids).logits, torch.load({str(tmp_path / 'logits.pt')!r})), 'logits differ'; "
+            "print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
+    lora_b = [p for n, p in pm.named_parameters() if "lora_B" in n]
+    opt = torch.optim.SGD([p for p in pm.parameters() if p.requires_grad], lr=0.1)
+    pm(ids, labels=ids).loss.backward()
+    opt.step()
+    assert any(float(p.abs().sum()) > 0 for p in lora_b)
+    assert all(m.layout == "g4" for m in lays)
