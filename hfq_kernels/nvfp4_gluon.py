@@ -254,33 +254,43 @@ def dequantize_g4_ref(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16
 
 
 @triton.jit
+def _g4_value(word, eff, I: tl.constexpr, H: tl.constexpr):
+    """Code (i=I, h=H) of each word (column 2I + H of its 8-column group), times the block's scale eff."""
+    sm: tl.constexpr = 0 if I == 0 else (3 if I == 1 else (-3 if I == 2 else 6))
+    ss: tl.constexpr = 0 if I == 0 else (3 if I == 1 else (1 if I == 2 else 2))
+    code = ((word >> (6 + 16 * H - sm)) & 7) | (((word >> (15 + 16 * H - ss)) & 1) << 3)
+    return e2m1_to_f32(code) * eff
+
+
+@triton.jit
 def _g4_dequant_kernel(wr_ptr, sr_ptr, recip_ptr, out_ptr, N, K, KC, BC: tl.constexpr):
-    """Rows 16*pid_r .. +15 (one row tile) and columns BC*pid_c .. of the g4 weight, decoded to out [N, K]."""
+    """Row tile pid_r (16 rows) x columns BC*pid_c .. of the g4 weight -> out [N, K]: each int32 word holds 8
+    consecutive columns of one row, so a row's words are read once and its columns stored contiguously."""
     rt = tl.program_id(0)
     r = tl.arange(0, 16)
-    col = tl.program_id(1) * BC + tl.arange(0, BC)
+    q = tl.program_id(1) * (BC // 8) + tl.arange(0, BC // 8)  # 8-column group: kc, c, wsub
     hrow = (r // 8)[:, None]
-    g = (r % 8)[:, None]
-    kc = (col // 64)[None, :]
-    c = ((col % 64) // 16)[None, :]
-    wsub = ((col % 16) // 8)[None, :]
-    i = ((col % 8) // 2)[None, :]
-    h = (col % 2)[None, :]
-    base = ((rt * KC + kc) * 32 + 4 * g + c).to(tl.int64)
-    word = tl.load(wr_ptr + base * 4 + 2 * hrow + wsub)
-    sm = tl.where(i == 0, 0, tl.where(i == 1, 3, tl.where(i == 2, -3, 6)))
-    ss = tl.where(i == 0, 0, tl.where(i == 1, 3, tl.where(i == 2, 1, 2)))
-    code = ((word >> (6 + 16 * h - sm)) & 7) | (((word >> (15 + 16 * h - ss)) & 1) << 3)
-    sb = tl.load(sr_ptr + base * 2 + hrow).to(tl.int32)
+    lane = (4 * (r % 8))[:, None] + ((q % 8) // 2)[None, :]  # 4 g + c
+    base = ((rt * KC + (q // 8)[None, :]) * 32 + lane).to(tl.int64)
+    inb = (q < KC * 8)[None, :]  # the last program's groups past the padded K
+    word = tl.load(wr_ptr + base * 4 + 2 * hrow + (q % 2)[None, :], mask=inb, other=0)
+    sb = tl.load(sr_ptr + base * 2 + hrow, mask=inb, other=0).to(tl.int32)
     # the byte's bf16(scale * 2^112) as fp32 bits, exponent lowered by 112: the E4M3 scale exactly (>= 2^-9)
     sval = tl.where(sb == 208, 0.0, ((sb << 20) + (118 << 23)).to(tl.float32, bitcast=True))
-    v = e2m1_to_f32(code) * tl.math.div_rn(sval, tl.load(recip_ptr))
+    eff = tl.math.div_rn(sval, tl.load(recip_ptr))
+    # joins add the fastest dimension last: i1, then i0, then h, so the flat index is 4 i1 + 2 i0 + h = 2i + h
+    t0 = tl.join(tl.join(_g4_value(word, eff, 0, 0), _g4_value(word, eff, 2, 0)),
+                 tl.join(_g4_value(word, eff, 1, 0), _g4_value(word, eff, 3, 0)))
+    t1 = tl.join(tl.join(_g4_value(word, eff, 0, 1), _g4_value(word, eff, 2, 1)),
+                 tl.join(_g4_value(word, eff, 1, 1), _g4_value(word, eff, 3, 1)))
+    v = tl.reshape(tl.join(t0, t1), (16, BC))
     if out_ptr.dtype.element_ty == tl.bfloat16:
         v = f32_to_bf16_rne(v)
     else:
         v = v.to(out_ptr.dtype.element_ty)
-    row = rt * 16 + 8 * hrow + g
-    tl.store(out_ptr + row.to(tl.int64) * K + col[None, :], v, mask=(row < N) & (col[None, :] < K))
+    row = rt * 16 + r[:, None]
+    col = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+    tl.store(out_ptr + row.to(tl.int64) * K + col, v, mask=(row < N) & (col < K))
 
 
 def dequantize_g4(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16, out=None) -> torch.Tensor:

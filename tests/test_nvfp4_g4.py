@@ -147,10 +147,16 @@ def test_layer_holds_one_copy_and_computes_the_same():
     assert torch.equal(x.grad, x2.grad)
     assert torch.equal(lay.weight, ref.weight) and torch.equal(lay.dequantize(torch.float32),
                                                                 ref.dequantize(torch.float32))
-    # the canonical names still read (a converted copy), and assigning one replaces the g4 storage
+    # the canonical names give the real buffers (the layer converts back), so in-place writes are seen
     assert torch.equal(lay.weight_packed, ref.weight_packed)
+    assert lay.layout == "canonical" and set(lay._buffers) == set(ref._buffers)
     assert torch.equal(lay.weight_scale.view(torch.uint8), ref.weight_scale.view(torch.uint8))
-    lay.weight_packed = ref.weight_packed.clone()
+    lay.to_g4_layout_()
+    with torch.no_grad():
+        lay.weight_packed.copy_(lay.weight_packed ^ 0x88)  # flip every sign
+    assert torch.equal(lay(x.detach()), F.linear(x.detach(), -ref.dequantize(torch.bfloat16), ref.bias))
+    lay.to_g4_layout_()
+    lay.weight_packed = ref.weight_packed.clone()  # assignment replaces the g4 storage
     assert lay.layout == "canonical" and torch.equal(lay(x.detach()), y.detach())
 
 
@@ -177,7 +183,7 @@ def test_set_weight_keeps_the_layout_and_moves_stay_one_copy():
     lay.set_weight(w)
     assert lay.layout == "g4"
     p, s, r = fp4.nvfp4_quantize(w)
-    assert torch.equal(lay.weight_packed, p)
+    assert torch.equal(lay.canonical()[0], p) and lay.layout == "g4"  # canonical() converts a copy
     lay.to(torch.float16)  # a dtype cast leaves codes alone
     assert lay.layout == "g4" and lay.weight_g4.dtype == torch.int32 and lay.bias.dtype == torch.float16
     lay.to_canonical_layout_()
@@ -186,23 +192,34 @@ def test_set_weight_keeps_the_layout_and_moves_stay_one_copy():
 
 
 def test_eager_plan_path_reads_g4(monkeypatch):
-    """The CUDA host path (per-shape plans) on CPU: Triton dequantize of g4 under the interpreter + matmul."""
+    """The eager host path (per-shape plans) on g4: the Gluon kernel for bf16 decode on the GPU, else Triton
+    dequantize of g4 (on CPU under the interpreter) + matmul; the layer converts itself on a kernel GPU."""
     monkeypatch.setattr(K, "EAGER_ON_CPU", True)
     ref = _layer(n=32, k=96, seed=4)
-    lay = _layer(n=32, k=96, seed=4).to_g4_layout_()
+    ref.allow_g4 = False
+    ref = ref.to(DEV)
+    lay = _layer(n=32, k=96, seed=4).to(DEV).to_g4_layout_()
+    assert lay.layout == "g4" and ref.layout == "canonical"
     lay.bias.requires_grad_(True)
-    for shape in ((1, 96), (3, 7, 96)):
-        x = torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+    for shape in ((1, 96), (3, 7, 96), (80, 96)):
+        x = torch.randn(*shape, dtype=torch.bfloat16, device=DEV, requires_grad=True)
         y = lay(x)
-        assert (x.shape, x.dtype, x.device) in lay._hfq_plans[1]
+        plan = lay._hfq_plans[1][(x.shape, x.dtype, x.device)]
         x2 = x.detach().clone().requires_grad_()
         y2 = F.linear(x2, ref.dequantize(torch.bfloat16), ref.bias)
-        assert torch.equal(y, y2)
+        if plan.config["kind"] == "dequant":
+            assert torch.equal(y, y2)
+        else:  # the Gluon kernel (fp32 accumulation in another order)
+            assert plan.config["kind"] == "gluon" and DEV == "cuda"
+            torch.testing.assert_close(y, y2, rtol=2e-2, atol=2e-2)
         gy = torch.randn_like(y)
         y.backward(gy)
         y2.backward(gy)
         assert torch.equal(x.grad, x2.grad)
-    assert lay.bias.grad is not None
+        with torch.no_grad():
+            lay(x)
+        assert lay._hfq_plans[1][(x.shape, x.dtype, x.device)] is plan
+    assert lay.bias.grad is not None and lay.layout == "g4"
 
 
 def test_compile_through_the_g4_op():

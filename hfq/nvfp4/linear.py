@@ -32,10 +32,12 @@ class NVFP4Linear(nn.Module):
     Layout: on a GPU where the Gluon decode kernel runs (`hfq_kernels.nvfp4_gluon.device_ok`) an NVFP4 layer keeps
     its codes and scales only in that kernel's "g4" layout (buffers `weight_g4` int32, `weight_g4_scale` u8, not
     persistent): decode, prefill, training forward and grad-input all read it, so there is one copy of the weight
-    on the device. It is entered after loading, on a move to such a GPU, when `set_weight` is called on one, or at
-    the first forward there; moving elsewhere returns to the canonical buffers. state_dict / save_pretrained
-    always hold the canonical compressed-tensors tensors (converted back bit-exactly), and reading
-    `weight_packed` / `weight_scale` in the g4 layout returns a freshly converted (read-only) canonical copy.
+    on the device. It is entered after loading, on a move to such a GPU, or at the first forward there; moving
+    elsewhere returns to the canonical buffers. state_dict / save_pretrained always hold the canonical
+    compressed-tensors tensors (converted back bit-exactly, without leaving g4). Reading `weight_packed` /
+    `weight_scale` returns the real canonical buffers (the layer converts back, so in-place writes are seen) and the
+    next forward converts again; hold no reference to them across a forward. `allow_g4=False` (or
+    HFQ_NVFP4_G4=0) keeps the canonical buffers, and the decode kernel then caches its own copy beside them.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "nvfp4",
@@ -82,7 +84,8 @@ class NVFP4Linear(nn.Module):
         fp4.check_finite(w, name)
         if self.format == "nvfp4":
             packed, scale, gs = torch.ops.hfq.nvfp4_quantize(w)
-            self.weight_global_scale = gs.to(self.weight_packed.device) if self.weight_packed.device.type != "meta" else gs
+            dev = self.qweight.device
+            self.weight_global_scale = gs.to(dev) if dev.type != "meta" else gs
         else:
             packed, scale = fp4.mxfp4_quantize(w, name=name)
         was_g4 = self.layout == "g4"
@@ -146,10 +149,10 @@ class NVFP4Linear(nn.Module):
         return b["weight_packed"], b["weight_scale"]
 
     def __getattr__(self, name):
-        if name in _CANON:
-            b = self.__dict__.get("_buffers", {})
-            if "weight_g4" in b:
-                return self.canonical()[_CANON.index(name)]
+        if name in _CANON and "weight_g4" in self.__dict__.get("_buffers", {}):
+            # the caller gets the real buffer (in-place writes land), so the layer goes back to canonical; a
+            # layer that wants g4 returns to it at its next forward
+            self.to_canonical_layout_()
         return super().__getattr__(name)
 
     def __setattr__(self, name, value):
