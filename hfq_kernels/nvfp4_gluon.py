@@ -293,13 +293,80 @@ def _g4_dequant_kernel(wr_ptr, sr_ptr, recip_ptr, out_ptr, N, K, KC, BC: tl.cons
     tl.store(out_ptr + row.to(tl.int64) * K + col, v, mask=(row < N) & (col < K))
 
 
-def dequantize_g4(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16, out=None) -> torch.Tensor:
+@triton.jit
+def _g4_dequant_gather_kernel(wr_ptr, sr_ptr, recip_ptr, out_ptr, N, K, KC, BC: tl.constexpr):
+    """_g4_dequant_kernel's values, one gathered word per output element (the simpler decode: the fallback)."""
+    rt = tl.program_id(0)
+    r = tl.arange(0, 16)
+    col = tl.program_id(1) * BC + tl.arange(0, BC)
+    hrow = (r // 8)[:, None]
+    g = (r % 8)[:, None]
+    kc = (col // 64)[None, :]
+    c = ((col % 64) // 16)[None, :]
+    wsub = ((col % 16) // 8)[None, :]
+    i = ((col % 8) // 2)[None, :]
+    h = (col % 2)[None, :]
+    base = ((rt * KC + kc) * 32 + 4 * g + c).to(tl.int64)
+    inb = col[None, :] < KC * 64  # the last program's columns past the padded K
+    word = tl.load(wr_ptr + base * 4 + 2 * hrow + wsub, mask=inb, other=0)
+    sm = tl.where(i == 0, 0, tl.where(i == 1, 3, tl.where(i == 2, -3, 6)))
+    ss = tl.where(i == 0, 0, tl.where(i == 1, 3, tl.where(i == 2, 1, 2)))
+    code = ((word >> (6 + 16 * h - sm)) & 7) | (((word >> (15 + 16 * h - ss)) & 1) << 3)
+    sb = tl.load(sr_ptr + base * 2 + hrow, mask=inb, other=0).to(tl.int32)
+    # the byte's bf16(scale * 2^112) as fp32 bits, exponent lowered by 112: the E4M3 scale exactly (>= 2^-9)
+    sval = tl.where(sb == 208, 0.0, ((sb << 20) + (118 << 23)).to(tl.float32, bitcast=True))
+    v = e2m1_to_f32(code) * tl.math.div_rn(sval, tl.load(recip_ptr))
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        v = f32_to_bf16_rne(v)
+    else:
+        v = v.to(out_ptr.dtype.element_ty)
+    row = rt * 16 + 8 * hrow + g
+    tl.store(out_ptr + row.to(tl.int64) * K + col[None, :], v, mask=(row < N) & (col[None, :] < K))
+
+
+def _launch_dequant(kernel, wr, sr, recip, out, n, k):
+    kernel[(cdiv(n, 16), cdiv(k, 256))](wr, sr, recip, out, n, k, cdiv(k, 64), BC=256, num_warps=4)
+
+
+_FAST_CHECKED: dict = {}  # (device, dtype) -> whether _g4_dequant_kernel agreed with the gather kernel there
+
+
+def _fast_ok(wr, sr, recip, out, n, k) -> bool:
+    """Once per (device, dtype): run the word-wise kernel and the gather kernel on this weight and compare bit for
+    bit; a build error or a difference keeps the gather kernel for that device and dtype (with a warning)."""
+    key = (out.device, out.dtype)
+    ok = _FAST_CHECKED.get(key)
+    if ok is not None:
+        return ok
+    if out.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False  # decided outside a graph capture (the comparison syncs)
+    try:
+        _launch_dequant(_g4_dequant_kernel, wr, sr, recip, out, n, k)
+        ref = torch.empty_like(out)
+        _launch_dequant(_g4_dequant_gather_kernel, wr, sr, recip, ref, n, k)
+        ints = {2: torch.int16, 4: torch.int32}[out.element_size()]
+        ok = torch.equal(out.view(ints), ref.view(ints))  # bit for bit (signed zeros, NaN)
+        why = "its values differ"
+    except Exception as e:  # noqa: BLE001 - a build failure of the fast variant on this device
+        ok, why = False, f"{type(e).__name__}: {str(e)[-300:]}"
+    if not ok:
+        import warnings
+
+        warnings.warn(f"nvfp4 g4 dequantize: the word-wise kernel failed its first-use check on {key} ({why}); "
+                      "using the gather kernel", RuntimeWarning, stacklevel=3)
+    _FAST_CHECKED[key] = ok
+    return ok
+
+
+def dequantize_g4(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16, out=None, kernel: str = "auto"):
     """The [n, k] weight of the g4 tensors in `dtype` (Triton; bit-identical to dequantize_g4_ref). No checks:
-    callers validate once (check_g4)."""
+    callers validate once (check_g4). kernel: "auto" (word-wise after its first-use check), "words", "gather"."""
     if out is None:
         out = torch.empty((n, k), dtype=dtype, device=wr.device)
     recip = global_scale if global_scale.dtype == torch.float32 else global_scale.float()
-    _g4_dequant_kernel[(cdiv(n, 16), cdiv(k, 256))](wr, sr, recip, out, n, k, cdiv(k, 64), BC=256, num_warps=4)
+    if kernel == "auto":
+        kernel = "words" if _fast_ok(wr, sr, recip, out, n, k) else "gather"
+    _launch_dequant(_g4_dequant_kernel if kernel == "words" else _g4_dequant_gather_kernel, wr, sr, recip, out, n, k)
     return out
 
 

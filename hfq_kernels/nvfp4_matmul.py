@@ -26,7 +26,8 @@ KINDS = {
     "tile": "Triton swap-AB tensor-core tile kernel, nibbles decoded by an inline-PTX lookup (fp32 atomics split-K)",
     "gemv": "Triton CUDA-core GEMV for M <= 4, no shared memory",
     "words": "Triton decode kernel: int32 words of 8 codes, fp16 tensor-core dots, split-K partials + reduce",
-    "gluon": "Gluon decode kernel on a repacked weight copy (bf16 x, M <= 64), split-K partials + reduce",
+    "gluon": "Gluon decode kernel on the g4 layout (bf16 x, M <= 64; canonical callers get a cached g4 copy), "
+             "split-K partials + reduce",
 }
 MM_DTYPES = (torch.bfloat16, torch.float16)
 

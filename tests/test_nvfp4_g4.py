@@ -73,14 +73,17 @@ def test_gluon_arithmetic_on_zero_scale_blocks():
     assert ((G4.emulate(x, wr, sr, n, k, r) - ref).norm() / ref.norm()) < 1e-6
 
 
-@pytest.mark.parametrize("n,k", [(37, 160), (16, 272), (48, 64)])
+@pytest.mark.parametrize("n,k", [(37, 160), (16, 272), (48, 64), (20, 1040)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_triton_dequantize_bit_identical(n, k, dtype):
+@pytest.mark.parametrize("kernel", ["words", "gather", "auto"])
+def test_triton_dequantize_bit_identical(n, k, dtype, kernel):
     p, s, r = _canonical(n, k, seed=n + k)
     wr, sr = (t.to(DEV) for t in G4.repack(p, s))
     out = torch.full((n, k), float("nan"), dtype=dtype, device=DEV)
-    G4.dequantize_g4(wr, sr, r.to(DEV), n, k, dtype, out=out)
+    G4.dequantize_g4(wr, sr, r.to(DEV), n, k, dtype, out=out, kernel=kernel)
     assert torch.equal(out.cpu(), fp4.nvfp4_dequantize(p, s, r, dtype))
+    if kernel == "auto":
+        assert G4._FAST_CHECKED[(out.device, dtype)] is True  # the word-wise kernel passed its first-use check
 
 
 def test_ops_registered_with_fake_and_autograd():
@@ -267,3 +270,21 @@ def test_model_save_load_peft_in_g4(tmp_path):
     opt.step()
     assert any(float(p.abs().sum()) > 0 for p in lora_b)
     assert all(m.layout == "g4" for m in lays)
+
+
+def test_dequantize_falls_back_when_the_wordwise_kernel_fails(monkeypatch):
+    """A build error (or a wrong value) of the word-wise kernel at its first-use check: gather kernel, warning."""
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                raise RuntimeError("simulated build failure")
+            return launch
+
+    monkeypatch.setattr(G4, "_g4_dequant_kernel", Broken())
+    monkeypatch.setattr(G4, "_FAST_CHECKED", {})
+    p, s, r = _canonical(32, 128, seed=1)
+    wr, sr = (t.to(DEV) for t in G4.repack(p, s))
+    with pytest.warns(RuntimeWarning, match="simulated build failure"):
+        out = G4.dequantize_g4(wr, sr, r.to(DEV), 32, 128, torch.bfloat16)
+    assert torch.equal(out.cpu(), fp4.nvfp4_dequantize(p, s, r, torch.bfloat16))
+    assert G4._FAST_CHECKED[(out.device, torch.bfloat16)] is False
