@@ -177,9 +177,28 @@ if HAS_GLUON:
                      acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
+_CHUNK_ROWS = 1024  # rows converted at once: bounds the conversion's int64 temporaries (~30 B per weight element)
+
+
 def repack(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical (packed u8[N, K/2], scale e4m3[N, K/16]) -> the kernel's (words i32, scale bytes u8), as the
-    module doc lays them out."""
+    module doc lays them out (converted _CHUNK_ROWS rows at a time)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if n <= _CHUNK_ROWS:
+        return _repack_rows(packed, scale)
+    kc = cdiv(k, 64)
+    nw, ns = g4_numel(n, k)
+    words = torch.empty(nw, dtype=torch.int32, device=packed.device)
+    sbytes = torch.empty(ns, dtype=torch.uint8, device=packed.device)
+    for r in range(0, n, _CHUNK_ROWS):
+        w, sb = _repack_rows(packed[r:r + _CHUNK_ROWS], scale[r:r + _CHUNK_ROWS])
+        t = r // 16
+        words[t * kc * 128:t * kc * 128 + w.numel()] = w
+        sbytes[t * kc * 64:t * kc * 64 + sb.numel()] = sb
+    return words, sbytes
+
+
+def _repack_rows(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = packed.shape[0], packed.shape[1] * 2
     nt, kc = cdiv(n, 16), cdiv(k, 64)
     dev = packed.device
@@ -212,6 +231,20 @@ def unrepack(wr: torch.Tensor, sr: torch.Tensor, n: int, k: int) -> tuple[torch.
     """The g4 layout (wr, sr) of an [n, k] weight -> canonical (packed u8[n, k/2], scale e4m3[n, k/16]);
     the inverse of `repack` (pure torch, any device)."""
     check_g4(wr, sr, n, k)
+    if n <= _CHUNK_ROWS:
+        return _unrepack_rows(wr, sr, n, k)
+    kc = cdiv(k, 64)
+    packed = torch.empty((n, k // 2), dtype=torch.uint8, device=wr.device)
+    scale = torch.empty((n, k // 16), dtype=torch.float8_e4m3fn, device=wr.device)
+    for r in range(0, n, _CHUNK_ROWS):
+        m, t = min(_CHUNK_ROWS, n - r), r // 16
+        nw, ns = g4_numel(m, k)
+        packed[r:r + m], scale[r:r + m] = _unrepack_rows(wr[t * kc * 128:t * kc * 128 + nw],
+                                                         sr[t * kc * 64:t * kc * 64 + ns], m, k)
+    return packed, scale
+
+
+def _unrepack_rows(wr, sr, n: int, k: int):
     nt, kc = cdiv(n, 16), cdiv(k, 64)
     w = (wr.to(torch.int64) & 0xFFFFFFFF).view(nt, kc, 8, 4, 2, 2).permute(0, 4, 2, 1, 3, 5)  # rt,hrow,g,kc,c,wsub
     codes = torch.empty((nt, 2, 8, kc, 4, 2, 4, 2), dtype=torch.uint8, device=wr.device)

@@ -34,7 +34,7 @@ class NVFP4Linear(nn.Module):
     persistent): decode, prefill, training forward and grad-input all read it, so there is one copy of the weight
     on the device. It is entered after loading, on a move to such a GPU, or at the first forward there; moving
     elsewhere returns to the canonical buffers. state_dict / save_pretrained always hold the canonical
-    compressed-tensors tensors (converted back bit-exactly, without leaving g4). Reading `weight_packed` /
+    compressed-tensors tensors (converted back bit-exactly without leaving g4, as host-memory copies). Reading `weight_packed` /
     `weight_scale` returns the real canonical buffers (the layer converts back, so in-place writes are seen) and the
     next forward converts again; hold no reference to them across a forward. `allow_g4=False` (or
     HFQ_NVFP4_G4=0) keeps the canonical buffers, and the decode kernel then caches its own copy beside them.
@@ -163,17 +163,23 @@ class NVFP4Linear(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.layout == "g4":
+            # converted one layer at a time and kept in host memory: a state_dict() of the whole model (PEFT
+            # calls it for every adapter save) must not put a second copy of the base model on the GPU
             packed, scale = self.canonical()
-            destination[prefix + "weight_packed"] = packed
-            destination[prefix + "weight_scale"] = scale
+            destination[prefix + "weight_packed"] = packed.cpu()
+            destination[prefix + "weight_scale"] = scale.cpu()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         g4 = self.layout == "g4"
+        dev = self.qweight.device
         if g4:
             self.to_canonical_layout_()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.__dict__.pop("_hfq_plans", None)
         if g4:
+            for nm in _CANON:  # load_state_dict(assign=True) may have put host tensors here
+                if self._buffers[nm].device != dev:
+                    self._buffers[nm] = self._buffers[nm].to(dev)
             self.to_g4_layout_()
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
