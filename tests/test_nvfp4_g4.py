@@ -304,3 +304,77 @@ def test_dequantize_falls_back_when_the_wordwise_kernel_fails(monkeypatch):
         out = G4.dequantize_g4(wr, sr, r.to(DEV), 32, 128, torch.bfloat16)
     assert torch.equal(out.cpu(), fp4.nvfp4_dequantize(p, s, r, torch.bfloat16))
     assert G4._FAST_CHECKED[(out.device, torch.bfloat16)] is False
+
+
+# ------------------------------------------------------------------------- user routes on a (simulated) kernel GPU
+@pytest.fixture
+def kernel_gpu(monkeypatch):
+    """Make NVFP4Linear treat every device as one that runs the Gluon kernel, so the automatic conversions (after
+    loading, on moves, at the first forward) happen on CPU, where the g4 ops run their torch reference."""
+    monkeypatch.setattr(G4, "device_ok", lambda device: True)
+
+
+def _lora_trainer_run(model_dir, out, resume=None):
+    import peft
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    import hfq
+    from hfq.nvfp4 import NVFP4Config, NVFP4Linear
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=NVFP4Config())
+    assert all(x.layout == "g4" for x in m.modules() if isinstance(x, NVFP4Linear))  # converted after loading
+    pm = hfq.nvfp4.get_peft_model(m, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": i, "labels": i} for i in (torch.randint(4, 90, (16,), generator=g) for _ in range(16))]
+    args = TrainingArguments(out, max_steps=4, per_device_train_batch_size=2, save_steps=2, logging_steps=1,
+                             report_to=[], use_cpu=True, seed=0, disable_tqdm=True, learning_rate=1e-2)
+    tr = Trainer(model=pm, args=args, train_dataset=data)
+    tr.train(resume_from_checkpoint=resume)
+    assert all(x.layout == "g4" for x in m.modules() if isinstance(x, NVFP4Linear))  # saves did not convert back
+    return pm, [h["loss"] for h in tr.state.log_history if "loss" in h]
+
+
+def test_trainer_lora_resume_on_g4(kernel_gpu, tmp_path):
+    from hfq.tiny import save_tiny
+
+    tiny = str(save_tiny(tmp_path / "tiny", arch="llama"))
+    a, loss_a = _lora_trainer_run(tiny, str(tmp_path / "a"))
+    b, loss_b = _lora_trainer_run(tiny, str(tmp_path / "b"), resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert loss_a[2:] == loss_b[-2:]
+    la = {n: p for n, p in a.named_parameters() if "lora_B" in n}
+    assert la and any(float(p.detach().abs().sum()) > 0 for p in la.values())
+    for n, p in b.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p, dict(a.named_parameters())[n]), n
+
+
+def _length_reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def test_qerl_grpo_step_on_g4(kernel_gpu, tmp_path):
+    """QeRLGRPOTrainer with TRL's peft_config on a g4 base: LoRA trains, the codes stay as they were."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hfq.nvfp4 import NVFP4Config, NVFP4Linear
+    from hfq.qerl import QeRLConfig, QeRLGRPOTrainer
+    from hfq.qerl.data import make_dataset
+    from hfq.tiny import save_tiny
+
+    tiny = str(save_tiny(tmp_path / "tiny", arch="qwen2"))
+    model = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=NVFP4Config(), dtype=torch.float32)
+    lays = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    before = [m.canonical()[0].clone() for m in lays]
+    ds = Dataset.from_list([{"prompt": r["prompt"]} for r in make_dataset(8, seed=3)])
+    args = QeRLConfig(output_dir=str(tmp_path / "out"), learning_rate=1e-2, num_generations=4,
+                      per_device_train_batch_size=4, max_completion_length=6, max_steps=1, logging_steps=1,
+                      save_strategy="no", report_to="none", bf16=False, use_cpu=True)
+    trainer = QeRLGRPOTrainer(model=model, reward_funcs=[_length_reward], args=args, train_dataset=ds,
+                              processing_class=AutoTokenizer.from_pretrained(tiny), peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                     task_type="CAUSAL_LM"))
+    trainer.train()
+    assert any(p.abs().sum() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)
+    assert all(m.layout == "g4" for m in lays)
+    assert all(torch.equal(m.canonical()[0], b) for m, b in zip(lays, before))

@@ -34,10 +34,11 @@ class NVFP4Linear(nn.Module):
     persistent): decode, prefill, training forward and grad-input all read it, so there is one copy of the weight
     on the device. It is entered after loading, on a move to such a GPU, or at the first forward there; moving
     elsewhere returns to the canonical buffers. state_dict / save_pretrained always hold the canonical
-    compressed-tensors tensors (converted back bit-exactly without leaving g4, as host-memory copies). Reading `weight_packed` /
-    `weight_scale` returns the real canonical buffers (the layer converts back, so in-place writes are seen) and the
-    next forward converts again; hold no reference to them across a forward. `allow_g4=False` (or
-    HFQ_NVFP4_G4=0) keeps the canonical buffers, and the decode kernel then caches its own copy beside them.
+    compressed-tensors tensors (converted back bit-exactly without leaving g4, as host-memory copies).
+    Reading `weight_packed` / `weight_scale` returns the real canonical buffers (the layer converts back, so
+    in-place writes are seen) and the next forward converts again; hold no reference to them across a forward.
+    `allow_g4=False` (or HFQ_NVFP4_G4=0) keeps the canonical buffers, and the decode kernel then caches its own
+    copy beside them.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "nvfp4",
