@@ -33,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from hfq_kernels import int8 as _int8k
+from hfq_kernels._triton import checkpointing as _checkpointing
 from hfq_kernels.reference import fp8 as _fp8
 from hfq_kernels.reference import intq as _intq
 
@@ -610,15 +611,6 @@ class _QLinearFn(torch.autograd.Function):
         if ctx.has_b and ctx.needs_input_grad[2]:
             gb = gy.reshape(-1, gy.shape[-1]).sum(0)
         return gx, gw, gb, None, None
-
-
-def _checkpointing() -> bool:
-    """Whether torch.utils.checkpoint's saved-tensor hooks (its forward's, or its recompute's) are the active ones."""
-    if torch.compiler.is_compiling():
-        return False
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    name = getattr(top[0], "__qualname__", "") if top else ""
-    return "_checkpoint_hook" in name or "_recomputation_hook" in name
 
 
 def qlinear(x: torch.Tensor, w: QParam, b: torch.Tensor | None = None, *, store_int8: bool = False,

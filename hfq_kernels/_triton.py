@@ -209,3 +209,13 @@ class LRU(OrderedDict):
         else:
             self.move_to_end(key)
         return v
+
+
+def checkpointing() -> bool:
+    """Whether torch.utils.checkpoint's saved-tensor hooks (its forward's, or its recompute's) are the active ones:
+    a tensor saved for backward then lives only from the recompute to that layer's backward."""
+    if torch.compiler.is_compiling():
+        return False
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    name = getattr(top[0], "__qualname__", "") if top else ""
+    return "_checkpoint_hook" in name or "_recomputation_hook" in name

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hfq_kernels._autotune import Tuner, m_bucket
-from hfq_kernels._triton import HAS_TRITON, on_gpu
+from hfq_kernels._triton import HAS_TRITON, checkpointing, on_gpu
 from hfq_kernels import nvfp4_gluon as g4
 from hfq_kernels.nvfp4_matmul import (KINDS, LINEAR_TUNER, LinearPlan, _check_g4_call, check_bias, grad_input,
                                       grad_input_impl, grad_input_g4, linear, linear_g4, linear_impl, plan_linear,
@@ -78,19 +78,32 @@ class _LinearFn(torch.autograd.Function):
 
 class _PlanFn(torch.autograd.Function):
     """hfq::nvfp4_linear's autograd on a LinearPlan (NVFP4Linear's eager path): forward(x, bias, plan).
-    The plan holds the (frozen) weight, so nothing goes through save_for_backward."""
+    The plan holds the (frozen) weight, so nothing goes through save_for_backward, except under activation
+    checkpointing: there a dequantize + cuBLAS forward saves its dense weight, which checkpointing drops after the
+    forward and keeps from the recompute to this layer's backward (one layer's weight), so grad-input needs no
+    second dequantize."""
 
     @staticmethod
     def forward(ctx, x, bias, plan):
         ctx.plan = plan
         ctx.has_bias = bias is not None
+        ctx.keep_w = (plan.dequant is not None and (plan.config is None or plan.config.get("kind") == "dequant")
+                      and checkpointing())
+        if ctx.keep_w:
+            w = plan.dequant(x.dtype)
+            ctx.save_for_backward(w)
+            return F.linear(x, w, bias)
         return plan.forward(x, bias)
 
     @staticmethod
     def backward(ctx, grad):
         gx = gb = None
         if ctx.needs_input_grad[0]:
-            gx = ctx.plan.grad(grad)
+            if ctx.keep_w:
+                (w,) = ctx.saved_tensors
+                gx = grad @ (w if w.dtype == grad.dtype else w.to(grad.dtype))
+            else:
+                gx = ctx.plan.grad(grad)
         if ctx.has_bias and ctx.needs_input_grad[1]:
             gb = grad.reshape(-1, grad.shape[-1]).sum(0)
         return gx, gb, None

@@ -643,10 +643,11 @@ class LinearPlan:
     stale once the tuned table changes). Callers keep plans per weight (NVFP4Linear keys them by x's shape,
     dtype and device) and rebuild them when the weight tensors are replaced."""
 
-    __slots__ = ("forward", "grad", "final", "gen", "config")
+    __slots__ = ("forward", "grad", "final", "gen", "config", "dequant")
 
-    def __init__(self, forward, grad, final: bool, gen: int, config):
+    def __init__(self, forward, grad, final: bool, gen: int, config, dequant=None):
         self.forward, self.grad, self.final, self.gen, self.config = forward, grad, final, gen, config
+        self.dequant = dequant  # dtype -> the dense weight, for plans whose forward is dequantize + cuBLAS
 
 
 def _pick_final(x2, packed, scale, recip, bias, m, n, k) -> tuple[dict, bool]:
@@ -769,7 +770,7 @@ def plan_linear(x, packed, scale, global_scale, bias=None) -> LinearPlan:
 
     m = x.numel() // k
     if m == 0 or dt not in MM_DTYPES:
-        return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, None)
+        return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, None, dequant)
     config = LINEAR_TUNER.cached(m, n, k, dt, dev) if m > 64 else None
     final = True
     if config is None or config["kind"] != "dequant":
@@ -781,7 +782,7 @@ def plan_linear(x, packed, scale, global_scale, bias=None) -> LinearPlan:
     gen = LINEAR_TUNER.gen  # after the choice (tuning a new shape stores its result)
     kind = config["kind"]
     if kind == "dequant":
-        return LinearPlan(dense, grad, final, gen, config)
+        return LinearPlan(dense, grad, final, gen, config, dequant)
     c = _PlanCtx(m=m, n=n, k=k, dt=dt, dev=dev, rf=rf, global_scale=global_scale, packed=packed, scale=scale,
                  su8=su8, has_bias=has_bias, out_shape=(*x.shape[:-1], n))
     fwd = _kind_forward(c, kind, config, x)
@@ -850,7 +851,7 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     x2 = x.detach().reshape(-1, k)
     m = x2.shape[0]
     if m == 0 or not gluon.supported(x2):
-        return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, {"kind": "dequant"})
+        return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, {"kind": "dequant"}, dequant)
     config = gluon_config(m, n, k, x.device)
     split, cps = _splits(cdiv(k, 64), config.get("split", 1))
     run = gluon.launcher(m, n, k, config, split, cps, bias is not None)

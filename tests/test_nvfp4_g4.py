@@ -378,3 +378,23 @@ def test_qerl_grpo_step_on_g4(kernel_gpu, tmp_path):
     assert any(p.abs().sum() > 0 for n, p in trainer.model.named_parameters() if "lora_B" in n)
     assert all(m.layout == "g4" for m in lays)
     assert all(torch.equal(m.canonical()[0], b) for m, b in zip(lays, before))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recompute_reuses_its_dequantized_weight(monkeypatch, reentrant):
+    """Under non-reentrant activation checkpointing the recompute's dense weight serves grad-input (two dequantizes
+    per step instead of three); gradients are the same either way."""
+    from torch.utils.checkpoint import checkpoint
+
+    monkeypatch.setattr(K, "EAGER_ON_CPU", True)
+    calls = []
+    real = G4.dequantize_g4
+    monkeypatch.setattr(G4, "dequantize_g4", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    lay = _layer(n=32, k=96, seed=7).to(DEV).to_g4_layout_()
+    x = torch.randn(80, 96, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    lay(x).float().square().sum().backward()
+    ref, x.grad = x.grad, None
+    calls.clear()
+    checkpoint(lambda t: lay(t).float().square().sum(), x, use_reentrant=reentrant).backward()
+    assert torch.equal(x.grad, ref)
+    assert len(calls) == (3 if reentrant else 2)  # reentrant checkpointing has no saved-tensor hooks to detect
