@@ -1,6 +1,8 @@
-"""Gluon (explicit layouts) W4A16 decode kernel for bf16 activations, M <= 64, on a repacked copy of the weights.
+"""The "g4" NVFP4 weight layout: the Gluon (explicit layouts) W4A16 decode kernel for bf16 activations, M <= 64,
+that reads it, its Triton dequantize, and the conversions from/to compressed-tensors' canonical layout.
 
-Repacked layout (built once per weight by `repack`, cached; state_dict/save keep the canonical layout):
+g4 layout (`repack` from canonical, `unrepack` back; NVFP4Linear keeps it on GPUs that run the kernel,
+`repacked` caches it for callers holding canonical tensors; state_dict/save keep the canonical layout):
   rows in tiles of 16 (n = 16 rt + 8 hrow + g), K in chunks of 64 (k = 64 kc + 16 c + 8 wsub + 2 i + h), both
   zero-padded. MMA lane (g, c) = 4 g + c owns rows g and g+8 of scale block c in every chunk: its 16 bytes are
   words r = 2 hrow + wsub at int32 index ((rt*KC + kc)*32 + lane)*4 + r, one 16-byte load per thread.
