@@ -234,7 +234,10 @@ def test_eager_plan_path_reads_g4(monkeypatch):
         gy = torch.randn_like(y)
         y.backward(gy)
         y2.backward(gy)
-        assert torch.equal(x.grad, x2.grad)
+        if DEV == "cpu":
+            assert torch.equal(x.grad, x2.grad)
+        else:  # the same dense weight; cuBLAS may pick another algorithm for the 3-d product
+            torch.testing.assert_close(x.grad, x2.grad)
         with torch.no_grad():
             lay(x)
         assert lay._hfq_plans[1][(x.shape, x.dtype, x.device)] is plan
