@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from hfq_kernels._autotune import Tuner, m_bucket
 from hfq_kernels._triton import HAS_TRITON, checkpointing, on_gpu
 from hfq_kernels import nvfp4_gluon as g4
-from hfq_kernels.nvfp4_matmul import (KINDS, LINEAR_TUNER, LinearPlan, _check_g4_call, check_bias, grad_input,
-                                      grad_input_impl, grad_input_g4, linear, linear_g4, linear_impl, plan_linear,
+from hfq_kernels.nvfp4_matmul import (KINDS, LINEAR_TUNER, LinearPlan, check_bias, check_g4_call, grad_input,
+                                      grad_input_g4, grad_input_impl, linear, linear_g4, linear_impl, plan_linear,
                                       plan_linear_g4)
 from hfq_kernels.nvfp4_quant import check_packed, dequantize, quantize
 from hfq_kernels.reference import fp4
@@ -245,7 +245,7 @@ def _(words, scales, global_scale, n, k, dtype):
 
 
 def _g4_linear_ref(x, words, scales, global_scale, n, k, bias):
-    _check_g4_call(x, words, scales, global_scale, bias, n, k)
+    check_g4_call(x, words, scales, global_scale, bias, n, k)
     return F.linear(x, g4.dequantize_g4_ref(words, scales, global_scale, n, k, x.dtype), bias)
 
 

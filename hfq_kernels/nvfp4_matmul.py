@@ -797,7 +797,8 @@ def _g4_recip(global_scale):
     return global_scale if global_scale.dtype == torch.float32 else global_scale.float()
 
 
-def _check_g4_call(x, wr, sr, global_scale, bias, n, k, what="nvfp4_g4_linear"):
+def check_g4_call(x, wr, sr, global_scale, bias, n, k, what="nvfp4_g4_linear"):
+    """Raise ValueError (naming the tensor and the allowed shape) unless x, the g4 tensors and bias fit together."""
     gluon.check_g4(wr, sr, n, k)
     if global_scale.numel() != 1:
         raise ValueError(f"{what}: weight_global_scale must have one element, got shape {tuple(global_scale.shape)}")
@@ -817,7 +818,7 @@ def _g4_gluon(x2, wr, sr, recip, bias, n, k):
 
 def linear_g4(x, wr, sr, global_scale, n: int, k: int, bias=None):
     """y = x @ dequant(W)^T + bias for a weight in the g4 layout (CUDA)."""
-    _check_g4_call(x, wr, sr, global_scale, bias, n, k)
+    check_g4_call(x, wr, sr, global_scale, bias, n, k)
     recip = _g4_recip(global_scale)
     x2 = x.reshape(-1, k)
     if x2.shape[0] > 0 and gluon.supported(x2):
@@ -836,7 +837,7 @@ def grad_input_g4(g, wr, sr, global_scale, n: int, k: int):
 def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     """plan_linear() for a weight in the g4 layout: the Gluon kernel where gluon.supported(x), else dequantize_g4 +
     cuBLAS (config kind "dequant"); grad always dequantize_g4 + cuBLAS. Raises for bad inputs on the first call."""
-    _check_g4_call(x, wr, sr, global_scale, bias, n, k)
+    check_g4_call(x, wr, sr, global_scale, bias, n, k)
     rf = global_scale if global_scale.dtype == torch.float32 else None  # else converted per call (stays current)
 
     def dequant(dtype):
