@@ -9,7 +9,8 @@ kept canonical (allow_g4=False: the Gluon decode kernel caches its repacked copy
 and bf16 nn.Linear. Reports the bytes each set holds on the device after warm-up (decode at M=1 and 8 and a
 training forward+backward at M=2048 each ran once), then per-call times, interleaved over `--repeats`
 rounds: decode forward at M=1 and 8 (`--calls` back-to-back passes over all linears, one sync) and forward +
-grad-input at M=2048 (frozen weights, as under LoRA). Writes nvfp4_layout.{json,md}.
+grad-input at M=2048 (frozen weights, as under LoRA); then one dequantize of each weight shape to bf16 with g4's
+word-wise and gather kernels and the canonical kernel. Writes nvfp4_layout.{json,md}.
 """
 from __future__ import annotations
 
@@ -127,8 +128,38 @@ def main():
         print(r, flush=True)
     res = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=_commit(),
                torch=torch.__version__, layers=a.layers, shapes=SHAPES, repeats=a.repeats, calls=a.calls,
-               held_gib={k: (round(v, 3) if isinstance(v, float) else v) for k, v in held.items()}, rows=rows)
+               held_gib={k: (round(v, 3) if isinstance(v, float) else v) for k, v in held.items()}, rows=rows,
+               dequant=time_dequantize(arms, a.repeats))
     write(res, Path(a.out))
+
+
+def time_dequantize(arms, repeats: int, calls: int = 50) -> list[dict]:
+    """us per dequantize of one weight of each shape to bf16: g4 word-wise / g4 gather / canonical (interleaved)."""
+    from hfq_kernels import nvfp4_gluon as G4
+    from hfq_kernels.nvfp4_quant import dequant_raw
+
+    out = []
+    for i in range(len(SHAPES)):
+        g4, cn = arms["g4"][i], arms["canonical"][i]
+        n, k = g4.out_features, g4.in_features
+        wr, sr, gs = g4.weight_g4, g4.weight_g4_scale, g4.weight_global_scale
+        p, sc = cn._buffers["weight_packed"], cn._buffers["weight_scale"]
+        fns = {"g4 words": lambda: G4.dequantize_g4(wr, sr, gs, n, k, kernel="words"),
+               "g4 gather": lambda: G4.dequantize_g4(wr, sr, gs, n, k, kernel="gather"),
+               "canonical": lambda: dequant_raw(p, sc, gs, torch.bfloat16)}
+        ts = {name: [] for name in fns}
+        for _ in range(repeats):
+            for name, fn in fns.items():
+                fn()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+                ts[name].append((time.perf_counter() - t) / calls * 1e6)
+        out.append(dict(K=k, N=n, **{name: _stats(v) for name, v in ts.items()}))
+        print(out[-1], flush=True)
+    return out
 
 
 def write(res, out: Path):
@@ -150,6 +181,13 @@ def to_markdown(res) -> str:
     for r in res["rows"]:
         cell = [f"{r[a]['median']} ({r[a]['min']}-{r[a]['max']})" for a in ARMS]
         lines.append(f"| {r['case']} | {cell[0]} | {cell[1]} | {cell[2]} | {r['g4/canonical']} | {r['g4/bf16']} |")
+    if res.get("dequant"):
+        names = ("g4 words", "g4 gather", "canonical")
+        lines += ["", "us per dequantize of one weight to bf16 (the M > 64 forward and every grad-input): median "
+                  "(min-max)", "", "| in | out | " + " | ".join(names) + " |", "|---:|---:|---:|---:|---:|"]
+        for r in res["dequant"]:
+            lines.append(f"| {r['K']} | {r['N']} | "
+                         + " | ".join(f"{r[x]['median']} ({r[x]['min']}-{r[x]['max']})" for x in names) + " |")
     return "\n".join(lines + [""])
 
 
@@ -159,11 +197,13 @@ def selftest():
     st = _stats([1.0, 2.0, 3.0])
     res = dict(device="none", date="-", commit="-", torch="-", layers=1, shapes=SHAPES[:1], repeats=3, calls=1,
                held_gib={"g4": 1.0, "canonical": 2.0, "bf16": 4.0},
-               rows=[dict(case="decode M=1", g4=st, canonical=st, bf16=st, **{"g4/canonical": 1.0, "g4/bf16": 1.0})])
+               rows=[dict(case="decode M=1", g4=st, canonical=st, bf16=st, **{"g4/canonical": 1.0, "g4/bf16": 1.0})],
+               dequant=[dict(K=8, N=16, **{"g4 words": st, "g4 gather": st, "canonical": st})])
     with tempfile.TemporaryDirectory() as d:
         write(res, Path(d))
         md = (Path(d) / "nvfp4_layout.md").read_text()
         assert "| decode M=1 | 2.0 (1.0-3.0) | 2.0 (1.0-3.0) | 2.0 (1.0-3.0) | 1.0 | 1.0 |" in md, md
+        assert "| 8 | 16 | 2.0 (1.0-3.0) | 2.0 (1.0-3.0) | 2.0 (1.0-3.0) |" in md, md
     print("selftest ok")
 
 
