@@ -19,7 +19,6 @@ import datetime
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,10 +30,7 @@ SHAPES = [(3584, 3584), (3584, 512), (3584, 512), (3584, 3584), (3584, 18944), (
 ARMS = ("g4", "canonical", "bf16")
 
 
-def _commit() -> str:
-    from nvfp4_overhead import _commit as c  # noqa: PLC0415  (the benchmarks' one commit helper)
-
-    return c()
+from nvfp4_overhead import _commit, _time_per_call  # noqa: E402  (the benchmarks' commit and per-call timing)
 
 
 def build(arm: str, layers: int, dev) -> list[nn.Module]:
@@ -113,12 +109,8 @@ def main():
         for c, (m, g) in cases.items():
             for arm in ARMS:
                 calls = a.calls if m < 256 else max(2, a.calls // 5)
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(calls):
-                    run_all(arms[arm], inputs[c], g)
-                torch.cuda.synchronize()
-                times[c][arm].append((time.perf_counter() - t) / calls * 1e3)
+                fn = (lambda mods=arms[arm], xs=inputs[c], g=g: run_all(mods, xs, g))
+                times[c][arm].append(_time_per_call(fn, calls, torch.cuda.synchronize) / 1e3)
     rows = []
     for c in cases:
         r = dict(case=c, **{arm: _stats(times[c][arm]) for arm in ARMS})
@@ -151,12 +143,7 @@ def time_dequantize(arms, repeats: int, calls: int = 50) -> list[dict]:
         for _ in range(repeats):
             for name, fn in fns.items():
                 fn()
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                torch.cuda.synchronize()
-                ts[name].append((time.perf_counter() - t) / calls * 1e6)
+                ts[name].append(_time_per_call(fn, calls, torch.cuda.synchronize))
         out.append(dict(K=k, N=n, **{name: _stats(v) for name, v in ts.items()}))
         print(out[-1], flush=True)
     return out

@@ -488,10 +488,14 @@ def _gluon_launch(x2, packed, scale, recip, bias, cfg, out=None):
     rep = gluon.repacked(packed, scale)
     if rep is None:
         return None
-    n = packed.shape[0]
+    return _gluon_on(x2, *rep, packed.shape[0], recip, bias, cfg, out)
+
+
+def _gluon_on(x2, wr, sr, n, recip, bias, cfg, out=None):
+    """"gluon" kernel on g4 tensors (wr, sr) of an [n, K] weight, with cfg's split-K."""
     split, cps = _splits(cdiv(x2.shape[1], 64), cfg.get("split", 1))
     return _with_partials(x2, n, bias, recip, split, out,
-                          lambda dst, y: gluon.launch(x2, *rep, recip, bias, dst, y.stride(0), n, cfg, split, cps))
+                          lambda dst, y: gluon.launch(x2, wr, sr, recip, bias, dst, y.stride(0), n, cfg, split, cps))
 
 
 def _atomic_launch(x2, packed, scale, recip, bias, cfg, out=None):
@@ -807,15 +811,6 @@ def check_g4_call(x, wr, sr, global_scale, bias, n, k, what="nvfp4_g4_linear"):
         raise ValueError(f"{what}: x has in_features={x.shape[-1]} but the weight has {k}")
 
 
-def _g4_gluon(x2, wr, sr, recip, bias, n, k):
-    """The Gluon decode of x2 [M, K] (bf16, M <= 64) with its default/tuned config."""
-    m = x2.shape[0]
-    cfg = gluon_config(m, n, k, x2.device)
-    split, cps = _splits(cdiv(k, 64), cfg.get("split", 1))
-    return _with_partials(x2, n, bias, recip, split, None,
-                          lambda dst, y: gluon.launch(x2, wr, sr, recip, bias, dst, y.stride(0), n, cfg, split, cps))
-
-
 def linear_g4(x, wr, sr, global_scale, n: int, k: int, bias=None):
     """y = x @ dequant(W)^T + bias for a weight in the g4 layout (CUDA)."""
     check_g4_call(x, wr, sr, global_scale, bias, n, k)
@@ -823,7 +818,8 @@ def linear_g4(x, wr, sr, global_scale, n: int, k: int, bias=None):
     x2 = x.reshape(-1, k)
     if x2.shape[0] > 0 and gluon.supported(x2):
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        return _g4_gluon(x2, wr, sr, recip, bias, n, k).reshape(*x.shape[:-1], n)
+        cfg = gluon_config(x2.shape[0], n, k, x2.device)
+        return _gluon_on(x2, wr, sr, n, recip, bias, cfg).reshape(*x.shape[:-1], n)
     return F.linear(x, gluon.dequantize_g4(wr, sr, recip, n, k, x.dtype), bias)
 
 
@@ -831,7 +827,7 @@ def grad_input_g4(g, wr, sr, global_scale, n: int, k: int):
     """grad_x = g @ dequant(W) for a weight in the g4 layout: dequantize (Triton), then cuBLAS."""
     if g.shape[-1] != n:
         raise ValueError(f"nvfp4_g4_linear_grad_input: grad has {g.shape[-1]} features but the weight has {n} rows")
-    return g @ gluon.dequantize_g4(wr, sr, _g4_recip(global_scale), n, k, g.dtype)
+    return g @ gluon.dequantize_g4(wr, sr, global_scale, n, k, g.dtype)
 
 
 def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
@@ -859,4 +855,4 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     c = _PlanCtx(m=m, n=n, k=k, dt=x.dtype, dev=x.device, rf=rf, global_scale=global_scale,
                  has_bias=bias is not None, out_shape=(*x.shape[:-1], n))
     fwd = _finish(c, split, lambda x2, b, dst, y, aux: run(x2, wr, sr, c.recip(), b, dst, n))
-    return LinearPlan(lambda x, b: fwd(x, b), grad, True, LINEAR_TUNER.gen, config)
+    return LinearPlan(fwd, grad, True, LINEAR_TUNER.gen, config)

@@ -90,14 +90,9 @@ class NVFP4Linear(nn.Module):
         else:
             packed, scale = fp4.mxfp4_quantize(w, name=name)
         was_g4 = self.layout == "g4"
-        if was_g4:
-            self._drop(_G4_BUFS)
-            self.register_buffer("weight_packed", packed)
-            self.register_buffer("weight_scale", scale)
-        else:
-            self.weight_packed = packed
-            self.weight_scale = scale
-        self.__dict__.pop("_hfq_plans", None)
+        self._drop(_G4_BUFS)  # also drops the plans
+        self.register_buffer("weight_packed", packed)
+        self.register_buffer("weight_scale", scale)
         if was_g4:  # a canonical layer on a kernel GPU switches at load / move / first forward
             self.to_g4_layout_()
 
