@@ -401,3 +401,30 @@ def test_checkpoint_recompute_reuses_its_dequantized_weight(monkeypatch, reentra
     checkpoint(lambda t: lay(t).float().square().sum(), x, use_reentrant=reentrant).backward()
     assert torch.equal(x.grad, ref)
     assert len(calls) == (3 if reentrant else 2)  # reentrant checkpointing has no saved-tensor hooks to detect
+
+
+@pytest.mark.real_model
+def test_real_smollm2_in_g4_same_logits_and_checkpoint(smollm2, kernel_gpu, tmp_path):
+    """SmolLM2-135M-Instruct (real weights) quantized to NVFP4: the automatic g4 layout gives the canonical layers'
+    logits bit for bit, and its save_pretrained equals the canonical model's tensors exactly."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import hfq  # noqa: F401
+    from hfq.nvfp4 import NVFP4Config, NVFP4Linear
+
+    g4 = AutoModelForCausalLM.from_pretrained(smollm2, quantization_config=NVFP4Config())
+    lays = [m for m in g4.modules() if isinstance(m, NVFP4Linear)]
+    assert lays and all(m.layout == "g4" for m in lays)
+    canon = AutoModelForCausalLM.from_pretrained(smollm2, quantization_config=NVFP4Config())
+    for m in canon.modules():
+        if isinstance(m, NVFP4Linear):
+            m.to_canonical_layout_()
+    ids = torch.randint(10, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(g4(ids).logits, canon(ids).logits)
+    g4.save_pretrained(tmp_path / "g4")
+    canon.save_pretrained(tmp_path / "canon")
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("g4", "canon"))
+    assert a.keys() == b.keys() and any(k.endswith("weight_packed") for k in a)
+    for key in a:
+        assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), key
