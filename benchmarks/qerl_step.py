@@ -182,8 +182,8 @@ class Run:
         adv = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
         t2 = sync_t()
         full = torch.cat([ids, comp.to(ids.device)], 1)
-        with torch.no_grad():
-            old = per_token_logps(model, full, new)
+        with torch.no_grad():  # in the update's micro-batches, as TRL does (batch_size=per_device_train_batch_size)
+            old = torch.cat([per_token_logps(model, full[i:i + 1], new) for i in range(batch)])
         t3 = sync_t()
         phase_peak("logprob")
         model.train()
@@ -338,7 +338,8 @@ def main():
         return selftest()
     name = ("qerl_step" + (f"_new{a.new}" if a.new != 512 else "") + ("_gc" if a.grad_ckpt else "")
             + ("_compile" if a.compile else ""))
-    notes = []
+    notes = ["update: 8 micro-batches of 1 sequence (TRL per_device_train_batch_size=1, gradient_accumulation_steps=8);"
+             " the log-prob pass runs in the same micro-batches, as TRL's GRPOTrainer does"]
     if a.grad_ckpt:
         notes.append("gradient checkpointing on (non-reentrant) in the update and log-prob passes of every method")
     if a.compile:

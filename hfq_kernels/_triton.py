@@ -219,3 +219,45 @@ def checkpointing() -> bool:
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     name = getattr(top[0], "__qualname__", "") if top else ""
     return "_checkpoint_hook" in name or "_recomputation_hook" in name
+
+
+_BIND = os.environ.get("HFQ_TRITON_BIND", "1") != "0"
+
+
+class BoundLaunch:
+    """`kernel[grid](*args, **meta)` for a launch whose grid and meta-parameters are fixed (a per-shape plan's).
+    The first call goes through Triton's JIT (compile or cache lookup) and keeps the compiled kernel; later calls
+    go to its launcher directly (`compiled[grid](...)`), skipping the JIT's per-call binding, specialization and
+    cache-key work (tens of microseconds of host time per launch). A later call must match what Triton
+    specialized on: the same scalar arguments, tensor dtypes and 16-byte alignment; one that does not, a CPU
+    call (the interpreter), or `HFQ_TRITON_BIND=0` takes the JIT path."""
+
+    __slots__ = ("kernel", "grid", "meta", "runner", "tail", "tensors", "scalars")
+
+    def __init__(self, kernel, grid, meta: dict):
+        self.kernel, self.grid, self.meta = kernel, tuple(grid), dict(meta)
+        self.runner = self.tail = self.tensors = self.scalars = None
+
+    def __call__(self, *args):
+        r = self.runner
+        if (r is not None and all(args[i].dtype is dt and not args[i].data_ptr() & 15 for i, dt in self.tensors)
+                and all(args[i] == v for i, v in self.scalars)):
+            r(*args, *self.tail)
+            return
+        ck = self.kernel[self.grid](*args, **self.meta)
+        if r is None and _BIND and not INTERPRET and ck is not None and hasattr(ck, "__getitem__"):
+            self._bind(ck, args)
+
+    def _bind(self, ck, args) -> None:
+        tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        if not tensors or not all(a.is_cuda and not a.data_ptr() & 15 for _, a in tensors):
+            return
+        if not all(isinstance(a, (int, float, bool)) or a is None or isinstance(a, torch.Tensor) for a in args):
+            return
+        names = list(self.kernel.arg_names)[len(args):]
+        if not set(names) <= set(self.meta):  # the constexprs must follow the runtime arguments, all given in meta
+            return
+        self.tail = tuple(self.meta[n] for n in names)
+        self.tensors = tuple((i, a.dtype) for i, a in tensors)
+        self.scalars = tuple((i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
+        self.runner = ck[self.grid]

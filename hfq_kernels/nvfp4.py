@@ -77,41 +77,33 @@ class _LinearFn(torch.autograd.Function):
 
 
 class _PlanFn(torch.autograd.Function):
-    """hfq::nvfp4_linear's autograd on a LinearPlan (NVFP4Linear's eager path): forward(x, bias, plan).
-    The plan holds the (frozen) weight, so nothing goes through save_for_backward, except under activation
-    checkpointing: there a dequantize + cuBLAS forward saves its dense weight, which checkpointing drops after the
-    forward and keeps from the recompute to this layer's backward (one layer's weight), so grad-input needs no
-    second dequantize."""
+    """hfq::nvfp4_linear's autograd on a LinearPlan (NVFP4Linear's eager path): forward(x, bias, plan). The plan
+    holds the (frozen) weight, so nothing goes through save_for_backward."""
 
     @staticmethod
     def forward(ctx, x, bias, plan):
         ctx.plan = plan
         ctx.has_bias = bias is not None
-        ctx.keep_w = (plan.dequant is not None and (plan.config is None or plan.config.get("kind") == "dequant")
-                      and checkpointing())
-        if ctx.keep_w:
-            w = plan.dequant(x.dtype)
-            ctx.save_for_backward(w)
-            return F.linear(x, w, bias)
         return plan.forward(x, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        gx = gb = None
-        if ctx.needs_input_grad[0]:
-            if ctx.keep_w:
-                (w,) = ctx.saved_tensors
-                gx = grad @ (w if w.dtype == grad.dtype else w.to(grad.dtype))
-            else:
-                gx = ctx.plan.grad(grad)
-        if ctx.has_bias and ctx.needs_input_grad[1]:
-            gb = grad.reshape(-1, grad.shape[-1]).sum(0)
+        gx = ctx.plan.grad(grad) if ctx.needs_input_grad[0] else None
+        gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
         return gx, gb, None
 
 
 def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
-    """plan.forward(x, bias), through _PlanFn when a gradient is wanted (x or bias requires one)."""
+    """plan.forward(x, bias), through _PlanFn when a gradient is wanted (x or bias requires one).
+
+    Under activation checkpointing a dequantize + cuBLAS plan runs as F.linear on its dense weight instead: the
+    weight F.linear saves for backward is dropped after the forward and kept from the recompute to this layer's
+    backward (one layer's weights at a time), so grad-input needs no second dequantize, and the autograd node is
+    PyTorch's own (no Python Function on the hot path)."""
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
+        if (plan.dequant is not None and (plan.config is None or plan.config.get("kind") == "dequant")
+                and checkpointing()):
+            return F.linear(x, plan.dequant(x.dtype), bias)
         return _PlanFn.apply(x, bias, plan)
     return plan.forward(x, bias)
 

@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from hfq_kernels._triton import HAS_TRITON, INTERPRET, cdiv, e2m1_to_f32, f32_to_bf16_rne, tl, triton
+from hfq_kernels._triton import HAS_TRITON, INTERPRET, BoundLaunch, cdiv, e2m1_to_f32, f32_to_bf16_rne, tl, triton
 
 _G4_SM = (0, 3, -3, 6)
 _G4_SS = (0, 3, 1, 2)
@@ -405,6 +405,27 @@ def dequantize_g4(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16, ou
     return out
 
 
+def dequantizer(wr, sr, n: int, k: int):
+    """dequantize_g4 for one weight, as a per-plan closure `run(recip, dtype) -> [n, k]`: the word-wise/gather
+    choice is made once per dtype and the launch is bound (BoundLaunch), so a call costs little host time."""
+    launches: dict = {}
+    grid = (cdiv(n, 16), cdiv(k, 256))
+    kc = cdiv(k, 64)
+
+    def run(recip, dtype):
+        out = torch.empty((n, k), dtype=dtype, device=wr.device)
+        fn = launches.get(dtype)
+        if fn is None:
+            kern = _g4_dequant_kernel if _fast_ok(wr, sr, recip, out, n, k) else _g4_dequant_gather_kernel
+            fn = BoundLaunch(kern, grid, dict(BC=256, num_warps=4))
+            if (out.device, dtype) in _FAST_CHECKED:  # decided (not merely deferred by a graph capture)
+                launches[dtype] = fn
+        fn(wr, sr, recip, out, n, k, kc)
+        return out
+
+    return run
+
+
 def emulate(x: torch.Tensor, wr: torch.Tensor, sr: torch.Tensor, n: int, k: int, recip) -> torch.Tensor:
     """Torch emulation of _g4_kernel's arithmetic on the repacked layout (tests check repack + decode on CPU)."""
     nt, kc = cdiv(n, 16), cdiv(k, 64)
@@ -488,9 +509,10 @@ def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: 
     meta = dict(BM=bm, R=r, HAS_BIAS=has_bias and not partial, PARTIAL=partial,
                 PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps)
 
+    bound = BoundLaunch(_g4_kernel, grid, meta)
+
     def run(x2, wr, sr, recip, bias, dst, y_stride):
-        _g4_kernel[grid](x2, wr, sr, recip, bias if bias is not None else recip, dst, m, n, k, kc, nt,
-                         x2.stride(0), y_stride, cps, **meta)
+        bound(x2, wr, sr, recip, bias if bias is not None else recip, dst, m, n, k, kc, nt, x2.stride(0), y_stride, cps)
 
     return run
 

@@ -835,9 +835,10 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     cuBLAS (config kind "dequant"); grad always dequantize_g4 + cuBLAS. Raises for bad inputs on the first call."""
     check_g4_call(x, wr, sr, global_scale, bias, n, k)
     rf = global_scale if global_scale.dtype == torch.float32 else None  # else converted per call (stays current)
+    run_dequant = gluon.dequantizer(wr, sr, n, k)
 
     def dequant(dtype):
-        return gluon.dequantize_g4(wr, sr, rf if rf is not None else global_scale.float(), n, k, dtype)
+        return run_dequant(rf if rf is not None else global_scale.float(), dtype)
 
     def grad(g):
         return g @ dequant(g.dtype)

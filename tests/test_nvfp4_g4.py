@@ -296,6 +296,31 @@ def test_model_save_load_peft_in_g4(tmp_path):
     assert all(m.layout == "g4" for m in lays)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bound_launch_same_values_and_jit_path_for_new_specializations(dtype):
+    """BoundLaunch (plans' low-overhead launches): on the GPU the second call goes to the compiled kernel directly
+    and gives the JIT's bits; a misaligned output takes the JIT path; on CPU (interpreter) it never binds."""
+    from hfq_kernels._triton import BoundLaunch
+
+    n, k = 37, 160
+    p, s, r = _canonical(n, k, seed=11)
+    wr, sr = (t.to(DEV) for t in G4.repack(p, s))
+    recip = r.to(DEV)
+    ref = G4.dequantize_g4_ref(wr.cpu(), sr.cpu(), r, n, k, dtype)
+    bl = BoundLaunch(G4._g4_dequant_kernel, (G4.cdiv(n, 16), G4.cdiv(k, 256)), dict(BC=256, num_warps=4))
+    for _ in range(3):
+        out = torch.full((n, k), float("nan"), dtype=dtype, device=DEV)
+        bl(wr, sr, recip, out, n, k, G4.cdiv(k, 64))
+        assert torch.equal(out.cpu(), ref)
+    assert (bl.runner is not None) == (DEV == "cuda")
+    flat = torch.full((n * k + 1,), float("nan"), dtype=dtype, device=DEV)
+    odd = flat[1:].view(n, k)  # 2 or 4 bytes off the first call's 16-byte alignment
+    bl(wr, sr, recip, odd, n, k, G4.cdiv(k, 64))
+    assert torch.equal(odd.cpu(), ref)
+    run = G4.dequantizer(wr, sr, n, k)
+    assert all(torch.equal(run(recip, dtype).cpu(), ref) for _ in range(2))
+
+
 def test_dequantize_falls_back_when_the_wordwise_kernel_fails(monkeypatch):
     """A build error (or a wrong value) of the word-wise kernel at its first-use check: gather kernel, warning."""
     class Broken:
@@ -320,6 +345,24 @@ def kernel_gpu(monkeypatch):
     """Make NVFP4Linear treat every device as one that runs the Gluon kernel, so the automatic conversions (after
     loading, on moves, at the first forward) happen on CPU, where the g4 ops run their torch reference."""
     monkeypatch.setattr(G4, "device_ok", lambda device: True)
+
+
+def test_from_linear_on_a_kernel_gpu_builds_g4_directly(kernel_gpu):
+    """A layer quantized where the kernel runs (from_linear / set_weight) holds no canonical copy, even before any
+    forward (a torch.compile'd first forward never takes the eager conversion)."""
+    from hfq.nvfp4 import NVFP4Linear
+
+    lin = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
+    lay = NVFP4Linear.from_linear(lin)
+    assert lay.layout == "g4" and {"weight_g4", "weight_g4_scale"} <= set(lay._buffers) and "weight_packed" not in lay._buffers
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(G4, "device_ok", lambda device: False)
+        ref = NVFP4Linear.from_linear(lin)
+    assert ref.layout == "canonical"
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    assert torch.equal(lay(x), ref(x))
+    lay.set_weight(lin.weight.detach() * 2)
+    assert lay.layout == "g4"
 
 
 def _lora_trainer_run(model_dir, out, resume=None):
@@ -397,8 +440,13 @@ def test_checkpoint_recompute_reuses_its_dequantized_weight(monkeypatch, reentra
 
     monkeypatch.setattr(K, "EAGER_ON_CPU", True)
     calls = []
-    real = G4.dequantize_g4
-    monkeypatch.setattr(G4, "dequantize_g4", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = G4.dequantizer
+
+    def counting(*a, **kw):  # every dequantize launch of the layer's plans
+        run = real(*a, **kw)
+        return lambda *b, **c: calls.append(1) or run(*b, **c)
+
+    monkeypatch.setattr(G4, "dequantizer", counting)
     lay = _layer(n=32, k=96, seed=7).to(DEV).to_g4_layout_()
     x = torch.randn(80, 96, dtype=torch.bfloat16, device=DEV, requires_grad=True)
     lay(x).float().square().sum().backward()

@@ -93,7 +93,7 @@ class NVFP4Linear(nn.Module):
         self._drop(_G4_BUFS)  # also drops the plans
         self.register_buffer("weight_packed", packed)
         self.register_buffer("weight_scale", scale)
-        if was_g4:  # a canonical layer on a kernel GPU switches at load / move / first forward
+        if was_g4 or self.g4_wanted(packed.device):  # e.g. from_linear on the GPU: no canonical copy kept
             self.to_g4_layout_()
 
     # ----------------------------------------------------------------------------------------- layouts
