@@ -235,7 +235,8 @@ class BoundLaunch:
     __slots__ = ("kernel", "grid", "meta", "runner", "tail", "tensors", "scalars")
 
     def __init__(self, kernel, grid, meta: dict):
-        self.kernel, self.grid, self.meta = kernel, tuple(grid), dict(meta)
+        self.kernel, self.meta = kernel, dict(meta)
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))  # the compiled kernel's launcher takes all three
         self.runner = self.tail = self.tensors = self.scalars = None
 
     def __call__(self, *args):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from hfq_kernels import nvfp4_gluon as gluon
 from hfq_kernels._autotune import Tuner
 from hfq_kernels._autotune import _capturing as _autotune_capturing
-from hfq_kernels._triton import INTERPRET, cdiv, e2m1_raw, e2m1_to_f32, e4m3_to_f32, sm_count, tl, triton
+from hfq_kernels._triton import INTERPRET, BoundLaunch, cdiv, e2m1_raw, e2m1_to_f32, e4m3_to_f32, sm_count, tl, triton
 from hfq_kernels.nvfp4_quant import _dequantize_kernel, check_packed, dequant_raw
 
 KINDS = {
@@ -678,6 +678,8 @@ def _finish(c: _PlanCtx, dst_split: int, launch):
     partials [split, M, N] and the reduce kernel."""
     m, n, k = c.m, c.n, c.k
     rgrid = (cdiv(m * n, 1024),)
+    reduce = {hb: BoundLaunch(_splitk_reduce_kernel, rgrid, dict(HAS_BIAS=hb, BLOCK=1024, num_warps=4))
+              for hb in (False, True)}
 
     def fwd(x, b, aux=None):
         x2 = x.reshape(m, k)
@@ -689,8 +691,7 @@ def _finish(c: _PlanCtx, dst_split: int, launch):
         else:
             dst = torch.empty((dst_split, m, n), dtype=torch.float32, device=c.dev)
             launch(x2, b, dst, y, aux)
-            _splitk_reduce_kernel[rgrid](dst, b if b is not None else c.recip(), y, m, n, dst_split, n,
-                                         HAS_BIAS=b is not None, BLOCK=1024, num_warps=4)
+            reduce[b is not None](dst, b if b is not None else c.recip(), y, m, n, dst_split, n)
         return y.view(c.out_shape)
 
     return fwd
