@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
 for part in "$@"; do
   start=$(date +%s)
   case $part in
-    tests) timeout 300 python -m pytest -q -p no:cacheprovider tests/test_kernels_nvfp4.py tests/test_eco_kernel.py \
+    tests) timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernels_nvfp4.py tests/test_eco_kernel.py \
              tests/test_quest.py tests/test_eco.py tests/test_qparam.py tests/test_qft_lion.py tests/test_nvfp4_model.py \
              tests/test_rollout_kernels.py tests/test_hadamard.py tests/test_kernels_imports.py tests/test_peft_routes.py \
              tests/test_optim_guard.py tests/test_qft_kernels.py > "$OUT/tests.txt" 2>&1 ;;
@@ -27,7 +27,7 @@ for part in "$@"; do
     g4) timeout 150 python -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_nvfp4_g4.py tests/test_nvfp4_model.py \
           tests/test_kernels_nvfp4.py > "$OUT/g4_tests.txt" 2>&1 ;;
     nvfp4_layout) timeout 200 python benchmarks/nvfp4_layout.py --out "$OUT" > "$OUT/nvfp4_layout.txt" 2>&1 ;;
-    nvfp4_oh) timeout 130 python benchmarks/nvfp4_overhead.py --out "$OUT" > "$OUT/nvfp4_oh.txt" 2>&1 ;;
+    nvfp4_oh) timeout 70 python benchmarks/nvfp4_overhead.py --out "$OUT" > "$OUT/nvfp4_oh.txt" 2>&1 ;;
     nvfp4) timeout 400 python benchmarks/nvfp4_matmul.py --out "$OUT" > "$OUT/nvfp4.txt" 2>&1 ;;
     rollout) timeout 580 python benchmarks/rollout.py --out "$OUT" > "$OUT/rollout.txt" 2>&1 ;;
     eco) timeout 150 python benchmarks/eco.py --iters ${ECO_ITERS:-10} --out "$OUT" > "$OUT/eco.txt" 2>&1 ;;

@@ -227,33 +227,50 @@ _BIND = os.environ.get("HFQ_TRITON_BIND", "1") != "0"
 class BoundLaunch:
     """`kernel[grid](*args, **meta)` for a launch whose grid and meta-parameters are fixed (a per-shape plan's).
     The first call goes through Triton's JIT (compile or cache lookup) and keeps the compiled kernel; later calls
-    go to its launcher directly (`compiled[grid](...)`), skipping the JIT's per-call binding, specialization and
-    cache-key work (tens of microseconds of host time per launch). A later call must match what Triton
-    specialized on: the same scalar arguments, tensor dtypes and 16-byte alignment; one that does not, a CPU
-    call (the interpreter), or `HFQ_TRITON_BIND=0` takes the JIT path."""
+    launch it directly on the current stream, skipping the JIT's per-call binding, specialization, cache-key and
+    launch-metadata work (tens of microseconds of host time per launch). A later call must match what Triton
+    specialized on: the same scalar arguments, tensor dtypes and 16-byte alignment; one that does not, a CPU call
+    (the interpreter), or `HFQ_TRITON_BIND=0` takes the JIT path. Launch hooks (profilers) are honoured: while
+    one is installed the compiled kernel's own launcher is used."""
 
-    __slots__ = ("kernel", "grid", "meta", "runner", "tail", "tensors", "scalars")
+    __slots__ = ("kernel", "grid", "meta", "ck", "tail", "tensors", "scalars", "dev", "raw")
 
     def __init__(self, kernel, grid, meta: dict):
         self.kernel, self.meta = kernel, dict(meta)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))  # the compiled kernel's launcher takes all three
-        self.runner = self.tail = self.tensors = self.scalars = None
+        self.ck = self.tail = self.tensors = self.scalars = self.dev = self.raw = None
 
     def __call__(self, *args):
-        r = self.runner
-        if (r is not None and all(args[i].dtype is dt and not args[i].data_ptr() & 15 for i, dt in self.tensors)
-                and all(args[i] == v for i, v in self.scalars)):
-            r(*args, *self.tail)
+        ck = self.ck
+        if ck is not None and self._matches(args):
+            stream = torch._C._cuda_getCurrentRawStream(self.dev)
+            raw = self.raw
+            if raw is not None and not (_HOOKS.launch_enter_hook.calls or _HOOKS.launch_exit_hook.calls):
+                launch, fn, coop, pdl, md = raw
+                g = self.grid
+                launch(g[0], g[1], g[2], stream, fn, coop, pdl, None, None, md, None, None, None, *args, *self.tail)
+            else:
+                ck[self.grid](*args, *self.tail, stream=stream)
             return
-        ck = self.kernel[self.grid](*args, **self.meta)
-        if r is None and _BIND and not INTERPRET and ck is not None and hasattr(ck, "__getitem__"):
-            self._bind(ck, args)
+        out = self.kernel[self.grid](*args, **self.meta)
+        if ck is None and _BIND and not INTERPRET and out is not None and hasattr(out, "__getitem__"):
+            self._bind(out, args)
+
+    def _matches(self, args) -> bool:
+        for i, dt in self.tensors:
+            a = args[i]
+            if a.dtype is not dt or a.data_ptr() & 15:
+                return False
+        for i, v in self.scalars:
+            if args[i] != v:
+                return False
+        return True
 
     def _bind(self, ck, args) -> None:
         tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         if not tensors or not all(a.is_cuda and not a.data_ptr() & 15 for _, a in tensors):
             return
-        if not all(isinstance(a, (int, float, bool)) or a is None or isinstance(a, torch.Tensor) for a in args):
+        if not all(isinstance(a, (int, float, bool, torch.Tensor)) or a is None for a in args):
             return
         names = list(self.kernel.arg_names)[len(args):]
         if not set(names) <= set(self.meta):  # the constexprs must follow the runtime arguments, all given in meta
@@ -261,4 +278,32 @@ class BoundLaunch:
         self.tail = tuple(self.meta[n] for n in names)
         self.tensors = tuple((i, a.dtype) for i, a in tensors)
         self.scalars = tuple((i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
-        self.runner = ck[self.grid]
+        self.dev = tensors[0][1].device.index
+        self.raw = _raw_launch(ck)
+        self.ck = ck
+
+
+def _raw_launch(ck):
+    """(launch, function, cooperative, pdl, packed metadata) of a compiled kernel whose launcher needs no scratch
+    buffers, for a direct call of its C launch function; None where this triton's launcher looks different."""
+    if _HOOKS is None:
+        return None
+    try:
+        run = ck.run
+        launch = run.launch
+        if run.global_scratch_size or run.profile_scratch_size or getattr(run, "num_ctas", 1) != 1:
+            return None
+        if getattr(launch, "__module__", None) not in (None, "__triton_launcher"):  # wrapped (tensor descriptors)
+            return None
+        return launch, ck.function, run.launch_cooperative_grid, run.launch_pdl, ck.packed_metadata
+    except Exception:  # noqa: BLE001 - another triton version: the compiled kernel's own launcher serves
+        return None
+
+
+try:
+    from triton import knobs as _knobs
+
+    _HOOKS = _knobs.runtime
+    _HOOKS.launch_enter_hook.calls, _HOOKS.launch_exit_hook.calls  # noqa: B018 - HookChain (triton >= 3.5)
+except Exception:  # noqa: BLE001
+    _HOOKS = None
