@@ -8,6 +8,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python -m pip install -q --no-deps .whl/*.whl > "$OUT/pip.log" 2>&1
 [ -d .whl_bnb ] && python -m pip install -q --no-deps .whl_bnb/*.whl >> "$OUT/pip.log" 2>&1
+# trl + datasets (+ dill, multiprocess, xxhash, pandas): TRL's GRPO tests and its fused LM head in qerl_step
+[ -d .whl_trl ] && python -m pip install -q --no-deps .whl_trl/*.whl >> "$OUT/pip.log" 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
 for part in "$@"; do
   start=$(date +%s)
@@ -41,6 +43,7 @@ for part in "$@"; do
     qerl_2048) timeout 480 python benchmarks/qerl_step.py --methods qerl,bf16_lora --new 2048 --grad-ckpt --out "$OUT" > "$OUT/qerl_2048.txt" 2>&1 ;;
     # the three methods side by side with gradient checkpointing (held memory, GC peak, step ratios)
     qerl3_gc) timeout 200 python benchmarks/qerl_step.py --methods qerl,bf16_lora,qlora --grad-ckpt --out "$OUT" > "$OUT/qerl3_gc.txt" 2>&1 ;;
+    qerl2_gc) timeout 200 python benchmarks/qerl_step.py --methods qerl,bf16_lora --grad-ckpt --out "$OUT" > "$OUT/qerl2_gc.txt" 2>&1 ;;
     # the update phase under regional torch.compile: profiler + dynamo graph-break counts
     qerl_prof_c) timeout 300 python benchmarks/qerl_update_profile.py --parts update --compile --tag compiled \
                    --out "$OUT" > "$OUT/qerl_prof_c.txt" 2>&1 ;;

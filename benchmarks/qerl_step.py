@@ -83,6 +83,8 @@ def build(method: str, size: str):
             swap(model, to_nf4(model))
         gc.collect()
         torch.cuda.empty_cache()
+    if add_fused_lm_head is not None:  # as GRPOTrainer does, before PEFT wraps the model
+        add_fused_lm_head(model, temperature=1.0)
     lcfg = LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     if method.startswith("qerl"):
         from hfq.nvfp4 import get_peft_model
@@ -95,9 +97,20 @@ def build(method: str, size: str):
     return model
 
 
+try:  # TRL >= 1.16 scores completions through a fused LM head (no [tokens, vocab] fp32 log-softmax held)
+    from trl.trainer.utils import add_fused_lm_head
+except Exception:  # noqa: BLE001 - e.g. a device image without trl/datasets: the logits path below
+    add_fused_lm_head = None
+
+
 def per_token_logps(model, ids, n_new):
-    """Log-probs of the last n_new tokens, as TRL computes them: logits only for the completion
-    (logits_to_keep) and a row-by-row log-softmax, so no fp32 [batch, seq, vocab] tensor is ever held."""
+    """Log-probs of the last n_new tokens, as TRL's GRPOTrainer computes them: with TRL >= 1.16, the model's fused LM
+    head (`add_fused_lm_head`, applied in build(); labels only on the completion, `fused_lm_head=True`); otherwise
+    logits only for the completion (logits_to_keep) and a row-by-row fp32 log-softmax."""
+    if add_fused_lm_head is not None:
+        labels = ids.clone()
+        labels[:, :-n_new] = -100
+        return model(input_ids=ids, labels=labels, fused_lm_head=True).log_probs[:, -n_new:]
     logits = model(input_ids=ids, logits_to_keep=n_new + 1, use_cache=False).logits[:, :-1]
     tgt = ids[:, -n_new:]
     rows = []
@@ -339,7 +352,10 @@ def main():
     name = ("qerl_step" + (f"_new{a.new}" if a.new != 512 else "") + ("_gc" if a.grad_ckpt else "")
             + ("_compile" if a.compile else ""))
     notes = ["update: 8 micro-batches of 1 sequence (TRL per_device_train_batch_size=1, gradient_accumulation_steps=8);"
-             " the log-prob pass runs in the same micro-batches, as TRL's GRPOTrainer does"]
+             " the log-prob pass runs in the same micro-batches, as TRL's GRPOTrainer does",
+             "log-probs: " + ("TRL's fused LM head (trl.trainer.utils.add_fused_lm_head), as GRPOTrainer scores them"
+                              if add_fused_lm_head is not None else
+                              "logits of the completion + row-wise fp32 log-softmax (trl not installed)")]
     if a.grad_ckpt:
         notes.append("gradient checkpointing on (non-reentrant) in the update and log-prob passes of every method")
     if a.compile:
