@@ -42,6 +42,11 @@ from hfq_kernels.reference import fp4
 # is much faster there).
 _EAGER_FAST = os.environ.get("HFQ_NVFP4_EAGER_FAST", "1") != "0"
 EAGER_ON_CPU = False
+# Under activation checkpointing, keep each recomputed layer's dense weights until its backward (grad-input then
+# needs no dequantize: 2 per linear and step instead of 3) at the cost of one decoder layer's weights in bf16
+# (~0.47 GB for a 7B layer) on top of the step's peak. Off by default: the ~1% step time it saves on a 7B GRPO
+# step is not worth 6% of its peak memory (benchmarks/results/qerl_step_gc.md).
+REUSE_DENSE = os.environ.get("HFQ_NVFP4_REUSE_DENSE", "0") == "1"
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 
@@ -96,13 +101,12 @@ class _PlanFn(torch.autograd.Function):
 def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
     """plan.forward(x, bias), through _PlanFn when a gradient is wanted (x or bias requires one).
 
-    Under activation checkpointing a dequantize + cuBLAS plan runs as F.linear on its dense weight instead: the
-    weight F.linear saves for backward is dropped after the forward and kept from the recompute to this layer's
-    backward (one layer's weights at a time), so grad-input needs no second dequantize, and the autograd node is
-    PyTorch's own (no Python Function on the hot path)."""
+    With REUSE_DENSE, under activation checkpointing a dequantize + cuBLAS plan runs as F.linear on its dense
+    weight instead: the weight F.linear saves for backward is dropped after the forward and kept from the recompute
+    to this layer's backward (one layer's weights at a time), so grad-input needs no second dequantize."""
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        if (plan.dequant is not None and (plan.config is None or plan.config.get("kind") == "dequant")
-                and checkpointing()):
+        if (REUSE_DENSE and plan.dequant is not None
+                and (plan.config is None or plan.config.get("kind") == "dequant") and checkpointing()):
             return F.linear(x, plan.dequant(x.dtype), bias)
         return _PlanFn.apply(x, bias, plan)
     return plan.forward(x, bias)

@@ -445,13 +445,15 @@ def test_qerl_grpo_step_on_g4(kernel_gpu, tmp_path):
     assert all(torch.equal(m.canonical()[0], b) for m, b in zip(lays, before))
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpoint_recompute_reuses_its_dequantized_weight(monkeypatch, reentrant):
-    """Under non-reentrant activation checkpointing the recompute's dense weight serves grad-input (two dequantizes
-    per step instead of three); gradients are the same either way."""
+@pytest.mark.parametrize("reentrant,reuse", [(False, True), (True, True), (False, False)])
+def test_checkpoint_recompute_reuses_its_dequantized_weight(monkeypatch, reentrant, reuse):
+    """With REUSE_DENSE, under non-reentrant activation checkpointing the recompute's dense weight serves grad-input
+    (two dequantizes per step instead of three); without it (the default) grad-input dequantizes again. Gradients
+    are the same either way."""
     from torch.utils.checkpoint import checkpoint
 
     monkeypatch.setattr(K, "EAGER_ON_CPU", True)
+    monkeypatch.setattr(K, "REUSE_DENSE", reuse)
     calls = []
     real = G4.dequantizer
 
@@ -467,7 +469,7 @@ def test_checkpoint_recompute_reuses_its_dequantized_weight(monkeypatch, reentra
     calls.clear()
     checkpoint(lambda t: lay(t).float().square().sum(), x, use_reentrant=reentrant).backward()
     assert torch.equal(x.grad, ref)
-    assert len(calls) == (3 if reentrant else 2)  # reentrant checkpointing has no saved-tensor hooks to detect
+    assert len(calls) == (3 if reentrant or not reuse else 2)  # reentrant checkpointing has no hooks to detect
 
 
 @pytest.mark.real_model
