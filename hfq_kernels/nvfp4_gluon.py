@@ -393,6 +393,9 @@ def _fast_ok(wr, sr, recip, out, n, k) -> bool:
     return ok
 
 
+_BOUND: dict = {}  # (kernel, n, k, dtype, device) -> BoundLaunch: launches bound per shape, pointers per call
+
+
 def dequantize_g4(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16, out=None, kernel: str = "auto"):
     """The [n, k] weight of the g4 tensors in `dtype` (Triton; bit-identical to dequantize_g4_ref). No checks:
     callers validate once (check_g4). kernel: "auto" (word-wise after its first-use check), "words", "gather"."""
@@ -401,7 +404,14 @@ def dequantize_g4(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16, ou
     recip = global_scale if global_scale.dtype == torch.float32 else global_scale.float()
     if kernel == "auto":
         kernel = "words" if _fast_ok(wr, sr, recip, out, n, k) else "gather"
-    _launch_dequant(_g4_dequant_kernel if kernel == "words" else _g4_dequant_gather_kernel, wr, sr, recip, out, n, k)
+    key = (kernel, n, k, out.dtype, out.device)
+    bound = _BOUND.get(key)
+    if bound is None:
+        if len(_BOUND) >= 512:  # many shapes: start over rather than grow
+            _BOUND.clear()
+        kern = _g4_dequant_kernel if kernel == "words" else _g4_dequant_gather_kernel
+        bound = _BOUND[key] = BoundLaunch(kern, (cdiv(n, 16), cdiv(k, 256)), dict(BC=256, num_warps=4))
+    bound(wr, sr, recip, out, n, k, cdiv(k, 64))
     return out
 
 
