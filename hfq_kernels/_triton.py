@@ -229,8 +229,8 @@ class BoundLaunch:
     The first call goes through Triton's JIT (compile or cache lookup) and keeps the compiled kernel; later calls
     launch it directly on the current stream, skipping the JIT's per-call binding, specialization, cache-key and
     launch-metadata work (tens of microseconds of host time per launch). A later call must match what Triton
-    specialized on: the same scalar arguments, tensor dtypes and 16-byte alignment; one that does not, a CPU call
-    (the interpreter), or `HFQ_TRITON_BIND=0` takes the JIT path. Launch hooks (profilers) are honoured: while
+    specialized on: the same scalar arguments, tensor dtypes and 16-byte alignment, and the same current device;
+    one that does not, a CPU call (the interpreter), or `HFQ_TRITON_BIND=0` takes the JIT path. Launch hooks (profilers) are honoured: while
     one is installed the compiled kernel's own launcher is used."""
 
     __slots__ = ("kernel", "grid", "meta", "ck", "tail", "tensors", "scalars", "dev", "raw")
@@ -242,7 +242,7 @@ class BoundLaunch:
 
     def __call__(self, *args):
         ck = self.ck
-        if ck is not None and self._matches(args):
+        if ck is not None and self._matches(args) and torch._C._cuda_getDevice() == self.dev:
             stream = torch._C._cuda_getCurrentRawStream(self.dev)
             raw = self.raw
             if raw is not None and not (_HOOKS.launch_enter_hook.calls or _HOOKS.launch_exit_hook.calls):
@@ -278,7 +278,7 @@ class BoundLaunch:
         self.tail = tuple(self.meta[n] for n in names)
         self.tensors = tuple((i, a.dtype) for i, a in tensors)
         self.scalars = tuple((i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
-        self.dev = tensors[0][1].device.index
+        self.dev = torch._C._cuda_getDevice()  # the device Triton loaded the kernel on (its current one)
         self.raw = _raw_launch(ck)
         self.ck = ck
 
