@@ -527,7 +527,16 @@ def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: 
     return run
 
 
+_LAUNCHERS: dict = {}  # (M, N, K, config, split, cps, bias?) -> launcher(): the unplanned calls' bound launches
+
+
 def launch(x2, wr, sr, recip, bias, dst, y_stride, n, cfg, split, cps):
     """One launch of _g4_kernel on the repacked (wr, sr); split > 1 writes fp32 partials [split, M, N] to dst."""
     m, k = x2.shape
-    launcher(m, n, k, cfg, split, cps, bias is not None)(x2, wr, sr, recip, bias, dst, y_stride)
+    key = (m, n, k, tuple(sorted(cfg.items())), split, cps, bias is not None)
+    run = _LAUNCHERS.get(key)
+    if run is None:
+        if len(_LAUNCHERS) >= 512:
+            _LAUNCHERS.clear()
+        run = _LAUNCHERS[key] = launcher(m, n, k, cfg, split, cps, bias is not None)
+    run(x2, wr, sr, recip, bias, dst, y_stride)
