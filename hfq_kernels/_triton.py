@@ -230,8 +230,8 @@ class BoundLaunch:
     launch it directly on the current stream, skipping the JIT's per-call binding, specialization, cache-key and
     launch-metadata work (tens of microseconds of host time per launch). A later call must match what Triton
     specialized on: the same scalar arguments, tensor dtypes and 16-byte alignment, and the same current device;
-    one that does not, a CPU call (the interpreter), or `HFQ_TRITON_BIND=0` takes the JIT path. Launch hooks (profilers) are honoured: while
-    one is installed the compiled kernel's own launcher is used."""
+    one that does not, a CPU call (the interpreter), or `HFQ_TRITON_BIND=0` takes the JIT path. Launch hooks
+    (profilers) are honoured: while one is installed the compiled kernel's own launcher is used."""
 
     __slots__ = ("kernel", "grid", "meta", "ck", "tail", "tensors", "scalars", "dev", "raw")
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hfq_kernels._triton import INTERPRET, BoundLaunch, cdiv, tl, triton
-from hfq_kernels.nvfp4_gluon import _g4_value, dequantize_g4_ref
+from hfq_kernels.nvfp4_gluon import dequantize_g4_ref, g4_decode_words
 
 DEFAULT = dict(BM=64, BN=64, warps=4, stages=2)  # forward: tokens x weight rows per program
 DEFAULT_GRAD = dict(BM=64, BN=64, warps=4, stages=2)  # grad-input: tokens per program, weight rows per step
@@ -34,15 +34,8 @@ def _g4_slab(wr_ptr, sr_ptr, recip, rows, kc, KC, N, BR: tl.constexpr):
     base = (((rows // 16)[:, None] * KC + kc) * 32 + lane).to(tl.int64)
     ok = (rows < N)[:, None] & (q < 8)[None, :]
     word = tl.load(wr_ptr + base * 4 + 2 * hrow + (q % 2)[None, :], mask=ok, other=0)
-    sb = tl.load(sr_ptr + base * 2 + hrow, mask=ok, other=0).to(tl.int32)
-    sval = tl.where(sb == 208, 0.0, ((sb << 20) + (118 << 23)).to(tl.float32, bitcast=True))
-    eff = tl.math.div_rn(sval, recip)
-    # the same joins as nvfp4_gluon._g4_dequant_kernel: the flattened order is the column order
-    t0 = tl.join(tl.join(_g4_value(word, eff, 0, 0), _g4_value(word, eff, 2, 0)),
-                 tl.join(_g4_value(word, eff, 1, 0), _g4_value(word, eff, 3, 0)))
-    t1 = tl.join(tl.join(_g4_value(word, eff, 0, 1), _g4_value(word, eff, 2, 1)),
-                 tl.join(_g4_value(word, eff, 1, 1), _g4_value(word, eff, 3, 1)))
-    return tl.reshape(tl.join(t0, t1), (BR, 64))
+    sb = tl.load(sr_ptr + base * 2 + hrow, mask=ok, other=0)
+    return g4_decode_words(word, sb, recip, BR, 64)
 
 
 @triton.jit

@@ -28,7 +28,8 @@ import weakref
 
 import torch
 
-from hfq_kernels._triton import HAS_TRITON, INTERPRET, BoundLaunch, cdiv, e2m1_to_f32, f32_to_bf16_rne, tl, triton
+from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, BoundLaunch, cdiv, e2m1_to_f32, f32_to_bf16_rne, tl,
+                                 triton)
 
 _G4_SM = (0, 3, -3, 6)
 _G4_SS = (0, 3, 1, 2)
@@ -298,6 +299,22 @@ def _g4_value(word, eff, I: tl.constexpr, H: tl.constexpr):
 
 
 @triton.jit
+def g4_decode_words(word, sb, recip, R: tl.constexpr, C: tl.constexpr):
+    """Words [R, C/8] (8 consecutive columns each) and their scale bytes -> fp32 values [R, C] in column order
+    (e2m1 * scale / recip, before any rounding)."""
+    sb = sb.to(tl.int32)
+    # the byte's bf16(scale * 2^112) as fp32 bits, exponent lowered by 112: the E4M3 scale exactly (>= 2^-9)
+    sval = tl.where(sb == 208, 0.0, ((sb << 20) + (118 << 23)).to(tl.float32, bitcast=True))
+    eff = tl.math.div_rn(sval, recip)
+    # joins add the fastest dimension last: i1, then i0, then h, so the flat index is 4 i1 + 2 i0 + h = 2i + h
+    t0 = tl.join(tl.join(_g4_value(word, eff, 0, 0), _g4_value(word, eff, 2, 0)),
+                 tl.join(_g4_value(word, eff, 1, 0), _g4_value(word, eff, 3, 0)))
+    t1 = tl.join(tl.join(_g4_value(word, eff, 0, 1), _g4_value(word, eff, 2, 1)),
+                 tl.join(_g4_value(word, eff, 1, 1), _g4_value(word, eff, 3, 1)))
+    return tl.reshape(tl.join(t0, t1), (R, C))
+
+
+@triton.jit
 def _g4_dequant_kernel(wr_ptr, sr_ptr, recip_ptr, out_ptr, N, K, KC, BC: tl.constexpr):
     """Row tile pid_r (16 rows) x columns BC*pid_c .. of the g4 weight -> out [N, K]: each int32 word holds 8
     consecutive columns of one row, so a row's words are read once and its columns stored contiguously."""
@@ -309,16 +326,8 @@ def _g4_dequant_kernel(wr_ptr, sr_ptr, recip_ptr, out_ptr, N, K, KC, BC: tl.cons
     base = ((rt * KC + (q // 8)[None, :]) * 32 + lane).to(tl.int64)
     inb = (q < KC * 8)[None, :]  # the last program's groups past the padded K
     word = tl.load(wr_ptr + base * 4 + 2 * hrow + (q % 2)[None, :], mask=inb, other=0)
-    sb = tl.load(sr_ptr + base * 2 + hrow, mask=inb, other=0).to(tl.int32)
-    # the byte's bf16(scale * 2^112) as fp32 bits, exponent lowered by 112: the E4M3 scale exactly (>= 2^-9)
-    sval = tl.where(sb == 208, 0.0, ((sb << 20) + (118 << 23)).to(tl.float32, bitcast=True))
-    eff = tl.math.div_rn(sval, tl.load(recip_ptr))
-    # joins add the fastest dimension last: i1, then i0, then h, so the flat index is 4 i1 + 2 i0 + h = 2i + h
-    t0 = tl.join(tl.join(_g4_value(word, eff, 0, 0), _g4_value(word, eff, 2, 0)),
-                 tl.join(_g4_value(word, eff, 1, 0), _g4_value(word, eff, 3, 0)))
-    t1 = tl.join(tl.join(_g4_value(word, eff, 0, 1), _g4_value(word, eff, 2, 1)),
-                 tl.join(_g4_value(word, eff, 1, 1), _g4_value(word, eff, 3, 1)))
-    v = tl.reshape(tl.join(t0, t1), (16, BC))
+    sb = tl.load(sr_ptr + base * 2 + hrow, mask=inb, other=0)
+    v = g4_decode_words(word, sb, tl.load(recip_ptr), 16, BC)
     if out_ptr.dtype.element_ty == tl.bfloat16:
         v = f32_to_bf16_rne(v)
     else:
@@ -393,7 +402,7 @@ def _fast_ok(wr, sr, recip, out, n, k) -> bool:
     return ok
 
 
-_BOUND: dict = {}  # (kernel, n, k, dtype, device) -> BoundLaunch: launches bound per shape, pointers per call
+_BOUND = LRU(512)  # (kernel, n, k, dtype, device) -> BoundLaunch: launches bound per shape, pointers per call
 
 
 def dequantize_g4(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16, out=None, kernel: str = "auto"):
@@ -404,34 +413,19 @@ def dequantize_g4(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16, ou
     recip = global_scale if global_scale.dtype == torch.float32 else global_scale.float()
     if kernel == "auto":
         kernel = "words" if _fast_ok(wr, sr, recip, out, n, k) else "gather"
-    key = (kernel, n, k, out.dtype, out.device)
-    bound = _BOUND.get(key)
-    if bound is None:
-        if len(_BOUND) >= 512:  # many shapes: start over rather than grow
-            _BOUND.clear()
-        kern = _g4_dequant_kernel if kernel == "words" else _g4_dequant_gather_kernel
-        bound = _BOUND[key] = BoundLaunch(kern, (cdiv(n, 16), cdiv(k, 256)), dict(BC=256, num_warps=4))
+    kern = _g4_dequant_kernel if kernel == "words" else _g4_dequant_gather_kernel
+    bound = _BOUND.get_or((kernel, n, k, out.dtype, out.device),
+                          lambda: BoundLaunch(kern, (cdiv(n, 16), cdiv(k, 256)), dict(BC=256, num_warps=4)))
     bound(wr, sr, recip, out, n, k, cdiv(k, 64))
     return out
 
 
 def dequantizer(wr, sr, n: int, k: int):
-    """dequantize_g4 for one weight, as a per-plan closure `run(recip, dtype) -> [n, k]`: the word-wise/gather
-    choice is made once per dtype and the launch is bound (BoundLaunch), so a call costs little host time."""
-    launches: dict = {}
-    grid = (cdiv(n, 16), cdiv(k, 256))
-    kc = cdiv(k, 64)
+    """dequantize_g4 for one weight, as a per-plan closure `run(recip, dtype) -> [n, k]` (its launches are bound
+    per shape inside dequantize_g4)."""
 
     def run(recip, dtype):
-        out = torch.empty((n, k), dtype=dtype, device=wr.device)
-        fn = launches.get(dtype)
-        if fn is None:
-            kern = _g4_dequant_kernel if _fast_ok(wr, sr, recip, out, n, k) else _g4_dequant_gather_kernel
-            fn = BoundLaunch(kern, grid, dict(BC=256, num_warps=4))
-            if (out.device, dtype) in _FAST_CHECKED:  # decided (not merely deferred by a graph capture)
-                launches[dtype] = fn
-        fn(wr, sr, recip, out, n, k, kc)
-        return out
+        return dequantize_g4(wr, sr, recip, n, k, dtype)
 
     return run
 
@@ -527,16 +521,12 @@ def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: 
     return run
 
 
-_LAUNCHERS: dict = {}  # (M, N, K, config, split, cps, bias?) -> launcher(): the unplanned calls' bound launches
+_LAUNCHERS = LRU(512)  # (M, N, K, config, split, cps, bias?) -> launcher(): the unplanned calls' bound launches
 
 
 def launch(x2, wr, sr, recip, bias, dst, y_stride, n, cfg, split, cps):
     """One launch of _g4_kernel on the repacked (wr, sr); split > 1 writes fp32 partials [split, M, N] to dst."""
     m, k = x2.shape
     key = (m, n, k, tuple(sorted(cfg.items())), split, cps, bias is not None)
-    run = _LAUNCHERS.get(key)
-    if run is None:
-        if len(_LAUNCHERS) >= 512:
-            _LAUNCHERS.clear()
-        run = _LAUNCHERS[key] = launcher(m, n, k, cfg, split, cps, bias is not None)
+    run = _LAUNCHERS.get_or(key, lambda: launcher(m, n, k, cfg, split, cps, bias is not None))
     run(x2, wr, sr, recip, bias, dst, y_stride)
