@@ -413,6 +413,8 @@ def _ddp_worker(rank, port, out):
         opt.zero_grad()
         res["snaps"].append(snapshot(model))
         res["losses"].append(float(loss.detach()))
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
     # a wrapper DDP was not told about (here: the ignore list dropped) fails at the first backward, saying what to do
     bare = _tiny()
     del bare._ddp_params_and_buffers_to_ignore
@@ -420,10 +422,14 @@ def _ddp_worker(rank, port, out):
     x = _shard(0, rank)
     try:
         ddp(input_ids=x, labels=x).loss.backward()
+        msg = "no error"
     except TypeError as e:
-        res["unignored"] = str(e)
-    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+        msg = str(e)
+    with open(os.path.join(out, f"rank{rank}_unignored.txt"), "w") as f:
+        f.write(msg)
+    # The reducer raised inside its finalize, leaving bucket works un-waited: PyTorch's teardown of such a process
+    # group is order-sensitive (it can abort at exit), and nothing of it is under test, so the rank leaves here.
+    os._exit(0)
 
 
 def _env():
@@ -437,7 +443,9 @@ def test_ddp_two_processes_int8_gradients(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     a, b = (torch.load(tmp_path / f"rank{i}.pt") for i in range(WORLD))
     assert a["losses"] != b["losses"]  # different data per rank
-    assert "ddp_ignore_int8_grad_weights_" in a.get("unignored", "") and "INT8 gradient of model." in a["unignored"]
+    for i in range(WORLD):
+        msg = (tmp_path / f"rank{i}_unignored.txt").read_text()
+        assert "ddp_ignore_int8_grad_weights_" in msg and "INT8 gradient of model." in msg, msg
     assert a["int8"] and a["int8"].keys() == b["int8"].keys()
     for n in a["int8"]:  # the INT8 gradients were averaged before storage: the same codes and scales on both ranks
         assert all(torch.equal(x, y) for x, y in zip(a["int8"][n], b["int8"][n])), n
