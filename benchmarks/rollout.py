@@ -272,13 +272,14 @@ def linear_floor(model, b=8):
 
 
 @torch.no_grad()
-def step_split(eng, V, b=8, with_eager=True):
+def step_split(eng, V, b=8, with_eager=True, greedy_only=False):
     """Per decode step: full graph replay (greedy / sampling), sampler alone in a graph, host loop overhead."""
     from hfq.rollout.sampling import SamplerFlags, sample
 
     out = {}
-    for flags_name, flags in (("greedy", SamplerFlags(greedy=True)), ("sample", SamplerFlags()),
-                              ("sample_topp_topk_lp", SamplerFlags(top_k=True, top_p=True, logprobs=True))):
+    kinds = (("greedy", SamplerFlags(greedy=True)), ("sample", SamplerFlags()),
+             ("sample_topp_topk_lp", SamplerFlags(top_k=True, top_p=True, logprobs=True)))
+    for flags_name, flags in kinds[:1] if greedy_only else kinds:
         key = (b, eng._kv_bucket(400), flags)
         if key not in eng._graphs:
             eng._graphs[key] = eng._capture(key)
@@ -327,6 +328,22 @@ def step_split(eng, V, b=8, with_eager=True):
             torch.cuda.synchronize()
             out[f"sampler_ms_{flags_name}"] = round(s.elapsed_time(e) / 50, 3)
     return out
+
+
+def shrink_fusion(eng, V, rounds=3):
+    """Greedy decode-step replay with the LoRA shrinks as their own launches vs fused into the norm /
+    attention-combine / SiLU*mul kernels (HFQ_ROLLOUT_FUSE_SHRINK), interleaved."""
+    keep = eng.adapter.fuse_shrink
+    ms = {False: [], True: []}
+    for _ in range(rounds):
+        for fuse in (False, True):
+            eng.adapter.fuse_shrink = fuse
+            eng.invalidate()
+            ms[fuse].append(step_split(eng, V, with_eager=False, greedy_only=True)["replay_ms_greedy"])
+    eng.adapter.fuse_shrink = keep
+    eng.invalidate()
+    sep, fused = sorted(ms[False]), sorted(ms[True])
+    return {"separate_ms": sep, "fused_ms": fused, "median_ratio": round(sep[len(sep) // 2] / fused[len(fused) // 2], 3)}
 
 
 # ---------------------------------------------------------------------------------------------- table mode
@@ -454,6 +471,9 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                         log(f"split {w} unfused", results[f"split_{w}_b8_unfused"])
                         eng.adapter.fused, eng.adapter.gemm = True, gm
                         eng.invalidate()
+                    if w == "nvfp4+lora" and eng.adapter.fused:
+                        results["lora_shrink_fusion_b8"] = shrink_fusion(eng, V)
+                        log("LoRA shrink fused into producers", results["lora_shrink_fusion_b8"])
             except Exception as ex:  # noqa: BLE001 - a failing kernel must not lose the other rows
                 add(engine="hfq", weights=w, batch=b, new_tokens=new, tok_s=None, peak_gb=None,
                     error=f"{type(ex).__name__}: {str(ex)[:200]}")

@@ -1,10 +1,15 @@
-"""Unmerged LoRA for decode steps in two Triton launches per group of linears that share an input.
+"""Unmerged LoRA for decode steps: a shrink and an expand launch per group of linears that share an input, or
+the shrink fused into the kernel that produces that input.
 
-y_i += scale_i * (x A_i^T) B_i^T for up to 3 adapters at once (q/k/v, gate/up): a "shrink" kernel computes
-the K-split partials of x A_i^T for all of them, an "expand" kernel sums the partials, rounds t_i to the model
-dtype (as PEFT's lora_A output is) and adds scale_i * t_i B_i^T into the base outputs in place. At batch 8
-this replaces 2 cuBLAS GEMMs per linear (14 per block, each a few microseconds of latency for a few hundred KB)
-by 8 launches per block. A and B are read where they live, so optimizer steps are seen by captured graphs.
+y_i += scale_i * (x A_i^T) B_i^T for up to 3 adapters at once (q/k/v, gate/up): a "shrink" computes the K-split
+fp32 partials of x A_i^T for all of them, an "expand" kernel sums the partials, rounds t_i to the model dtype (as
+PEFT's lora_A output is) and adds scale_i * t_i B_i^T into the base outputs in place. At batch 8 this replaces 2
+cuBLAS GEMMs per linear (14 per block, each a few microseconds of latency for a few hundred KB) by 8 launches per
+block. The shrink can instead run inside the producer of x, removing one launch per group (4 per block with
+LoRA on all seven projections): `add_rmsnorm_shrink` (residual add + RMSNorm, HF numerics), `silu_mul_shrink`,
+and the attention combine of `hfq_kernels.rollout.decode_attention(..., shrink=)` (one split per head).
+A `Shrink` describes where the partials go. A and B are read where they live, so optimizer steps are seen by
+captured graphs.
 """
 from __future__ import annotations
 
@@ -50,7 +55,8 @@ def _expand_kernel(p_ptr, b0, b1, b2, y0, y1, y2, s0, s1, s2, n0, n1, n2, sb0, s
     rr = tl.arange(0, BR)
     t = tl.zeros([BM, BR], tl.float32)
     for sp in range(0, n_splits):
-        t += tl.load(p_ptr + ((i * n_splits + sp) * BM + rm[:, None]) * BR + rr[None, :])
+        t += tl.load(p_ptr + ((i * n_splits + sp) * BM + rm[:, None]) * BR + rr[None, :],
+                     mask=(rm < M)[:, None], other=0.0)
     dt = y_ptr.dtype.element_ty
     t = t.to(dt)
     rn = blk * BN + tl.arange(0, BN)
@@ -66,6 +72,72 @@ def _expand_kernel(p_ptr, b0, b1, b2, y0, y1, y2, s0, s1, s2, n0, n1, n2, sb0, s
     tl.store(yp, (y + scale * d).to(dt), mask=ym)
 
 
+class Shrink:
+    """The fp32 partials of x A_i^T for a group of adapters (one K split per program of the producer) and the
+    geometry shared by the producer and `expand_`: plans[i] = (A [r, K], B [N_i, r], scale), one r (<= 128) for
+    all; x has M <= 64 rows of K features."""
+
+    def __init__(self, plans, m: int, k: int, device, n_splits: int | None = None, k_per_split: int | None = None,
+                 block_k: int = 64):
+        n = len(plans)
+        if not 1 <= n <= MAX_GROUP:
+            raise ValueError(f"lora: need 1..{MAX_GROUP} adapters per group, got {n}")
+        r = plans[0][0].shape[0]
+        if r > 128 or any(p[0].shape != (r, k) or p[1].shape[1] != r for p in plans):
+            raise ValueError(f"lora: A must be [r, {k}] and B [N, r] with one r <= 128 for the group, got "
+                             f"{[(tuple(p[0].shape), tuple(p[1].shape)) for p in plans]}")
+        if not 1 <= m <= 64:
+            raise ValueError(f"lora: the fused decode LoRA takes 1..64 rows, got {m}")
+        self.plans, self.n, self.M, self.K, self.R = plans, n, m, k, r
+        self.BR = max(16, next_pow2(r))
+        self.BK = block_k
+        self.BM = max(16, next_pow2(m))
+        if k_per_split is None:
+            if n_splits is None:
+                n_splits = max(1, min(16, triton.cdiv(k, 4 * block_k)))
+            k_per_split = triton.cdiv(triton.cdiv(k, n_splits), block_k) * block_k
+        self.k_per_split = k_per_split
+        self.n_splits = triton.cdiv(k, k_per_split)
+        self.part = torch.empty((n * self.n_splits * self.BM * self.BR,), dtype=torch.float32, device=device)
+        self.a = [p[0] for p in plans] + [plans[0][0]] * (MAX_GROUP - n)
+        self.sa = [a.stride(0) for a in self.a]
+
+
+def _check_rows(x2, what):
+    if x2.dim() != 2 or x2.stride(-1) != 1:
+        raise ValueError(f"{what}: expected a [rows, features] tensor with contiguous features, got shape "
+                         f"{tuple(x2.shape)} strides {x2.stride()}")
+
+
+def shrink_(x, sh: Shrink):
+    """The partials of x A_i^T into sh.part (x [M, K], last dim contiguous)."""
+    _check_rows(x, "lora shrink x")
+    _shrink_kernel[(sh.n, sh.n_splits)](x, sh.a[0], sh.a[1], sh.a[2], sh.part, sh.M, sh.K, sh.R, x.stride(0),
+                                        sh.sa[0], sh.sa[1], sh.sa[2], sh.k_per_split, sh.n_splits,
+                                        IEEE=x.dtype == torch.float32, BM=sh.BM, BR=sh.BR, BK=sh.BK, num_warps=4)
+
+
+def expand_(sh: Shrink, outs, block_n: int = 64):
+    """outs[i] += scale_i * t_i B_i^T in place, t_i the sum of sh's partials rounded to outs' dtype."""
+    if len(outs) != sh.n:
+        raise ValueError(f"lora expand: {sh.n} adapters but {len(outs)} outputs")
+    for o, p in zip(outs, sh.plans):
+        _check_rows(o, "lora expand output")
+        if o.shape != (sh.M, p[1].shape[0]):
+            raise ValueError(f"lora expand: output shape {tuple(o.shape)}, expected {(sh.M, p[1].shape[0])}")
+    n = sh.n
+    b = [p[1] for p in sh.plans] + [sh.plans[0][1]] * (MAX_GROUP - n)
+    ys = list(outs) + [outs[0]] * (MAX_GROUP - n)
+    sc = [float(p[2]) for p in sh.plans] + [0.0] * (MAX_GROUP - n)
+    nbs = [triton.cdiv(o.shape[1], block_n) for o in outs] + [0] * (MAX_GROUP - n)
+    ns = [o.shape[1] for o in ys]
+    _expand_kernel[(sum(nbs),)](sh.part, b[0], b[1], b[2], ys[0], ys[1], ys[2], sc[0], sc[1], sc[2], ns[0], ns[1],
+                                ns[2], b[0].stride(0), b[1].stride(0), b[2].stride(0), ys[0].stride(0),
+                                ys[1].stride(0), ys[2].stride(0), sh.M, sh.R, sh.n_splits, nbs[0], nbs[1],
+                                IEEE=outs[0].dtype == torch.float32, BM=sh.BM, BR=sh.BR, BN=block_n, num_warps=4)
+    return outs
+
+
 def lora_add_(x, outs, plans, n_splits=None, block_n=64):
     """outs[i] += scale_i * (x A_i^T) B_i^T in place; plans[i] = (A [r, K], B [N_i, r], scale), one adapter
     each, all with the same r (<= 128) and dtype as x; x [M <= 64, K] (last dim contiguous); outs[i] [M, N_i]
@@ -73,30 +145,140 @@ def lora_add_(x, outs, plans, n_splits=None, block_n=64):
     n = len(plans)
     if not (1 <= n <= MAX_GROUP and n == len(outs)):
         raise ValueError(f"lora_add_: need 1..{MAX_GROUP} plans and one output each, got {n} plans, {len(outs)} outs")
-    M, K = x.shape
-    R = plans[0][0].shape[0]
-    BR = max(16, next_pow2(R))
-    BK = 64
-    if n_splits is None:
-        n_splits = max(1, min(16, triton.cdiv(K, 4 * BK)))
-    k_per_split = triton.cdiv(triton.cdiv(K, n_splits), BK) * BK
-    n_splits = triton.cdiv(K, k_per_split)
-    BM = max(16, next_pow2(M))
-    part = torch.empty((n * n_splits * BM * BR,), dtype=torch.float32, device=x.device)
-    a = [p[0] for p in plans] + [plans[0][0]] * (MAX_GROUP - n)
-    b = [p[1] for p in plans] + [plans[0][1]] * (MAX_GROUP - n)
-    ys = list(outs) + [outs[0]] * (MAX_GROUP - n)
-    sc = [float(p[2]) for p in plans] + [0.0] * (MAX_GROUP - n)
-    nbs = [triton.cdiv(o.shape[1], block_n) for o in outs] + [0] * (MAX_GROUP - n)
-    ns = [o.shape[1] for o in ys]
-    ieee = x.dtype == torch.float32
-    _shrink_kernel[(n, n_splits)](x, a[0], a[1], a[2], part, M, K, R, x.stride(0), a[0].stride(0), a[1].stride(0),
-                                  a[2].stride(0), k_per_split, n_splits, IEEE=ieee, BM=BM, BR=BR, BK=BK, num_warps=4)
-    _expand_kernel[(sum(nbs),)](part, b[0], b[1], b[2], ys[0], ys[1], ys[2], sc[0], sc[1], sc[2], ns[0], ns[1], ns[2],
-                                b[0].stride(0), b[1].stride(0), b[2].stride(0), ys[0].stride(0), ys[1].stride(0),
-                                ys[2].stride(0), M, R, n_splits, nbs[0], nbs[1], IEEE=ieee, BM=BM, BR=BR,
-                                BN=block_n, num_warps=4)
-    return outs
+    sh = Shrink(plans, x.shape[0], x.shape[1], x.device, n_splits=n_splits)
+    shrink_(x, sh)
+    return expand_(sh, outs, block_n)
+
+
+# ------------------------------------------------------------------ producers with the shrink fused
+@triton.jit
+def _shrink_acc(acc, y, a_ptr, sa, R, kk, K, IEEE: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    """acc [BM, BR] += y [BM, BK] (columns kk..kk+BK) times A[:, kk..kk+BK]^T."""
+    rr = tl.arange(0, BR)
+    rk = kk + tl.arange(0, BK)
+    a = tl.load(a_ptr + rr[:, None] * sa + rk[None, :], mask=(rr < R)[:, None] & (rk < K)[None, :], other=0.0)
+    if IEEE:
+        acc += tl.dot(y, tl.trans(a), input_precision="ieee")
+    else:
+        acc += tl.dot(y, tl.trans(a))
+    return acc
+
+
+@triton.jit
+def _store_partials(p_ptr, acc0, acc1, acc2, sp, n_splits, NA: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr):
+    rm = tl.arange(0, BM)
+    rr = tl.arange(0, BR)
+    off = rm[:, None] * BR + rr[None, :]
+    tl.store(p_ptr + sp * BM * BR + off, acc0)
+    if NA > 1:
+        tl.store(p_ptr + (n_splits + sp) * BM * BR + off, acc1)
+    if NA > 2:
+        tl.store(p_ptr + (2 * n_splits + sp) * BM * BR + off, acc2)
+
+
+@triton.jit
+def _add_rmsnorm_shrink_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, a0, a1, a2, p_ptr, M, H, R, eps,
+                               sx, sr, sy, ss, sa0, sa1, sa2, k_per_split, n_splits,
+                               HAS_RES: tl.constexpr, NA: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
+                               BR: tl.constexpr, BK: tl.constexpr):
+    sp = tl.program_id(0)
+    rm = tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    mm = rm < M
+    dt = y_ptr.dtype.element_ty
+    ssq = tl.zeros([BM], tl.float32)
+    for kk in range(0, H, BK):  # every split needs its rows' full sum of squares
+        msk = mm[:, None] & ((kk + rk) < H)[None, :]
+        x = tl.load(x_ptr + rm[:, None] * sx + (kk + rk)[None, :], mask=msk, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + rm[:, None] * sr + (kk + rk)[None, :], mask=msk, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+        xf = x.to(tl.float32)
+        ssq += tl.sum(xf * xf, axis=1)
+    rstd = 1.0 / tl.sqrt(ssq / H + eps)
+    acc0 = tl.zeros([BM, BR], tl.float32)
+    acc1 = tl.zeros([BM, BR], tl.float32)
+    acc2 = tl.zeros([BM, BR], tl.float32)
+    k0 = sp * k_per_split
+    for kk in range(k0, k0 + k_per_split, BK):
+        km = (kk + rk) < H
+        msk = mm[:, None] & km[None, :]
+        x = tl.load(x_ptr + rm[:, None] * sx + (kk + rk)[None, :], mask=msk, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + rm[:, None] * sr + (kk + rk)[None, :], mask=msk, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+            tl.store(s_ptr + rm[:, None] * ss + (kk + rk)[None, :], x, mask=msk)
+        w = tl.load(w_ptr + kk + rk, mask=km, other=0.0).to(tl.float32)
+        y = (w[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
+        tl.store(y_ptr + rm[:, None] * sy + (kk + rk)[None, :], y, mask=msk)
+        acc0 = _shrink_acc(acc0, y, a0, sa0, R, kk, H, IEEE, BR, BK)
+        if NA > 1:
+            acc1 = _shrink_acc(acc1, y, a1, sa1, R, kk, H, IEEE, BR, BK)
+        if NA > 2:
+            acc2 = _shrink_acc(acc2, y, a2, sa2, R, kk, H, IEEE, BR, BK)
+    _store_partials(p_ptr, acc0, acc1, acc2, sp, n_splits, NA, BM, BR)
+
+
+@triton.jit
+def _silu_mul_shrink_kernel(g_ptr, u_ptr, o_ptr, a0, p_ptr, M, N, R, sg, su, so, sa0, k_per_split, n_splits,
+                            IEEE: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    sp = tl.program_id(0)
+    rm = tl.arange(0, BM)
+    rk = tl.arange(0, BK)
+    mm = rm < M
+    dt = o_ptr.dtype.element_ty
+    acc = tl.zeros([BM, BR], tl.float32)
+    k0 = sp * k_per_split
+    for kk in range(k0, k0 + k_per_split, BK):
+        msk = mm[:, None] & ((kk + rk) < N)[None, :]
+        g = tl.load(g_ptr + rm[:, None] * sg + (kk + rk)[None, :], mask=msk, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + rm[:, None] * su + (kk + rk)[None, :], mask=msk, other=0.0).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        h = (a * u).to(dt)
+        tl.store(o_ptr + rm[:, None] * so + (kk + rk)[None, :], h, mask=msk)
+        acc = _shrink_acc(acc, h, a0, sa0, R, kk, N, IEEE, BR, BK)
+    _store_partials(p_ptr, acc, acc, acc, sp, n_splits, 1, BM, BR)
+
+
+def add_rmsnorm_shrink(x, residual, weight, eps, sh: Shrink):
+    """`hfq_kernels.rollout.add_rmsnorm` that also writes the shrink partials of its output into sh:
+    x, residual [rows, H] (last dim contiguous), rows == sh.M, H == sh.K; returns (normed, x + residual or x)."""
+    H = x.shape[-1]
+    x2 = x.reshape(-1, H)
+    _check_rows(x2, "add_rmsnorm_shrink x")
+    if x2.shape != (sh.M, sh.K):
+        raise ValueError(f"add_rmsnorm_shrink: x is {tuple(x2.shape)}, the shrink expects {(sh.M, sh.K)}")
+    y = torch.empty_like(x2)
+    if residual is None:
+        s, r2, s_out = x, x2, x2
+    else:
+        r2 = residual.reshape(-1, H)
+        _check_rows(r2, "add_rmsnorm_shrink residual")
+        s_out = torch.empty_like(x2)
+        s = s_out.view(x.shape)
+    _add_rmsnorm_shrink_kernel[(sh.n_splits,)](
+        x2, r2, weight, y, s_out, sh.a[0], sh.a[1], sh.a[2], sh.part, sh.M, H, sh.R, float(eps),
+        x2.stride(0), r2.stride(0), y.stride(0), s_out.stride(0), sh.sa[0], sh.sa[1], sh.sa[2], sh.k_per_split,
+        sh.n_splits, HAS_RES=residual is not None, NA=sh.n, IEEE=x.dtype == torch.float32, BM=sh.BM, BR=sh.BR,
+        BK=sh.BK, num_warps=4)
+    return y.view(x.shape), s
+
+
+def silu_mul_shrink(gate, up, sh: Shrink):
+    """SiLU(gate) * up ([rows, N], last dim contiguous, rows == sh.M, N == sh.K) that also writes the shrink
+    partials of its output (one adapter: down_proj's) into sh."""
+    g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+    _check_rows(g2, "silu_mul_shrink gate")
+    _check_rows(u2, "silu_mul_shrink up")
+    if g2.shape != (sh.M, sh.K) or u2.shape != g2.shape or sh.n != 1:
+        raise ValueError(f"silu_mul_shrink: gate {tuple(g2.shape)} and up {tuple(u2.shape)} must both be "
+                         f"{(sh.M, sh.K)}, one adapter (got {sh.n})")
+    out = torch.empty_like(g2)
+    _silu_mul_shrink_kernel[(sh.n_splits,)](g2, u2, out, sh.a[0], sh.part, sh.M, sh.K, sh.R, g2.stride(0),
+                                            u2.stride(0), out.stride(0), sh.sa[0], sh.k_per_split, sh.n_splits,
+                                            IEEE=gate.dtype == torch.float32, BM=sh.BM, BR=sh.BR, BK=sh.BK,
+                                            num_warps=4)
+    return out.view(gate.shape)
 
 
 def lora_add_ref(x, outs, plans):

@@ -236,9 +236,10 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, col_ptr, m_ptr, l_ptr,
     tl.store(acc_ptr + (base + g[:, None]) * BD + d[None, :], acc)
 
 @triton.jit
-def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_splits, so,
+def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_splits, so, a_ptr, p_ptr, R, sa,
                          NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                         HD: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
+                         HD: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
+                         LORA: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = h // G
@@ -253,7 +254,14 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_splits, so,
     w = tl.exp(m - mx)
     acc = tl.load(acc_ptr + base[:, None] * BD + d[None, :], mask=sm[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    tl.store(o_ptr + b * so + h * HD + d, out.to(o_ptr.dtype.element_ty), mask=d < HD)
+    o = out.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + b * so + h * HD + d, o, mask=d < HD)
+    if LORA:  # o_proj's LoRA shrink, split per head: partial (head h, row b) = o[b, head h] . A[:, head h]^T
+        rr = tl.arange(0, BR)
+        a = tl.load(a_ptr + rr[:, None] * sa + h * HD + d[None, :], mask=(rr < R)[:, None] & (d < HD)[None, :],
+                    other=0.0)
+        t = tl.sum(a.to(tl.float32) * o.to(tl.float32)[None, :], axis=1)
+        tl.store(p_ptr + (h * BM + b) * BR + rr, t)
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr):
@@ -379,9 +387,11 @@ def _splits(b, n_kv, kv_len, block_n, target_programs):
     return chunk, -(-kv_len // chunk)
 
 
-def decode_attention(q, k_cache, v_cache, mask, col, kv_len, scaling, block_n=None):
+def decode_attention(q, k_cache, v_cache, mask, col, kv_len, scaling, block_n=None, shrink=None):
     """q [b, nh, hd] (contiguous); attends to cache columns [0, min(kv_len, col + 1)) of rows [0, b) with the
-    additive mask [b, >= kv_len] (last dim contiguous); returns [b, nh*hd] in q's dtype."""
+    additive mask [b, >= kv_len] (last dim contiguous); returns [b, nh*hd] in q's dtype. `shrink`: an
+    `hfq_kernels.lora.Shrink` for one adapter over the output with one split per head (k_per_split = hd):
+    the combine kernel also writes its partials (o_proj's LoRA shrink)."""
     b, nh, hd = q.shape
     n_kv = k_cache.shape[1]
     G = nh // n_kv
@@ -401,8 +411,15 @@ def decode_attention(q, k_cache, v_cache, mask, col, kv_len, scaling, block_n=No
         v_cache.stride(2), mask.stride(0),
         NKV=n_kv, G=G, GP=GP, HD=hd, BD=BD, BN=block_n, IEEE=ieee, num_warps=4, num_stages=2)
     o = torch.empty((b, nh * hd), dtype=q.dtype, device=dev)
-    _attn_combine_kernel[(b, nh)](m, l, acc, o, n_splits, o.stride(0), NH=nh, NKV=n_kv, G=G, GP=GP, HD=hd, BD=BD,
-                                  BS=max(2, next_pow2(n_splits)), num_warps=2)
+    if shrink is not None and not (shrink.n == 1 and shrink.M == b and shrink.K == nh * hd
+                                   and shrink.k_per_split == hd and shrink.n_splits == nh):
+        raise ValueError(f"decode_attention: the shrink must be one adapter over [{b}, {nh * hd}] split per head "
+                         f"({hd} columns), got {shrink.n} over [{shrink.M}, {shrink.K}] in splits of "
+                         f"{shrink.k_per_split}")
+    lora = (shrink.a[0], shrink.part, shrink.R, shrink.sa[0], shrink.BM, shrink.BR) if shrink else (o, m, 0, 0, 16, 16)
+    _attn_combine_kernel[(b, nh)](m, l, acc, o, n_splits, o.stride(0), lora[0], lora[1], lora[2], lora[3],
+                                  NH=nh, NKV=n_kv, G=G, GP=GP, HD=hd, BD=BD, BS=max(2, next_pow2(n_splits)),
+                                  LORA=shrink is not None, BM=lora[4], BR=lora[5], num_warps=2)
     return o
 
 

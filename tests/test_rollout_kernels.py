@@ -204,3 +204,132 @@ def test_skinny_gemm_group(with_bias):
     for o, w, b in zip(outs, ws, bs):
         ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
         assert rel(o, ref) < 5e-3
+
+
+def _plans(g, k, r, ns, dtype):
+    return [((torch.randn(r, k, generator=g) * 0.1).to(DEV, dtype), (torch.randn(n, r, generator=g) * 0.1).to(DEV, dtype),
+             0.5 + i) for i, n in enumerate(ns)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,h,r,ns,with_res", [(3, 200, 4, (96, 40, 130), True), (8, 256, 32, (64,), False),
+                                                  (1, 136, 8, (50, 24), True)])
+def test_add_rmsnorm_shrink_then_expand(dtype, rows, h, r, ns, with_res):
+    """Residual add + RMSNorm with the LoRA shrink of its output fused, then the expand: the norm's outputs are
+    add_rmsnorm's, and the LoRA updates are PEFT's (lora_add_ref) on the normed rows."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(rows, h, generator=g).to(DEV, dtype)
+    res = torch.randn(rows, h, generator=g).to(DEV, dtype) if with_res else None
+    w = (1 + 0.1 * torch.randn(h, generator=g)).to(DEV, dtype)
+    plans = _plans(g, h, r, ns, dtype)
+    sh = lora.Shrink(plans, rows, h, x.device, n_splits=3)
+    assert sh.n_splits > 1
+    y, s = lora.add_rmsnorm_shrink(x, res, w, 1e-6, sh)
+    y_ref, s_ref = K.add_rmsnorm_ref(x, res, w, 1e-6)
+    assert same_rounding(s, s_ref)
+    assert rel(y, y_ref) < (1e-6 if dtype == torch.float32 else 2e-3)
+    outs = [torch.randn(rows, n, generator=g).to(DEV, dtype) for n in ns]
+    refs = lora.lora_add_ref(y_ref, [o.clone() for o in outs], plans)
+    lora.expand_(sh, outs, block_n=32)
+    for o, ref in zip(outs, refs):
+        assert rel(o, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,n,r", [(3, 300, 4), (8, 512, 32), (17, 130, 16)])
+def test_silu_mul_shrink_then_expand(dtype, rows, n, r):
+    g = torch.Generator().manual_seed(9)
+    gate = torch.randn(rows, n, generator=g).to(DEV, dtype)
+    up = torch.randn(rows, n, generator=g).to(DEV, dtype)
+    plans = _plans(g, n, r, (72,), dtype)
+    sh = lora.Shrink(plans, rows, n, gate.device)
+    h = lora.silu_mul_shrink(gate, up, sh)
+    h_ref = K.silu_mul_ref(gate, up)
+    assert same_rounding(h, h_ref) if dtype == torch.float32 else rel(h, h_ref) < 2e-3
+    out = torch.randn(rows, 72, generator=g).to(DEV, dtype)
+    ref = lora.lora_add_ref(h_ref, [out.clone()], plans)[0]
+    lora.expand_(sh, [out])
+    assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_attention_with_o_proj_shrink(dtype):
+    """The attention combine writes o_proj's LoRA shrink per head; rows beyond b stay unwritten and are masked."""
+    g = torch.Generator().manual_seed(10)
+    b, nh, nkv, hd, B, S, kv_len, r = 3, 6, 2, 16, 4, 48, 40, 8
+    q = torch.randn(b, nh, hd, generator=g).to(DEV, dtype)
+    kc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
+    vc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
+    mask = torch.zeros(B, S, device=DEV, dtype=dtype)
+    mask[1, :5] = float("-inf")
+    col = torch.tensor([kv_len - 1], device=DEV)
+    plans = _plans(g, nh * hd, r, (40,), dtype)
+    sh = lora.Shrink(plans, b, nh * hd, q.device, k_per_split=hd)
+    sh.part.fill_(float("nan"))  # what the combine does not write must not reach the output
+    o = K.decode_attention(q, kc, vc, mask, col, kv_len, hd ** -0.5, shrink=sh)
+    o_ref = K.decode_attention_ref(q, kc, vc, mask, kv_len, hd ** -0.5)
+    assert rel(o, o_ref) < (1e-5 if dtype == torch.float32 else 2e-3)
+    out = torch.randn(b, 40, generator=g).to(DEV, dtype)
+    ref = lora.lora_add_ref(o_ref, [out.clone()], plans)[0]
+    lora.expand_(sh, [out])
+    assert torch.isfinite(out).all() and rel(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    bad = lora.Shrink(plans, b, nh * hd, q.device)  # not split per head
+    with pytest.raises(ValueError, match="split per head"):
+        K.decode_attention(q, kc, vc, mask, col, kv_len, hd ** -0.5, shrink=bad)
+
+
+def test_shrink_bad_input():
+    g = torch.Generator().manual_seed(11)
+    plans = _plans(g, 64, 4, (32,), torch.float32)
+    with pytest.raises(ValueError, match="1..64 rows"):
+        lora.Shrink(plans, 65, 64, "cpu")
+    with pytest.raises(ValueError, match=r"A must be \[r, 80\]"):
+        lora.Shrink(plans, 2, 80, "cpu")
+    with pytest.raises(ValueError, match="1..3 adapters"):
+        lora.Shrink(plans * 4, 2, 64, "cpu")
+    sh = lora.Shrink(plans, 2, 64, DEV)
+    x = torch.randn(3, 64, device=DEV)
+    with pytest.raises(ValueError, match=r"expects \(2, 64\)"):
+        lora.add_rmsnorm_shrink(x, None, torch.ones(64, device=DEV), 1e-6, sh)
+    with pytest.raises(ValueError, match="output shape"):
+        lora.expand_(sh, [torch.zeros(2, 31, device=DEV)])
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                     ["v_proj", "up_proj", "o_proj"]])
+def test_fused_engine_lora_shrink_in_producers(monkeypatch, targets):
+    """HFQ_ROLLOUT_FUSE_SHRINK=1: the LoRA shrinks run inside the norm, attention-combine and SiLU*mul kernels and
+    generation is still transformers' greedy, also after in-place LoRA / norm updates."""
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setenv("HFQ_ROLLOUT_FUSE_SHRINK", "1")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    pm = get_peft_model(tiny_model("qwen2", seed=6), cfg).to(DEV).eval()
+    eng = RolloutEngine(pm, max_batch=4, max_seq_len=40, kv_block=16, fused_kernels=True, graph_mode="eager")
+    assert eng.adapter.fuse_shrink
+    calls = {"norm": 0, "silu": 0, "attn": 0, "lora_add_": 0}
+    for name, key in (("add_rmsnorm_shrink", "norm"), ("silu_mul_shrink", "silu"), ("lora_add_", "lora_add_")):
+        fn = getattr(lora, name)
+        monkeypatch.setattr(lora, name, lambda *a, _f=fn, _k=key, **kw: (calls.__setitem__(_k, calls[_k] + 1),
+                                                                          _f(*a, **kw))[1])
+    attn = K.decode_attention
+    monkeypatch.setattr(K, "decode_attention", lambda *a, _f=attn, **kw: (
+        calls.__setitem__("attn", calls["attn"] + (kw.get("shrink") is not None)), _f(*a, **kw))[1])
+    out = eng.generate(PROMPTS, max_new_tokens=6, temperature=0, eos_token_ids=[])
+    assert torch.equal(out.completion_ids.cpu(), hf_greedy(pm, PROMPTS, 6))
+    n_layers = len(eng.adapter.layers)
+    if len(targets) == 7:  # per layer and decode step (5): 2 norms, 1 attention, 1 SiLU*mul, no separate shrink
+        assert calls["norm"] == 2 * calls["attn"] == 2 * calls["silu"] == 2 * n_layers * 5
+    else:  # v_proj (norm 1), o_proj (attention), up_proj (norm 2); down_proj has no adapter
+        assert calls["norm"] == 2 * calls["attn"] == 2 * n_layers * 5 and calls["silu"] == 0
+    assert calls["lora_add_"] == 0
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n or "lora_A" in n:
+                p.add_(torch.randn(p.shape, generator=g).to(DEV) * 0.5)
+            if "layernorm" in n:
+                p.add_(torch.randn(p.shape, generator=g).to(DEV) * 0.3)
+    out2 = eng.generate(PROMPTS, max_new_tokens=6, temperature=0, eos_token_ids=[])
+    assert torch.equal(out2.completion_ids.cpu(), hf_greedy(pm, PROMPTS, 6))
+    assert not torch.equal(out2.completion_ids, out.completion_ids)
