@@ -330,17 +330,17 @@ def step_split(eng, V, b=8, with_eager=True, greedy_only=False):
     return out
 
 
-def shrink_fusion(eng, V, rounds=3):
-    """Greedy decode-step replay with the LoRA shrinks as their own launches vs fused into the norm /
-    attention-combine / SiLU*mul kernels (HFQ_ROLLOUT_FUSE_SHRINK), interleaved."""
-    keep = eng.adapter.fuse_shrink
+def lora_fusion(eng, V, rounds=3):
+    """Greedy decode-step replay with LoRA's shrinks and expands as their own launches vs fused into the norm /
+    attention-combine / RoPE / SiLU*mul kernels (HFQ_ROLLOUT_FUSE_LORA), interleaved."""
+    keep = eng.adapter.fuse_lora
     ms = {False: [], True: []}
     for _ in range(rounds):
         for fuse in (False, True):
-            eng.adapter.fuse_shrink = fuse
+            eng.adapter.fuse_lora = fuse
             eng.invalidate()
             ms[fuse].append(step_split(eng, V, with_eager=False, greedy_only=True)["replay_ms_greedy"])
-    eng.adapter.fuse_shrink = keep
+    eng.adapter.fuse_lora = keep
     eng.invalidate()
     sep, fused = sorted(ms[False]), sorted(ms[True])
     return {"separate_ms": sep, "fused_ms": fused, "median_ratio": round(sep[len(sep) // 2] / fused[len(fused) // 2], 3)}
@@ -472,8 +472,8 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                         eng.adapter.fused, eng.adapter.gemm = True, gm
                         eng.invalidate()
                     if w == "nvfp4+lora" and eng.adapter.fused:
-                        results["lora_shrink_fusion_b8"] = shrink_fusion(eng, V)
-                        log("LoRA shrink fused into producers", results["lora_shrink_fusion_b8"])
+                        results["lora_fusion_b8"] = lora_fusion(eng, V)
+                        log("LoRA fused into the decode kernels", results["lora_fusion_b8"])
             except Exception as ex:  # noqa: BLE001 - a failing kernel must not lose the other rows
                 add(engine="hfq", weights=w, batch=b, new_tokens=new, tok_s=None, peak_gb=None,
                     error=f"{type(ex).__name__}: {str(ex)[:200]}")

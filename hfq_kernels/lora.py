@@ -1,17 +1,22 @@
-"""Unmerged LoRA for decode steps: a shrink and an expand launch per group of linears that share an input, or
-the shrink fused into the kernel that produces that input.
+"""Unmerged LoRA for decode steps: y_i += scale_i * (x A_i^T) B_i^T for up to 3 adapters whose linears share an
+input (q/k/v, gate/up), as separate shrink and expand launches or fused into the kernels around the linears.
 
-y_i += scale_i * (x A_i^T) B_i^T for up to 3 adapters at once (q/k/v, gate/up): a "shrink" computes the K-split
-fp32 partials of x A_i^T for all of them, an "expand" kernel sums the partials, rounds t_i to the model dtype (as
-PEFT's lora_A output is) and adds scale_i * t_i B_i^T into the base outputs in place. At batch 8 this replaces 2
-cuBLAS GEMMs per linear (14 per block, each a few microseconds of latency for a few hundred KB) by 8 launches per
-block. The shrink can instead run inside the producer of x, removing one launch per group (4 per block with
-LoRA on all seven projections): `add_rmsnorm_shrink` (residual add + RMSNorm, HF numerics), `silu_mul_shrink`,
-and the attention combine of `hfq_kernels.rollout.decode_attention(..., shrink=)` (one split per head).
-A `Shrink` describes where the partials go. A and B are read where they live, so optimizer steps are seen by
-captured graphs.
+A "shrink" computes the K-split fp32 partials of x A_i^T for the group; an "expand" sums them, rounds t_i to the
+model dtype (as PEFT's lora_A output is) and adds scale_i * t_i B_i^T to the base outputs with one rounding.
+`lora_add_` runs both as two launches per group (8 per Llama block with all seven projections adapted; at batch 8
+that replaced 2 cuBLAS GEMMs per linear). Fused (the rollout engine's HFQ_ROLLOUT_FUSE_LORA=1):
+- the shrink runs in the kernel producing the group's input: `add_rmsnorm_shrink` (residual add + RMSNorm, HF
+  numerics; q/k/v and gate/up), the attention combine of `hfq_kernels.rollout.decode_attention(shrink=)` (one
+  split per head; o_proj), `silu_mul_lora(down=)` (down_proj);
+- the expand runs in the kernel consuming the base outputs where that kernel reads whole columns:
+  `rope_kv_write(lora=)` for q/k/v (`row_delta`), `silu_mul_lora(up_lora=)` for gate/up; o_proj's and
+  down_proj's expands (consumed by a norm that needs whole rows) stay `expand_` launches.
+That leaves 2 LoRA launches per block instead of 8. A `Shrink` holds the partials and the geometry both sides share.
+A and B are read where they live, so optimizer steps are seen by captured graphs.
 """
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 
@@ -90,17 +95,22 @@ class Shrink:
             raise ValueError(f"lora: the fused decode LoRA takes 1..64 rows, got {m}")
         self.plans, self.n, self.M, self.K, self.R = plans, n, m, k, r
         self.BR = max(16, next_pow2(r))
-        self.BK = block_k
-        self.BM = max(16, next_pow2(m))
+        g = Shrink.geometry(m, k, n_splits, k_per_split, block_k)
+        self.BM, self.BK, self.k_per_split, self.n_splits = g.BM, g.BK, g.k_per_split, g.n_splits
+        self.part = torch.empty((n * self.n_splits * self.BM * self.BR,), dtype=torch.float32, device=device)
+        self.a = [p[0] for p in plans] + [plans[0][0]] * (MAX_GROUP - n)
+        self.sa = [a.stride(0) for a in self.a]
+
+
+    @staticmethod
+    def geometry(m: int, k: int, n_splits: int | None = None, k_per_split: int | None = None, block_k: int = 64):
+        """Row padding and K split of a Shrink over [m, k] (also the column split of a producer without one)."""
         if k_per_split is None:
             if n_splits is None:
                 n_splits = max(1, min(16, triton.cdiv(k, 4 * block_k)))
             k_per_split = triton.cdiv(triton.cdiv(k, n_splits), block_k) * block_k
-        self.k_per_split = k_per_split
-        self.n_splits = triton.cdiv(k, k_per_split)
-        self.part = torch.empty((n * self.n_splits * self.BM * self.BR,), dtype=torch.float32, device=device)
-        self.a = [p[0] for p in plans] + [plans[0][0]] * (MAX_GROUP - n)
-        self.sa = [a.stride(0) for a in self.a]
+        return SimpleNamespace(BM=max(16, next_pow2(m)), BK=block_k, k_per_split=k_per_split,
+                               n_splits=triton.cdiv(k, k_per_split))
 
 
 def _check_rows(x2, what):
@@ -150,7 +160,47 @@ def lora_add_(x, outs, plans, n_splits=None, block_n=64):
     return expand_(sh, outs, block_n)
 
 
-# ------------------------------------------------------------------ producers with the shrink fused
+# ------------------------------------------------------------------ producers with the shrink fused,
+# consumers with the expand fused
+@triton.jit
+def row_delta(x, p_ptr, slot, n_splits, b, b_ptr, sb, rows, rows_ok, R, scale,
+              BM: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr):
+    """x [BLOCK] (columns `rows` of output row b, in the model dtype) plus scale * t_b B[rows]^T, t_b the sum of
+    the Shrink partials of adapter `slot` for row b rounded to x's dtype; one rounding, as `expand_` does."""
+    sp = tl.arange(0, BS)
+    rr = tl.arange(0, BR)
+    part = tl.load(p_ptr + ((slot * n_splits + sp[:, None]) * BM + b) * BR + rr[None, :],
+                   mask=(sp < n_splits)[:, None], other=0.0)
+    t = tl.sum(part, axis=0).to(x.dtype).to(tl.float32)
+    w = tl.load(b_ptr + rows[:, None] * sb + rr[None, :], mask=rows_ok[:, None] & (rr < R)[None, :], other=0.0)
+    d = tl.sum(w.to(tl.float32) * t[None, :], axis=1)
+    return (x.to(tl.float32) + scale * d).to(x.dtype)
+
+
+@triton.jit
+def _tile_delta(x, t, b_ptr, sb, cols, R, scale, IEEE: tl.constexpr, BR: tl.constexpr):
+    """x [BM, BK] (columns `cols`) plus scale * t [BM, BR] (model dtype) times B[cols]^T, one rounding."""
+    rr = tl.arange(0, BR)
+    w = tl.load(b_ptr + cols[:, None] * sb + rr[None, :], mask=(rr < R)[None, :], other=0.0)
+    if IEEE:
+        d = tl.dot(t, tl.trans(w), input_precision="ieee")
+    else:
+        d = tl.dot(t, tl.trans(w))
+    return (x.to(tl.float32) + scale * d).to(x.dtype)
+
+
+@triton.jit
+def _t_rows(p_ptr, slot, n_splits, M, BM: tl.constexpr, BR: tl.constexpr):
+    """[BM, BR] fp32: the summed Shrink partials of adapter `slot` (rows >= M zero)."""
+    rm = tl.arange(0, BM)
+    rr = tl.arange(0, BR)
+    t = tl.zeros([BM, BR], tl.float32)
+    for sp in range(0, n_splits):
+        t += tl.load(p_ptr + ((slot * n_splits + sp) * BM + rm[:, None]) * BR + rr[None, :],
+                     mask=(rm < M)[:, None], other=0.0)
+    return t
+
+
 @triton.jit
 def _shrink_acc(acc, y, a_ptr, sa, R, kk, K, IEEE: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
     """acc [BM, BR] += y [BM, BK] (columns kk..kk+BK) times A[:, kk..kk+BK]^T."""
@@ -220,24 +270,39 @@ def _add_rmsnorm_shrink_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, a0, a1, a2, p_
 
 
 @triton.jit
-def _silu_mul_shrink_kernel(g_ptr, u_ptr, o_ptr, a0, p_ptr, M, N, R, sg, su, so, sa0, k_per_split, n_splits,
-                            IEEE: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+def _silu_mul_lora_kernel(g_ptr, u_ptr, o_ptr, a0, p_ptr, up_ptr, bg_ptr, bu_ptr, M, N, R, RU, sg, su, so, sa0,
+                          sbg, sbu, k_per_split, n_splits, up_splits, slot_g, slot_u, scale_g, scale_u,
+                          EG: tl.constexpr, EU: tl.constexpr, SHRINK: tl.constexpr, IEEE: tl.constexpr,
+                          BM: tl.constexpr, BR: tl.constexpr, BRU: tl.constexpr, BK: tl.constexpr):
     sp = tl.program_id(0)
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
     mm = rm < M
     dt = o_ptr.dtype.element_ty
+    if EG:  # gate_proj's LoRA, from the Shrink the norm filled
+        tg = _t_rows(up_ptr, slot_g, up_splits, M, BM, BRU).to(dt)
+    if EU:
+        tu = _t_rows(up_ptr, slot_u, up_splits, M, BM, BRU).to(dt)
     acc = tl.zeros([BM, BR], tl.float32)
     k0 = sp * k_per_split
     for kk in range(k0, k0 + k_per_split, BK):
-        msk = mm[:, None] & ((kk + rk) < N)[None, :]
-        g = tl.load(g_ptr + rm[:, None] * sg + (kk + rk)[None, :], mask=msk, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + rm[:, None] * su + (kk + rk)[None, :], mask=msk, other=0.0).to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        h = (a * u).to(dt)
-        tl.store(o_ptr + rm[:, None] * so + (kk + rk)[None, :], h, mask=msk)
-        acc = _shrink_acc(acc, h, a0, sa0, R, kk, N, IEEE, BR, BK)
-    _store_partials(p_ptr, acc, acc, acc, sp, n_splits, 1, BM, BR)
+        cols = kk + rk
+        cm = cols < N
+        msk = mm[:, None] & cm[None, :]
+        g = tl.load(g_ptr + rm[:, None] * sg + cols[None, :], mask=msk, other=0.0)
+        u = tl.load(u_ptr + rm[:, None] * su + cols[None, :], mask=msk, other=0.0)
+        if EG:
+            g = _tile_delta(g, tg, bg_ptr, sbg, tl.where(cm, cols, 0), RU, scale_g, IEEE, BRU)
+        if EU:
+            u = _tile_delta(u, tu, bu_ptr, sbu, tl.where(cm, cols, 0), RU, scale_u, IEEE, BRU)
+        gf = g.to(tl.float32)
+        a = (gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
+        h = (a * u.to(tl.float32)).to(dt)
+        tl.store(o_ptr + rm[:, None] * so + cols[None, :], h, mask=msk)
+        if SHRINK:
+            acc = _shrink_acc(acc, h, a0, sa0, R, kk, N, IEEE, BR, BK)
+    if SHRINK:
+        _store_partials(p_ptr, acc, acc, acc, sp, n_splits, 1, BM, BR)
 
 
 def add_rmsnorm_shrink(x, residual, weight, eps, sh: Shrink):
@@ -264,20 +329,41 @@ def add_rmsnorm_shrink(x, residual, weight, eps, sh: Shrink):
     return y.view(x.shape), s
 
 
-def silu_mul_shrink(gate, up, sh: Shrink):
-    """SiLU(gate) * up ([rows, N], last dim contiguous, rows == sh.M, N == sh.K) that also writes the shrink
-    partials of its output (one adapter: down_proj's) into sh."""
+def silu_mul_lora(gate, up, down: Shrink | None = None, up_lora=None):
+    """SiLU(gate) * up ([rows, N], last dim contiguous) with LoRA fused on either side: `up_lora` = (Shrink
+    filled for gate/up, (gate's slot or None, up's slot or None)) adds their expands to gate and up before the
+    activation (no expand launch; `gate`/`up` are the base outputs); `down` (one adapter over [rows, N]) gets
+    the shrink partials of the result (down_proj's)."""
     g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
-    _check_rows(g2, "silu_mul_shrink gate")
-    _check_rows(u2, "silu_mul_shrink up")
-    if g2.shape != (sh.M, sh.K) or u2.shape != g2.shape or sh.n != 1:
-        raise ValueError(f"silu_mul_shrink: gate {tuple(g2.shape)} and up {tuple(u2.shape)} must both be "
-                         f"{(sh.M, sh.K)}, one adapter (got {sh.n})")
+    _check_rows(g2, "silu_mul_lora gate")
+    _check_rows(u2, "silu_mul_lora up")
+    m, n = g2.shape
+    if u2.shape != g2.shape or not 1 <= m <= 64:
+        raise ValueError(f"silu_mul_lora: gate {tuple(g2.shape)} and up {tuple(u2.shape)} must be one shape with "
+                         "1..64 rows")
+    if down is not None and ((down.M, down.K) != (m, n) or down.n != 1):
+        raise ValueError(f"silu_mul_lora: the down shrink must be one adapter over {(m, n)}, got {down.n} over "
+                         f"{(down.M, down.K)}")
     out = torch.empty_like(g2)
-    _silu_mul_shrink_kernel[(sh.n_splits,)](g2, u2, out, sh.a[0], sh.part, sh.M, sh.K, sh.R, g2.stride(0),
-                                            u2.stride(0), out.stride(0), sh.sa[0], sh.k_per_split, sh.n_splits,
-                                            IEEE=gate.dtype == torch.float32, BM=sh.BM, BR=sh.BR, BK=sh.BK,
-                                            num_warps=4)
+    geo = down if down is not None else Shrink.geometry(m, n)
+    ush, slots = up_lora if up_lora is not None else (None, (None, None))
+    if ush is not None and (ush.M, ush.K) != (m, ush.plans[0][0].shape[1]):
+        raise ValueError(f"silu_mul_lora: the gate/up Shrink is over {ush.M} rows, gate has {m}")
+    eg, eu = slots[0] is not None, slots[1] is not None
+    bg = ush.plans[slots[0]][1] if eg else g2
+    bu = ush.plans[slots[1]][1] if eu else g2
+    for name, flag, b in (("gate", eg, bg), ("up", eu, bu)):
+        if flag and b.shape[0] != n:
+            raise ValueError(f"silu_mul_lora: {name}'s lora_B has {b.shape[0]} rows, the output {n} columns")
+    _silu_mul_lora_kernel[(geo.n_splits,)](
+        g2, u2, out, down.a[0] if down is not None else g2, down.part if down is not None else out,
+        ush.part if ush is not None else out, bg, bu, m, n, down.R if down is not None else 0,
+        ush.R if ush is not None else 0, g2.stride(0), u2.stride(0), out.stride(0),
+        down.sa[0] if down is not None else 0, bg.stride(0), bu.stride(0), geo.k_per_split, geo.n_splits,
+        ush.n_splits if ush is not None else 0, slots[0] or 0, slots[1] or 0,
+        float(ush.plans[slots[0]][2]) if eg else 0.0, float(ush.plans[slots[1]][2]) if eu else 0.0,
+        EG=eg, EU=eu, SHRINK=down is not None, IEEE=gate.dtype == torch.float32, BM=geo.BM,
+        BR=down.BR if down is not None else 16, BRU=ush.BR if ush is not None else 16, BK=geo.BK, num_warps=4)
     return out.view(gate.shape)
 
 

@@ -236,20 +236,69 @@ def test_add_rmsnorm_shrink_then_expand(dtype, rows, h, r, ns, with_res):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,n,r", [(3, 300, 4), (8, 512, 32), (17, 130, 16)])
-def test_silu_mul_shrink_then_expand(dtype, rows, n, r):
+@pytest.mark.parametrize("rows,n,r,gate_up,down", [(3, 300, 4, (True, True), True), (8, 512, 32, (False, True), True),
+                                                   (17, 130, 16, (True, False), False), (2, 96, 8, None, True)])
+def test_silu_mul_lora(dtype, rows, n, r, gate_up, down):
+    """SiLU(gate + LoRA_g) * (up + LoRA_u) with gate/up's expands and down_proj's shrink in the one kernel: the
+    activation is PEFT's on the LoRA-updated gate/up, and down's update from the partials is PEFT's on it."""
     g = torch.Generator().manual_seed(9)
+    k_in = 72
+    x = torch.randn(rows, k_in, generator=g).to(DEV, dtype)
     gate = torch.randn(rows, n, generator=g).to(DEV, dtype)
     up = torch.randn(rows, n, generator=g).to(DEV, dtype)
+    up_lora, g_ref, u_ref = None, gate.clone(), up.clone()
+    if gate_up is not None:
+        members = [i for i, on in enumerate(gate_up) if on]
+        plans_up = _plans(g, k_in, 8, (n,) * len(members), dtype)
+        ush = lora.Shrink(plans_up, rows, k_in, x.device, n_splits=2)
+        lora.shrink_(x, ush)
+        refs = lora.lora_add_ref(x, [(g_ref, u_ref)[i].clone() for i in members], plans_up)
+        for i, ref in zip(members, refs):
+            (g_ref if i == 0 else u_ref).copy_(ref)
+        up_lora = (ush, tuple(members.index(i) if i in members else None for i in range(2)))
     plans = _plans(g, n, r, (72,), dtype)
-    sh = lora.Shrink(plans, rows, n, gate.device)
-    h = lora.silu_mul_shrink(gate, up, sh)
-    h_ref = K.silu_mul_ref(gate, up)
-    assert same_rounding(h, h_ref) if dtype == torch.float32 else rel(h, h_ref) < 2e-3
-    out = torch.randn(rows, 72, generator=g).to(DEV, dtype)
-    ref = lora.lora_add_ref(h_ref, [out.clone()], plans)[0]
-    lora.expand_(sh, [out])
-    assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    sh = lora.Shrink(plans, rows, n, gate.device) if down else None
+    h = lora.silu_mul_lora(gate, up, sh, up_lora)
+    h_ref = K.silu_mul_ref(g_ref, u_ref)
+    assert rel(h, h_ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    if down:
+        out = torch.randn(rows, 72, generator=g).to(DEV, dtype)
+        ref = lora.lora_add_ref(h_ref, [out.clone()], plans)[0]
+        lora.expand_(sh, [out])
+        assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("members", [(0, 1, 2), (1,), (0, 2)])
+def test_rope_kv_write_with_lora_expand(dtype, members):
+    """RoPE + KV write on the base q/k/v with their LoRA expands added in the kernel: q, cache K and V are those of
+    rope_kv_write_ref on PEFT's LoRA-updated q/k/v."""
+    g = torch.Generator().manual_seed(12)
+    b, nh, nkv, hd, B, S, k_in = 3, 6, 2, 16, 4, 40, 80
+    x = torch.randn(b, k_in, generator=g).to(DEV, dtype)
+    base = [torch.randn(b, n * hd, generator=g).to(DEV, dtype) for n in (nh, nkv, nkv)]
+    plans = _plans(g, k_in, 4, tuple(base[i].shape[1] for i in members), dtype)
+    sh = lora.Shrink(plans, b, k_in, x.device, n_splits=2)
+    lora.shrink_(x, sh)
+    upd = [t.clone() for t in base]
+    for i, ref in zip(members, lora.lora_add_ref(x, [base[i].clone() for i in members], plans)):
+        upd[i] = ref
+    ang = torch.randn(b, hd // 2, generator=g)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(DEV, dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(DEV, dtype)
+    col = torch.tensor([9], device=DEV)
+    kc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
+    vc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    slots = tuple(members.index(i) if i in members else None for i in range(3))
+    qo = K.rope_kv_write(*base, cos, sin, kc, vc, col, nh, nkv, hd, lora=(sh, slots))
+    qo_ref = K.rope_kv_write_ref(*upd, cos, sin, kc2, vc2, col, nh, nkv, hd)
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    assert rel(qo, qo_ref) < tol and rel(kc, kc2) < tol and rel(vc, vc2) < tol
+    assert not torch.equal(kc, torch.randn(B, nkv, S, hd, generator=torch.Generator().manual_seed(0)).to(DEV, dtype))
+    wrong = lora.Shrink(plans, b + 1, k_in, x.device)
+    with pytest.raises(ValueError, match="rope_kv_write"):
+        K.rope_kv_write(*base, cos, sin, kc, vc, col, nh, nkv, hd, lora=(wrong, slots))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -295,33 +344,40 @@ def test_shrink_bad_input():
         lora.expand_(sh, [torch.zeros(2, 31, device=DEV)])
 
 
-@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                                     ["v_proj", "up_proj", "o_proj"]])
-def test_fused_engine_lora_shrink_in_producers(monkeypatch, targets):
-    """HFQ_ROLLOUT_FUSE_SHRINK=1: the LoRA shrinks run inside the norm, attention-combine and SiLU*mul kernels and
+@pytest.mark.parametrize("arch,targets", [
+    ("qwen2", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ("qwen2", ["v_proj", "up_proj", "o_proj"]),
+    ("qwen3", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])])
+def test_fused_engine_lora_shrink_in_producers(monkeypatch, arch, targets):
+    """HFQ_ROLLOUT_FUSE_LORA=1: the LoRA shrinks run inside the norm, attention-combine and SiLU*mul kernels and
     generation is still transformers' greedy, also after in-place LoRA / norm updates."""
     from peft import LoraConfig, get_peft_model
 
-    monkeypatch.setenv("HFQ_ROLLOUT_FUSE_SHRINK", "1")
+    monkeypatch.setenv("HFQ_ROLLOUT_FUSE_LORA", "1")
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
-    pm = get_peft_model(tiny_model("qwen2", seed=6), cfg).to(DEV).eval()
+    pm = get_peft_model(tiny_model(arch, seed=6), cfg).to(DEV).eval()
     eng = RolloutEngine(pm, max_batch=4, max_seq_len=40, kv_block=16, fused_kernels=True, graph_mode="eager")
-    assert eng.adapter.fuse_shrink
-    calls = {"norm": 0, "silu": 0, "attn": 0, "lora_add_": 0}
-    for name, key in (("add_rmsnorm_shrink", "norm"), ("silu_mul_shrink", "silu"), ("lora_add_", "lora_add_")):
+    assert eng.adapter.fuse_lora and eng.adapter.qk_norm == (arch == "qwen3")
+    calls = {"norm": 0, "silu": 0, "attn": 0, "rope": 0, "lora_add_": 0, "expand_": 0}
+    for name, key in (("add_rmsnorm_shrink", "norm"), ("silu_mul_lora", "silu"), ("lora_add_", "lora_add_"),
+                      ("expand_", "expand_")):
         fn = getattr(lora, name)
         monkeypatch.setattr(lora, name, lambda *a, _f=fn, _k=key, **kw: (calls.__setitem__(_k, calls[_k] + 1),
                                                                           _f(*a, **kw))[1])
-    attn = K.decode_attention
-    monkeypatch.setattr(K, "decode_attention", lambda *a, _f=attn, **kw: (
-        calls.__setitem__("attn", calls["attn"] + (kw.get("shrink") is not None)), _f(*a, **kw))[1])
+    for name, key, arg in (("decode_attention", "attn", "shrink"), ("rope_kv_write", "rope", "lora")):
+        fn = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _f=fn, _k=key, _a=arg, **kw: (
+            calls.__setitem__(_k, calls[_k] + (kw.get(_a) is not None)), _f(*a, **kw))[1])
     out = eng.generate(PROMPTS, max_new_tokens=6, temperature=0, eos_token_ids=[])
     assert torch.equal(out.completion_ids.cpu(), hf_greedy(pm, PROMPTS, 6))
-    n_layers = len(eng.adapter.layers)
-    if len(targets) == 7:  # per layer and decode step (5): 2 norms, 1 attention, 1 SiLU*mul, no separate shrink
-        assert calls["norm"] == 2 * calls["attn"] == 2 * calls["silu"] == 2 * n_layers * 5
-    else:  # v_proj (norm 1), o_proj (attention), up_proj (norm 2); down_proj has no adapter
-        assert calls["norm"] == 2 * calls["attn"] == 2 * n_layers * 5 and calls["silu"] == 0
+    steps = len(eng.adapter.layers) * 5  # layers x decode steps
+    # per layer and step: both norms shrink, the combine shrinks o, RoPE expands q/k/v, SiLU*mul expands gate/up
+    # (and shrinks down); the expands left as launches: o_proj's, and down_proj's when it has an adapter
+    # (with q/k norms between, q/k/v's expands stay one launch)
+    qk = arch == "qwen3"
+    assert calls["norm"] == 2 * steps and calls["attn"] == calls["silu"] == steps
+    assert calls["rope"] == (0 if qk else steps)
+    assert calls["expand_"] == steps * (("down_proj" in targets) + 1 + qk)
     assert calls["lora_add_"] == 0
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():

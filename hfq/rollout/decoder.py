@@ -8,8 +8,8 @@ KV cache are ours, so a decode step has fixed shapes and no host synchronisation
 With `fused=True` (CUDA, or CPU under TRITON_INTERPRET=1) a decode step runs the norms, RoPE + KV write,
 attention and SiLU*mul as the Triton kernels of `hfq_kernels.rollout`, reading the norm weights where they
 live, and applies unmerged LoRA with one shrink + one expand kernel per group of linears sharing an input
-(`hfq_kernels.lora`; q/k/v, gate/up, o, down), or with `fuse_shrink` the shrink inside the kernel producing the
-group's input and the expand alone; any module it does not recognise (custom norms, hooks, DoRA, dropout in
+(`hfq_kernels.lora`; q/k/v, gate/up, o, down), or with `fuse_lora` the shrinks inside the kernels producing
+each group's input and the q/k/v and gate/up expands inside RoPE and SiLU*mul; any module it does not recognise (custom norms, hooks, DoRA, dropout in
 training, ...) is called as the model's own module.
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ class DecoderAdapter:
         self.dtype = self.embed.weight.dtype
         self.fused = bool(fused)
         self.gemm = False  # skinny Triton GEMM for plain BF16/FP16 nn.Linear at <= 16 rows (set by the engine)
-        self.fuse_shrink = False  # LoRA shrinks inside the norm / attention-combine / SiLU*mul kernels (engine)
+        self.fuse_lora = False  # LoRA shrinks/expands inside the norm, attention, RoPE, SiLU*mul kernels (engine)
 
     def _qkv(self, attn, x, cos, sin):
         b, n, _ = x.shape
@@ -228,16 +228,18 @@ class DecoderAdapter:
 
     def _shrink(self, lora_, x, **split):
         """A `lora.Shrink` for the group's adapters over x's rows, when the shrink is to be fused into the kernel
-        that produces x (`fuse_shrink`); else None."""
+        that produces x (`fuse_lora`); else None."""
         grp, plans = lora_
-        if not (self.fuse_shrink and grp):
+        if not (self.fuse_lora and grp):
             return None
         return _lora.Shrink([plans[i][0] for i in grp], x.numel() // x.shape[-1], x.shape[-1], x.device, **split)
 
-    def _linear_group(self, mods, x, lora_=None, shrink=None):
+    def _linear_group(self, mods, x, lora_=None, shrink=None, defer=False):
         """[m(x) for m in mods]; the single-adapter LoRA ones among them get their updates from one shrink and
         one expand kernel for the whole group (`lora.lora_add_`), or from the expand alone when the kernel that
-        produced x already wrote the shrink's partials into `shrink`."""
+        produced x already wrote the shrink's partials into `shrink`. `defer` (with `shrink`): return
+        (base outputs, each member's slot in `shrink` or None) and leave the expands to the consuming kernel;
+        the slots are None when the LoRA updates were applied here after all."""
         grp, plans = lora_ if lora_ is not None else self._group_lora(mods, x)
         x2 = x.reshape(-1, x.shape[-1])
         base = [m.base_layer if i in grp else m for i, m in enumerate(mods)]
@@ -247,18 +249,20 @@ class DecoderAdapter:
         else:
             outs = [self._linear(m, x) for m in base]
         if not grp:
-            return outs
+            return (outs, None) if defer else outs
         if any(outs[i].dtype != x.dtype or not outs[i].is_contiguous() for i in grp):
             for i in grp:
                 for a, b, scale in plans[i]:
                     outs[i] = outs[i] + F.linear(F.linear(x, a), b) * scale
-            return outs
+            return (outs, None) if defer else outs
+        if defer and shrink is not None:
+            return outs, tuple(grp.index(i) if i in grp else None for i in range(len(mods)))
         ys = [outs[i].view(-1, outs[i].shape[-1]) for i in grp]
         if shrink is not None:
             _lora.expand_(shrink, ys)
         else:
             _lora.lora_add_(x2, ys, [plans[i][0] for i in grp])
-        return outs
+        return (outs, None) if defer else outs
 
     @staticmethod
     def _plain_mlp(mlp):
@@ -269,14 +273,17 @@ class DecoderAdapter:
     def _mlp(self, mlp, x, lora_=None, shrink=None):
         if not self._plain_mlp(mlp):
             return mlp(x)
-        g, u = self._linear_group([mlp.gate_proj, mlp.up_proj], x, lora_, shrink)
+        (g, u), slots = self._linear_group([mlp.gate_proj, mlp.up_proj], x, lora_, shrink, defer=True)
         if not (g.is_contiguous() and u.is_contiguous() and g.dtype == u.dtype):
+            if slots is not None:  # the expands were left to SiLU*mul: apply them here
+                _lora.expand_(shrink, [t.view(-1, t.shape[-1]) for t, s in zip((g, u), slots) if s is not None])
             return self._linear_group([mlp.down_proj], mlp.act_fn(g) * u)[0]
         down = self._group_lora([mlp.down_proj], g)
         sh = self._shrink(down, g)
-        if sh is None:
+        if sh is None and slots is None:
             return self._linear_group([mlp.down_proj], K.silu_mul(g, u), down)[0]
-        return self._linear_group([mlp.down_proj], _lora.silu_mul_shrink(g, u, sh), down, sh)[0]
+        h = _lora.silu_mul_lora(g, u, sh, (shrink, slots) if slots is not None else None)
+        return self._linear_group([mlp.down_proj], h, down, sh)[0]
 
     def decode_fused(self, ids, pos, col, add_mask, k_cache, v_cache, b: int, kv_len: int):
         """`decode` with the fused kernels (same arguments and result)."""
@@ -289,14 +296,19 @@ class DecoderAdapter:
             attn = layer.self_attn
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
             xn, res, lq, sh = self._norm_shrink(layer.input_layernorm, x, res, qkv)
-            q, k, v = self._linear_group(qkv, xn, lq, sh)
+            # without q/k norms the LoRA expands of q, k, v run inside the RoPE + KV-write kernel
+            if self.qk_norm:
+                (q, k, v), slots = self._linear_group(qkv, xn, lq, sh), None
+            else:
+                (q, k, v), slots = self._linear_group(qkv, xn, lq, sh, defer=True)
             if self.qk_norm:
                 q = attn.q_norm(q.view(b, 1, nh, hd))
                 k = attn.k_norm(k.view(b, 1, nkv, hd))
             q, k, v = (t.reshape(b, -1).contiguous() for t in (q, k, v))
-            qr = K.rope_kv_write(q, k, v, cos, sin, k_cache[i], v_cache[i], col, nh, nkv, hd)
+            qr = K.rope_kv_write(q, k, v, cos, sin, k_cache[i], v_cache[i], col, nh, nkv, hd,
+                                 lora=(sh, slots) if slots is not None else None)
             lo, sh = None, None
-            if self.fuse_shrink:  # qr has the attention output's shape, dtype and strides
+            if self.fuse_lora:  # qr has the attention output's shape, dtype and strides
                 lo = self._group_lora([attn.o_proj], qr.view(b, 1, nh * hd))
                 sh = self._shrink(lo, qr.view(b, nh * hd), k_per_split=hd)
             o = K.decode_attention(qr, k_cache[i], v_cache[i], add_mask, col, kv_len, self.scaling, shrink=sh)
@@ -312,7 +324,7 @@ class DecoderAdapter:
         """`_norm`, with the LoRA shrink of the group `mods` that reads its output fused into the norm kernel where
         it can be: (normed, x + residual, the group's LoRA plans, the filled Shrink), or the plans and Shrink None
         (then `_linear_group` plans on the normed tensor and runs its own shrink)."""
-        if self.fuse_shrink and mods and self._plain_norm(mod, x) and x.stride(-1) == 1:
+        if self.fuse_lora and mods and self._plain_norm(mod, x) and x.stride(-1) == 1:
             lora_ = self._group_lora(mods, x)  # the norm's output has x's shape and dtype, contiguous
             sh = self._shrink(lora_, x)
             if sh is not None:

@@ -115,9 +115,9 @@ class RolloutEngine:
         self.adapter.fused = can_fuse and (fused_kernels is True or (fused_kernels == "auto"
                                                                     and self.device.type == "cuda"))
         self.adapter.gemm = bool(skinny_gemm) and self.adapter.fused and self.device.type == "cuda"
-        # LoRA shrinks fused into the norm / attention-combine / SiLU*mul kernels (4 launches fewer per block):
-        # opt-in until timed on a GPU against the separate shrink launches
-        self.adapter.fuse_shrink = self.adapter.fused and os.environ.get("HFQ_ROLLOUT_FUSE_SHRINK", "0") == "1"
+        # LoRA shrinks and expands fused into the norm / attention-combine / RoPE / SiLU*mul kernels (2 LoRA
+        # launches per block instead of 8): opt-in until timed on a GPU against the separate launches
+        self.adapter.fuse_lora = self.adapter.fused and os.environ.get("HFQ_ROLLOUT_FUSE_LORA", "0") == "1"
         self.dtype = self.adapter.dtype
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
