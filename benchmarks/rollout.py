@@ -330,20 +330,23 @@ def step_split(eng, V, b=8, with_eager=True, greedy_only=False):
     return out
 
 
-def lora_fusion(eng, V, rounds=3):
+def lora_fusion(eng, V, rounds=3, splits=(None, 32, 64)):
     """Greedy decode-step replay with LoRA's shrinks and expands as their own launches vs fused into the norm /
-    attention-combine / RoPE / SiLU*mul kernels (HFQ_ROLLOUT_FUSE_LORA), interleaved."""
-    keep = eng.adapter.fuse_lora
-    ms = {False: [], True: []}
+    attention-combine / RoPE / SiLU*mul kernels (HFQ_ROLLOUT_FUSE_LORA) at a few K-split counts of the fused
+    norm / SiLU*mul kernels (HFQ_ROLLOUT_LORA_SPLITS), interleaved."""
+    keep = eng.adapter.fuse_lora, eng.adapter.lora_splits
+    variants = [("separate", False, None)] + [(f"fused_splits_{s or 'default'}", True, s) for s in splits]
+    ms = {name: [] for name, _, _ in variants}
     for _ in range(rounds):
-        for fuse in (False, True):
-            eng.adapter.fuse_lora = fuse
+        for name, fuse, s in variants:
+            eng.adapter.fuse_lora, eng.adapter.lora_splits = fuse, s
             eng.invalidate()
-            ms[fuse].append(step_split(eng, V, with_eager=False, greedy_only=True)["replay_ms_greedy"])
-    eng.adapter.fuse_lora = keep
+            ms[name].append(step_split(eng, V, with_eager=False, greedy_only=True)["replay_ms_greedy"])
+    eng.adapter.fuse_lora, eng.adapter.lora_splits = keep
     eng.invalidate()
-    sep, fused = sorted(ms[False]), sorted(ms[True])
-    return {"separate_ms": sep, "fused_ms": fused, "median_ratio": round(sep[len(sep) // 2] / fused[len(fused) // 2], 3)}
+    med = {name: sorted(v)[len(v) // 2] for name, v in ms.items()}
+    return {"replay_ms": {k: sorted(v) for k, v in ms.items()},
+            "speedup_vs_separate": {k: round(med["separate"] / m, 3) for k, m in med.items()}}
 
 
 # ---------------------------------------------------------------------------------------------- table mode

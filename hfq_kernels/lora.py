@@ -230,18 +230,19 @@ def _store_partials(p_ptr, acc0, acc1, acc2, sp, n_splits, NA: tl.constexpr, BM:
 def _add_rmsnorm_shrink_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, a0, a1, a2, p_ptr, M, H, R, eps,
                                sx, sr, sy, ss, sa0, sa1, sa2, k_per_split, n_splits,
                                HAS_RES: tl.constexpr, NA: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr,
-                               BR: tl.constexpr, BK: tl.constexpr):
+                               BR: tl.constexpr, BK: tl.constexpr, VB: tl.constexpr):
     sp = tl.program_id(0)
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
+    rv = tl.arange(0, VB)
     mm = rm < M
     dt = y_ptr.dtype.element_ty
     ssq = tl.zeros([BM], tl.float32)
-    for kk in range(0, H, BK):  # every split needs its rows' full sum of squares
-        msk = mm[:, None] & ((kk + rk) < H)[None, :]
-        x = tl.load(x_ptr + rm[:, None] * sx + (kk + rk)[None, :], mask=msk, other=0.0)
+    for kk in range(0, H, VB):  # every split needs its rows' full sum of squares: wide tiles, few iterations
+        msk = mm[:, None] & ((kk + rv) < H)[None, :]
+        x = tl.load(x_ptr + rm[:, None] * sx + (kk + rv)[None, :], mask=msk, other=0.0)
         if HAS_RES:
-            r = tl.load(r_ptr + rm[:, None] * sr + (kk + rk)[None, :], mask=msk, other=0.0)
+            r = tl.load(r_ptr + rm[:, None] * sr + (kk + rv)[None, :], mask=msk, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
         xf = x.to(tl.float32)
         ssq += tl.sum(xf * xf, axis=1)
@@ -325,15 +326,15 @@ def add_rmsnorm_shrink(x, residual, weight, eps, sh: Shrink):
         x2, r2, weight, y, s_out, sh.a[0], sh.a[1], sh.a[2], sh.part, sh.M, H, sh.R, float(eps),
         x2.stride(0), r2.stride(0), y.stride(0), s_out.stride(0), sh.sa[0], sh.sa[1], sh.sa[2], sh.k_per_split,
         sh.n_splits, HAS_RES=residual is not None, NA=sh.n, IEEE=x.dtype == torch.float32, BM=sh.BM, BR=sh.BR,
-        BK=sh.BK, num_warps=4)
+        BK=sh.BK, VB=max(64, min(next_pow2(H), 8192 // sh.BM)), num_warps=4)
     return y.view(x.shape), s
 
 
-def silu_mul_lora(gate, up, down: Shrink | None = None, up_lora=None):
+def silu_mul_lora(gate, up, down: Shrink | None = None, up_lora=None, n_splits: int | None = None):
     """SiLU(gate) * up ([rows, N], last dim contiguous) with LoRA fused on either side: `up_lora` = (Shrink
     filled for gate/up, (gate's slot or None, up's slot or None)) adds their expands to gate and up before the
     activation (no expand launch; `gate`/`up` are the base outputs); `down` (one adapter over [rows, N]) gets
-    the shrink partials of the result (down_proj's)."""
+    the shrink partials of the result (down_proj's). The column split (programs) is down's, else `n_splits`."""
     g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
     _check_rows(g2, "silu_mul_lora gate")
     _check_rows(u2, "silu_mul_lora up")
@@ -345,7 +346,7 @@ def silu_mul_lora(gate, up, down: Shrink | None = None, up_lora=None):
         raise ValueError(f"silu_mul_lora: the down shrink must be one adapter over {(m, n)}, got {down.n} over "
                          f"{(down.M, down.K)}")
     out = torch.empty_like(g2)
-    geo = down if down is not None else Shrink.geometry(m, n)
+    geo = down if down is not None else Shrink.geometry(m, n, n_splits)
     ush, slots = up_lora if up_lora is not None else (None, (None, None))
     if ush is not None and (ush.M, ush.K) != (m, ush.plans[0][0].shape[1]):
         raise ValueError(f"silu_mul_lora: the gate/up Shrink is over {ush.M} rows, gate has {m}")

@@ -389,3 +389,31 @@ def test_fused_engine_lora_shrink_in_producers(monkeypatch, arch, targets):
     out2 = eng.generate(PROMPTS, max_new_tokens=6, temperature=0, eos_token_ids=[])
     assert torch.equal(out2.completion_ids.cpu(), hf_greedy(pm, PROMPTS, 6))
     assert not torch.equal(out2.completion_ids, out.completion_ids)
+
+
+def test_fused_lora_split_count_and_bad_value(monkeypatch):
+    """HFQ_ROLLOUT_LORA_SPLITS sets the K split of the fused norm / SiLU*mul kernels (same tokens); a bad value is
+    refused naming the variable."""
+    from peft import LoraConfig, get_peft_model
+
+    monkeypatch.setenv("HFQ_ROLLOUT_FUSE_LORA", "1")
+    monkeypatch.setenv("HFQ_ROLLOUT_LORA_SPLITS", "5")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"],
+                     init_lora_weights=False)
+    pm = get_peft_model(tiny_model("qwen2", seed=7), cfg).to(DEV).eval()
+    eng = RolloutEngine(pm, max_batch=4, max_seq_len=40, kv_block=16, fused_kernels=True, graph_mode="eager")
+    assert eng.adapter.lora_splits == 5
+    seen = []
+
+    class Recorded(lora.Shrink):
+        def __init__(self, *a, **kw):
+            seen.append(kw)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(lora, "Shrink", Recorded)
+    out = eng.generate(PROMPTS, max_new_tokens=4, temperature=0, eos_token_ids=[])
+    assert torch.equal(out.completion_ids.cpu(), hf_greedy(pm, PROMPTS, 4))
+    assert seen and all(kw == {"n_splits": 5} for kw in seen)
+    monkeypatch.setenv("HFQ_ROLLOUT_LORA_SPLITS", "many")
+    with pytest.raises(ValueError, match="HFQ_ROLLOUT_LORA_SPLITS"):
+        RolloutEngine(pm, max_batch=4, max_seq_len=40, kv_block=16, fused_kernels=True, graph_mode="eager")

@@ -122,6 +122,7 @@ class DecoderAdapter:
         self.fused = bool(fused)
         self.gemm = False  # skinny Triton GEMM for plain BF16/FP16 nn.Linear at <= 16 rows (set by the engine)
         self.fuse_lora = False  # LoRA shrinks/expands inside the norm, attention, RoPE, SiLU*mul kernels (engine)
+        self.lora_splits = None  # K splits (programs) of the fused norm / SiLU*mul kernels; None: lora.Shrink's
 
     def _qkv(self, attn, x, cos, sin):
         b, n, _ = x.shape
@@ -232,6 +233,8 @@ class DecoderAdapter:
         grp, plans = lora_
         if not (self.fuse_lora and grp):
             return None
+        if not split and self.lora_splits:
+            split = {"n_splits": self.lora_splits}
         return _lora.Shrink([plans[i][0] for i in grp], x.numel() // x.shape[-1], x.shape[-1], x.device, **split)
 
     def _linear_group(self, mods, x, lora_=None, shrink=None, defer=False):
@@ -282,7 +285,7 @@ class DecoderAdapter:
         sh = self._shrink(down, g)
         if sh is None and slots is None:
             return self._linear_group([mlp.down_proj], K.silu_mul(g, u), down)[0]
-        h = _lora.silu_mul_lora(g, u, sh, (shrink, slots) if slots is not None else None)
+        h = _lora.silu_mul_lora(g, u, sh, (shrink, slots) if slots is not None else None, self.lora_splits)
         return self._linear_group([mlp.down_proj], h, down, sh)[0]
 
     def decode_fused(self, ids, pos, col, add_mask, k_cache, v_cache, b: int, kv_len: int):

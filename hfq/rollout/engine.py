@@ -118,6 +118,10 @@ class RolloutEngine:
         # LoRA shrinks and expands fused into the norm / attention-combine / RoPE / SiLU*mul kernels (2 LoRA
         # launches per block instead of 8): opt-in until timed on a GPU against the separate launches
         self.adapter.fuse_lora = self.adapter.fused and os.environ.get("HFQ_ROLLOUT_FUSE_LORA", "0") == "1"
+        splits = os.environ.get("HFQ_ROLLOUT_LORA_SPLITS", "")
+        if splits and not (splits.isdigit() and 1 <= int(splits) <= 256):
+            raise ValueError(f"HFQ_ROLLOUT_LORA_SPLITS: an integer in 1..256, got {splits!r}")
+        self.adapter.lora_splits = int(splits) if splits else None
         self.dtype = self.adapter.dtype
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
