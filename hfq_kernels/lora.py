@@ -326,7 +326,7 @@ def add_rmsnorm_shrink(x, residual, weight, eps, sh: Shrink):
         x2, r2, weight, y, s_out, sh.a[0], sh.a[1], sh.a[2], sh.part, sh.M, H, sh.R, float(eps),
         x2.stride(0), r2.stride(0), y.stride(0), s_out.stride(0), sh.sa[0], sh.sa[1], sh.sa[2], sh.k_per_split,
         sh.n_splits, HAS_RES=residual is not None, NA=sh.n, IEEE=x.dtype == torch.float32, BM=sh.BM, BR=sh.BR,
-        BK=sh.BK, VB=max(64, min(next_pow2(H), 8192 // sh.BM)), num_warps=4)
+        BK=sh.BK, VB=max(64, min(next_pow2(H), 8192 // sh.BM)), num_warps=8)  # 4 warps spill (ptxas, sm_90)
     return y.view(x.shape), s
 
 

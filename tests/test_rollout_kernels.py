@@ -438,7 +438,7 @@ out = []
 sig = dict(x_ptr=bf, r_ptr=bf, w_ptr=bf, y_ptr=bf, s_ptr=bf, a0=bf, a1=bf, a2=bf, p_ptr="*fp32", M=i, H=i, R=i,
            eps=f, sx=i, sr=i, sy=i, ss=i, sa0=i, sa1=i, sa2=i, k_per_split=i, n_splits=i)
 out.append(comp(L._add_rmsnorm_shrink_kernel, sig,
-                dict(HAS_RES=True, NA=3, IEEE=False, BM=16, BR=32, BK=64, VB=512)))
+                dict(HAS_RES=True, NA=3, IEEE=False, BM=16, BR=32, BK=64, VB=512), warps=8))
 sig = dict(g_ptr=bf, u_ptr=bf, o_ptr=bf, a0=bf, p_ptr="*fp32", up_ptr="*fp32", bg_ptr=bf, bu_ptr=bf, M=i, N=i, R=i,
            RU=i, sg=i, su=i, so=i, sa0=i, sbg=i, sbu=i, k_per_split=i, n_splits=i, up_splits=i, slot_g=i,
            slot_u=i, scale_g=f, scale_u=f)
