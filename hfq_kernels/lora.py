@@ -334,7 +334,8 @@ def silu_mul_lora(gate, up, down: Shrink | None = None, up_lora=None, n_splits: 
     """SiLU(gate) * up ([rows, N], last dim contiguous) with LoRA fused on either side: `up_lora` = (Shrink
     filled for gate/up, (gate's slot or None, up's slot or None)) adds their expands to gate and up before the
     activation (no expand launch; `gate`/`up` are the base outputs); `down` (one adapter over [rows, N]) gets
-    the shrink partials of the result (down_proj's). The column split (programs) is down's, else `n_splits`."""
+    the shrink partials of the result (down_proj's). The column split (programs) is down's, else `n_splits`
+    (default: 256 columns per program)."""
     g2, u2 = gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
     _check_rows(g2, "silu_mul_lora gate")
     _check_rows(u2, "silu_mul_lora up")
@@ -346,7 +347,8 @@ def silu_mul_lora(gate, up, down: Shrink | None = None, up_lora=None, n_splits: 
         raise ValueError(f"silu_mul_lora: the down shrink must be one adapter over {(m, n)}, got {down.n} over "
                          f"{(down.M, down.K)}")
     out = torch.empty_like(g2)
-    geo = down if down is not None else Shrink.geometry(m, n, n_splits)
+    # without down's shrink no partials are summed afterwards: 4 column blocks per program, as many programs as that
+    geo = down if down is not None else Shrink.geometry(m, n, n_splits or triton.cdiv(n, 256))
     ush, slots = up_lora if up_lora is not None else (None, (None, None))
     if ush is not None and (ush.M, ush.K) != (m, ush.plans[0][0].shape[1]):
         raise ValueError(f"silu_mul_lora: the gate/up Shrink is over {ush.M} rows, gate has {m}")
