@@ -341,7 +341,11 @@ def lora_fusion(eng, V, rounds=3, splits=(None, 32, 64)):
         for name, fuse, s in variants:
             eng.adapter.fuse_lora, eng.adapter.lora_splits = fuse, s
             eng.invalidate()
-            ms[name].append(step_split(eng, V, with_eager=False, greedy_only=True)["replay_ms_greedy"])
+            t = step_split(eng, V, with_eager=False, greedy_only=True).get("replay_ms_greedy")
+            if t is None:  # no CUDA graph could be captured: nothing comparable to time
+                eng.adapter.fuse_lora, eng.adapter.lora_splits = keep
+                return {"error": f"no graph captured for {name}"}
+            ms[name].append(t)
     eng.adapter.fuse_lora, eng.adapter.lora_splits = keep
     eng.invalidate()
     med = {name: sorted(v)[len(v) // 2] for name, v in ms.items()}
