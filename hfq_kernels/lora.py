@@ -51,7 +51,7 @@ def _shrink_kernel(x_ptr, a0, a1, a2, p_ptr, M, K, R, sxm, sa0, sa1, sa2, k_per_
 
 @triton.jit
 def _expand_kernel(p_ptr, b0, b1, b2, y0, y1, y2, s0, s1, s2, n0, n1, n2, sb0, sb1, sb2, sy0, sy1, sy2,
-                   M, R, n_splits, nb0, nb1,
+                   M, R, nb0, nb1, NS: tl.constexpr,
                    IEEE: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
     i, blk = group_of(tl.program_id(0), nb0, nb1)
     scale = sel3(i, s0, s1, s2)
@@ -59,8 +59,8 @@ def _expand_kernel(p_ptr, b0, b1, b2, y0, y1, y2, s0, s1, s2, n0, n1, n2, sb0, s
     rm = tl.arange(0, BM)
     rr = tl.arange(0, BR)
     t = tl.zeros([BM, BR], tl.float32)
-    for sp in range(0, n_splits):
-        t += tl.load(p_ptr + ((i * n_splits + sp) * BM + rm[:, None]) * BR + rr[None, :],
+    for sp in tl.static_range(NS):  # unrolled: the partials' loads are issued together, not one round trip each
+        t += tl.load(p_ptr + ((i * NS + sp) * BM + rm[:, None]) * BR + rr[None, :],
                      mask=(rm < M)[:, None], other=0.0)
     dt = y_ptr.dtype.element_ty
     t = t.to(dt)
@@ -143,7 +143,7 @@ def expand_(sh: Shrink, outs, block_n: int = 64):
     ns = [o.shape[1] for o in ys]
     _expand_kernel[(sum(nbs),)](sh.part, b[0], b[1], b[2], ys[0], ys[1], ys[2], sc[0], sc[1], sc[2], ns[0], ns[1],
                                 ns[2], b[0].stride(0), b[1].stride(0), b[2].stride(0), ys[0].stride(0),
-                                ys[1].stride(0), ys[2].stride(0), sh.M, sh.R, sh.n_splits, nbs[0], nbs[1],
+                                ys[1].stride(0), ys[2].stride(0), sh.M, sh.R, nbs[0], nbs[1], NS=sh.n_splits,
                                 IEEE=outs[0].dtype == torch.float32, BM=sh.BM, BR=sh.BR, BN=block_n, num_warps=4)
     return outs
 
@@ -190,13 +190,13 @@ def _tile_delta(x, t, b_ptr, sb, cols, R, scale, IEEE: tl.constexpr, BR: tl.cons
 
 
 @triton.jit
-def _t_rows(p_ptr, slot, n_splits, M, BM: tl.constexpr, BR: tl.constexpr):
+def _t_rows(p_ptr, slot, M, NS: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr):
     """[BM, BR] fp32: the summed Shrink partials of adapter `slot` (rows >= M zero)."""
     rm = tl.arange(0, BM)
     rr = tl.arange(0, BR)
     t = tl.zeros([BM, BR], tl.float32)
-    for sp in range(0, n_splits):
-        t += tl.load(p_ptr + ((slot * n_splits + sp) * BM + rm[:, None]) * BR + rr[None, :],
+    for sp in tl.static_range(NS):
+        t += tl.load(p_ptr + ((slot * NS + sp) * BM + rm[:, None]) * BR + rr[None, :],
                      mask=(rm < M)[:, None], other=0.0)
     return t
 
@@ -272,7 +272,7 @@ def _add_rmsnorm_shrink_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, a0, a1, a2, p_
 
 @triton.jit
 def _silu_mul_lora_kernel(g_ptr, u_ptr, o_ptr, a0, p_ptr, up_ptr, bg_ptr, bu_ptr, M, N, R, RU, sg, su, so, sa0,
-                          sbg, sbu, k_per_split, n_splits, up_splits, slot_g, slot_u, scale_g, scale_u,
+                          sbg, sbu, k_per_split, n_splits, slot_g, slot_u, scale_g, scale_u, UPS: tl.constexpr,
                           EG: tl.constexpr, EU: tl.constexpr, SHRINK: tl.constexpr, IEEE: tl.constexpr,
                           BM: tl.constexpr, BR: tl.constexpr, BRU: tl.constexpr, BK: tl.constexpr):
     sp = tl.program_id(0)
@@ -281,9 +281,9 @@ def _silu_mul_lora_kernel(g_ptr, u_ptr, o_ptr, a0, p_ptr, up_ptr, bg_ptr, bu_ptr
     mm = rm < M
     dt = o_ptr.dtype.element_ty
     if EG:  # gate_proj's LoRA, from the Shrink the norm filled
-        tg = _t_rows(up_ptr, slot_g, up_splits, M, BM, BRU).to(dt)
+        tg = _t_rows(up_ptr, slot_g, M, UPS, BM, BRU).to(dt)
     if EU:
-        tu = _t_rows(up_ptr, slot_u, up_splits, M, BM, BRU).to(dt)
+        tu = _t_rows(up_ptr, slot_u, M, UPS, BM, BRU).to(dt)
     acc = tl.zeros([BM, BR], tl.float32)
     k0 = sp * k_per_split
     for kk in range(k0, k0 + k_per_split, BK):
@@ -363,8 +363,9 @@ def silu_mul_lora(gate, up, down: Shrink | None = None, up_lora=None, n_splits: 
         ush.part if ush is not None else out, bg, bu, m, n, down.R if down is not None else 0,
         ush.R if ush is not None else 0, g2.stride(0), u2.stride(0), out.stride(0),
         down.sa[0] if down is not None else 0, bg.stride(0), bu.stride(0), geo.k_per_split, geo.n_splits,
-        ush.n_splits if ush is not None else 0, slots[0] or 0, slots[1] or 0,
+        slots[0] or 0, slots[1] or 0,
         float(ush.plans[slots[0]][2]) if eg else 0.0, float(ush.plans[slots[1]][2]) if eu else 0.0,
+        UPS=ush.n_splits if ush is not None else 1,
         EG=eg, EU=eu, SHRINK=down is not None, IEEE=gate.dtype == torch.float32, BM=geo.BM,
         BR=down.BR if down is not None else 16, BRU=ush.BR if ush is not None else 16, BK=geo.BK, num_warps=4)
     return out.view(gate.shape)
