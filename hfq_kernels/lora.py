@@ -38,16 +38,11 @@ def _shrink_kernel(x_ptr, a0, a1, a2, p_ptr, M, K, R, sxm, sa0, sa1, sa2, k_per_
     acc = tl.zeros([BM, BR], tl.float32)
     k0 = sp * k_per_split
     for kk in range(k0, k0 + k_per_split, BK):
-        km = (kk + rk) < K
-        x = tl.load(x_ptr + rm[:, None] * sxm + (kk + rk)[None, :], mask=(rm < M)[:, None] & km[None, :],
-                    other=0.0)
-        a = tl.load(a_ptr + rr[:, None] * sa + (kk + rk)[None, :], mask=(rr < R)[:, None] & km[None, :],
-                    other=0.0)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(a), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(a))
+        x = tl.load(x_ptr + rm[:, None] * sxm + (kk + rk)[None, :],
+                    mask=(rm < M)[:, None] & ((kk + rk) < K)[None, :], other=0.0)
+        acc = _shrink_acc(acc, x, a_ptr, sa, R, kk, K, IEEE, BR, BK)
     tl.store(p_ptr + ((i * n_splits + sp) * BM + rm[:, None]) * BR + rr[None, :], acc)
+
 
 @triton.jit
 def _expand_kernel(p_ptr, b0, b1, b2, y0, y1, y2, s0, s1, s2, n0, n1, n2, sb0, sb1, sb2, sy0, sy1, sy2,
@@ -57,24 +52,13 @@ def _expand_kernel(p_ptr, b0, b1, b2, y0, y1, y2, s0, s1, s2, n0, n1, n2, sb0, s
     scale = sel3(i, s0, s1, s2)
     N, sb, sy, b_ptr, y_ptr = member(i, n0, n1, n2, sb0, sb1, sb2, sy0, sy1, sy2, b0, b1, b2, y0, y1, y2)
     rm = tl.arange(0, BM)
-    rr = tl.arange(0, BR)
-    t = tl.zeros([BM, BR], tl.float32)
-    for sp in tl.static_range(NS):  # unrolled: the partials' loads are issued together, not one round trip each
-        t += tl.load(p_ptr + ((i * NS + sp) * BM + rm[:, None]) * BR + rr[None, :],
-                     mask=(rm < M)[:, None], other=0.0)
-    dt = y_ptr.dtype.element_ty
-    t = t.to(dt)
+    t = _t_rows(p_ptr, i, M, NS, BM, BR).to(y_ptr.dtype.element_ty)
     rn = blk * BN + tl.arange(0, BN)
     nm = rn < N
-    bw = tl.load(b_ptr + rn[:, None] * sb + rr[None, :], mask=nm[:, None] & (rr < R)[None, :], other=0.0)
-    if IEEE:
-        d = tl.dot(t, tl.trans(bw), input_precision="ieee")
-    else:
-        d = tl.dot(t, tl.trans(bw))
     ym = (rm < M)[:, None] & nm[None, :]
     yp = y_ptr + rm[:, None] * sy + rn[None, :]
-    y = tl.load(yp, mask=ym, other=0.0).to(tl.float32)
-    tl.store(yp, (y + scale * d).to(dt), mask=ym)
+    y = tl.load(yp, mask=ym, other=0.0)
+    tl.store(yp, _tile_delta(y, t, b_ptr, sb, tl.where(nm, rn, 0), R, scale, IEEE, BR), mask=ym)
 
 
 class Shrink:
@@ -195,7 +179,7 @@ def _t_rows(p_ptr, slot, M, NS: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr
     rm = tl.arange(0, BM)
     rr = tl.arange(0, BR)
     t = tl.zeros([BM, BR], tl.float32)
-    for sp in tl.static_range(NS):
+    for sp in tl.static_range(NS):  # unrolled: the partials' loads are issued together, not one round trip each
         t += tl.load(p_ptr + ((slot * NS + sp) * BM + rm[:, None]) * BR + rr[None, :],
                      mask=(rm < M)[:, None], other=0.0)
     return t

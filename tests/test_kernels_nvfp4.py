@@ -14,6 +14,8 @@ from hfq_kernels import nvfp4 as K
 from hfq_kernels import nvfp4_gluon as gluon
 from hfq_kernels import nvfp4_matmul as MM
 
+from _hfq_test_utils import compile_for_sm90
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -362,34 +364,18 @@ print("shared", k.metadata.shared, "mma", "mma.sync.aligned.m16n8k16.row.col.f32
 """
 
 
-def _compile_for_sm90(code, *args):
-    """Run `code` in a fresh interpreter without TRITON_INTERPRET (no GPU needed: it only compiles for sm_90)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode != 0 and "ptxas" in r.stderr.lower():  # no ptxas/backend on this machine
-        pytest.skip(r.stderr[-200:])
-    assert r.returncode == 0, r.stderr[-2000:]
-    return r.stdout.split()
-
-
 def test_words_kernel_sm90_has_no_scale_reshape(prefetch=True, cps1=True):
     """Guard for an H100 miscompile (Triton 3.6): widening the [BN, BK/16] scale tile with tl.reshape(tl.join(...))
     gets the dot-operand layout (kWidth=8) pushed through it at BN=32 and every product comes out wrong; the kernel
     loads one scale byte per weight word, so no join/reshape may reach the IR. Checked in the configuration that
     fails (one K tile per split, so the scale tile is no loop-carried value)."""
-    out = _compile_for_sm90(_WORDS_SM90_IR, str(int(prefetch)), str(int(cps1)))
+    out = compile_for_sm90(_WORDS_SM90_IR, str(int(prefetch)), str(int(cps1)))
     assert out == ["dot", "True", "reshape", "False", "join", "False"]
 
 
 def test_g4_kernel_compiles_for_sm90_without_shared_memory():
     """The Gluon kernel's layout conversions are all register-only (assert_trivial) and it uses no shared memory."""
-    out = _compile_for_sm90(_GLUON_SM90)
+    out = compile_for_sm90(_GLUON_SM90)
     if out == ["NO_GLUON"]:
         pytest.skip("no gluon")
     assert out == ["shared", "0", "mma", "True"]

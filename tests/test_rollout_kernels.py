@@ -10,6 +10,8 @@ from hfq_kernels import skinny_gemm as gemm
 from hfq.rollout.engine import RolloutEngine as _E
 from hfq.tiny import tiny_model
 
+from _hfq_test_utils import compile_for_sm90
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not K.available(torch.device(DEV)),
                                 reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
@@ -41,6 +43,16 @@ def test_add_rmsnorm(dtype, with_res):
     assert rel(y, y_ref) < tol
 
 
+def _rope_inputs(g, b, nkv, hd, B, S, col, dtype):
+    """cos/sin [b, hd] of random angles, the write column, and random K/V caches [B, nkv, S, hd]."""
+    ang = torch.randn(b, hd // 2, generator=g)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(DEV, dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(DEV, dtype)
+    kc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
+    vc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
+    return cos, sin, torch.tensor([col], device=DEV), kc, vc
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_kv_write(dtype):
     g = torch.Generator().manual_seed(1)
@@ -48,12 +60,7 @@ def test_rope_kv_write(dtype):
     q = torch.randn(b, nh * hd, generator=g).to(DEV, dtype)
     k = torch.randn(b, nkv * hd, generator=g).to(DEV, dtype)
     v = torch.randn(b, nkv * hd, generator=g).to(DEV, dtype)
-    ang = torch.randn(b, hd // 2, generator=g)
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(DEV, dtype)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(DEV, dtype)
-    col = torch.tensor([17], device=DEV)
-    kc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
-    vc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
+    cos, sin, col, kc, vc = _rope_inputs(g, b, nkv, hd, B, S, 17, dtype)
     kc2, vc2 = kc.clone(), vc.clone()
     qo = K.rope_kv_write(q, k, v, cos, sin, kc, vc, col, nh, nkv, hd)
     qo_ref = K.rope_kv_write_ref(q, k, v, cos, sin, kc2, vc2, col, nh, nkv, hd)
@@ -283,12 +290,7 @@ def test_rope_kv_write_with_lora_expand(dtype, members):
     upd = [t.clone() for t in base]
     for i, ref in zip(members, lora.lora_add_ref(x, [base[i].clone() for i in members], plans)):
         upd[i] = ref
-    ang = torch.randn(b, hd // 2, generator=g)
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(DEV, dtype)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(DEV, dtype)
-    col = torch.tensor([9], device=DEV)
-    kc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
-    vc = torch.randn(B, nkv, S, hd, generator=g).to(DEV, dtype)
+    cos, sin, col, kc, vc = _rope_inputs(g, b, nkv, hd, B, S, 9, dtype)
     kc2, vc2 = kc.clone(), vc.clone()
     slots = tuple(members.index(i) if i in members else None for i in range(3))
     qo = K.rope_kv_write(*base, cos, sin, kc, vc, col, nh, nkv, hd, lora=(sh, slots))
@@ -466,15 +468,4 @@ def test_fused_lora_kernels_compile_for_sm90():
     q/k/v expands, attention combine with o's shrink) and the expand summing 28 partials (o_proj's, one per head)
     compile for an H100 at 7B-like constants, with tensor-core MMAs where they multiply tiles: the interpreter does
     not check GPU layouts or dot shapes. Compiles only; no GPU needed."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _LORA_SM90], env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode != 0 and "ptxas" in r.stderr.lower():  # no ptxas/backend on this machine
-        pytest.skip(r.stderr[-200:])
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["True"] * 5
+    assert compile_for_sm90(_LORA_SM90) == ["True"] * 5

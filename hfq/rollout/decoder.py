@@ -9,8 +9,8 @@ With `fused=True` (CUDA, or CPU under TRITON_INTERPRET=1) a decode step runs the
 attention and SiLU*mul as the Triton kernels of `hfq_kernels.rollout`, reading the norm weights where they
 live, and applies unmerged LoRA with one shrink + one expand kernel per group of linears sharing an input
 (`hfq_kernels.lora`; q/k/v, gate/up, o, down), or with `fuse_lora` the shrinks inside the kernels producing
-each group's input and the q/k/v and gate/up expands inside RoPE and SiLU*mul; any module it does not recognise (custom norms, hooks, DoRA, dropout in
-training, ...) is called as the model's own module.
+each group's input and the q/k/v and gate/up expands inside RoPE and SiLU*mul; any module it does not recognise
+(custom norms, hooks, DoRA, dropout in training, ...) is called as the model's own module.
 """
 from __future__ import annotations
 
@@ -299,14 +299,12 @@ class DecoderAdapter:
             attn = layer.self_attn
             qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
             xn, res, lq, sh = self._norm_shrink(layer.input_layernorm, x, res, qkv)
-            # without q/k norms the LoRA expands of q, k, v run inside the RoPE + KV-write kernel
-            if self.qk_norm:
+            if self.qk_norm:  # the q/k norms read the LoRA-updated q, k: the expands stay here
                 (q, k, v), slots = self._linear_group(qkv, xn, lq, sh), None
-            else:
-                (q, k, v), slots = self._linear_group(qkv, xn, lq, sh, defer=True)
-            if self.qk_norm:
                 q = attn.q_norm(q.view(b, 1, nh, hd))
                 k = attn.k_norm(k.view(b, 1, nkv, hd))
+            else:  # the LoRA expands of q, k, v run inside the RoPE + KV-write kernel
+                (q, k, v), slots = self._linear_group(qkv, xn, lq, sh, defer=True)
             q, k, v = (t.reshape(b, -1).contiguous() for t in (q, k, v))
             qr = K.rope_kv_write(q, k, v, cos, sin, k_cache[i], v_cache[i], col, nh, nkv, hd,
                                  lora=(sh, slots) if slots is not None else None)
