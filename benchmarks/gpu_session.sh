@@ -30,8 +30,6 @@ for part in "$@"; do
                 --deselect tests/test_packaging.py tests > "$OUT/alltests.txt" 2>&1 ;;
     g4) timeout 150 python -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_nvfp4_g4.py tests/test_nvfp4_model.py \
           tests/test_kernels_nvfp4.py > "$OUT/g4_tests.txt" 2>&1 ;;
-    g4mm) timeout 120 python -m pytest -q -p no:cacheprovider tests/test_nvfp4_g4mm.py > "$OUT/g4mm_tests.txt" 2>&1
-          timeout 400 python benchmarks/nvfp4_g4mm.py --out "$OUT" > "$OUT/g4mm.txt" 2>&1 ;;
     nvfp4_layout) timeout 200 python benchmarks/nvfp4_layout.py --out "$OUT" > "$OUT/nvfp4_layout.txt" 2>&1 ;;
     nvfp4_oh) timeout 70 python benchmarks/nvfp4_overhead.py --out "$OUT" > "$OUT/nvfp4_oh.txt" 2>&1 ;;
     nvfp4) timeout 400 python benchmarks/nvfp4_matmul.py --out "$OUT" > "$OUT/nvfp4.txt" 2>&1 ;;

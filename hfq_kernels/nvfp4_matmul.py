@@ -12,12 +12,10 @@ shape (benchmarks/results/nvfp4_matmul_sweep.json, "grad"), so it is not shipped
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
-from hfq_kernels import nvfp4_g4mm as g4mm
 from hfq_kernels import nvfp4_gluon as gluon
 from hfq_kernels._autotune import Tuner
 from hfq_kernels._autotune import _capturing as _autotune_capturing
@@ -676,9 +674,15 @@ class _PlanCtx:
         return self.rf if self.rf is not None else self.global_scale.float()
 
 
-def _finish(c: _PlanCtx, dst_split: int, launch):
+def _fixup_device(dev):
+    """The device for a plan's split-K arrival counters; None (the reduce kernel instead) while a CUDA graph is being
+    captured, where a plan made now must not allocate memory that outlives the graph's pool."""
+    return None if torch.cuda.is_current_stream_capturing() else dev
+
+
+def _finish(c: _PlanCtx, dst_split: int, launch, fixup: bool = False):
     """forward(x, b, aux) around launch(x2, b, dst, y, aux): y [M, N] written directly (split 1) or via fp32
-    partials [split, M, N] and the reduce kernel."""
+    partials [split, M, N] and the reduce kernel (`fixup`: the launch reduces them into y itself)."""
     m, n, k = c.m, c.n, c.k
     rgrid = (cdiv(m * n, 1024),)
     reduce = {hb: BoundLaunch(_splitk_reduce_kernel, rgrid, dict(HAS_BIAS=hb, BLOCK=1024, num_warps=4))
@@ -694,7 +698,8 @@ def _finish(c: _PlanCtx, dst_split: int, launch):
         else:
             dst = torch.empty((dst_split, m, n), dtype=torch.float32, device=c.dev)
             launch(x2, b, dst, y, aux)
-            reduce[b is not None](dst, b if b is not None else c.recip(), y, m, n, dst_split, n)
+            if not fixup:
+                reduce[b is not None](dst, b if b is not None else c.recip(), y, m, n, dst_split, n)
         return y.view(c.out_shape)
 
     return fwd
@@ -731,8 +736,9 @@ def _kind_forward(c: _PlanCtx, kind: str, config: dict, x):
         return _words(c, config)
     if kind == "gluon" and gluon.supported(x.reshape(-1, k)):
         split, cps = _splits(cdiv(k, 64), config.get("split", 1))
-        run = gluon.launcher(m, n, k, config, split, cps, c.has_bias)
-        g4 = _finish(c, split, lambda x2, b, dst, y, rep: run(x2, rep[0], rep[1], c.recip(), b, dst, n))
+        run = gluon.launcher(m, n, k, config, split, cps, c.has_bias, fixup_device=_fixup_device(c.dev))
+        g4 = _finish(c, split, lambda x2, b, dst, y, rep: run(x2, rep[0], rep[1], c.recip(), b, dst, n, y),
+                     run.fixup)
         fallback = _words(c, words_default(m, n, k, sm_count(c.dev)))  # while the repacked copy cannot be built
 
         def fwd(x, b):
@@ -834,37 +840,6 @@ def grad_input_g4(g, wr, sr, global_scale, n: int, k: int):
     return g @ gluon.dequantize_g4(wr, sr, global_scale, n, k, g.dtype)
 
 
-# Dequantize-in-GEMM (nvfp4_g4mm) for g4 weights at M > 64, forward and grad-input. Off by default until it is
-# measured against dequantize + cuBLAS on the device (HFQ_NVFP4_G4MM=1 turns it on).
-G4MM = os.environ.get("HFQ_NVFP4_G4MM", "0") == "1"
-
-
-def _g4mm_plan(x, wr, sr, global_scale, rf, n: int, k: int, m: int, has_bias: bool) -> LinearPlan:
-    """A g4 plan whose forward and grad-input dequantize inside the GEMM (no dense weight is materialised)."""
-    run_fwd = g4mm.linear_launcher(m, n, k, has_bias, x.dtype)
-    run_grad = g4mm.grad_launcher(m, n, k, x.dtype)
-    dt, out_shape = x.dtype, (*x.shape[:-1], n)
-
-    def recip():
-        return rf if rf is not None else global_scale.float()
-
-    def fwd(x, b):
-        x2 = x.reshape(m, k)
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        y = torch.empty((m, n), dtype=dt, device=x.device)
-        return run_fwd(x2, wr, sr, recip(), b, y).view(out_shape)
-
-    def grad(g):
-        if g.dtype != dt:  # e.g. a grad in another dtype than the plan's: dequantize + matmul
-            return g @ gluon.dequantize_g4(wr, sr, recip(), n, k, g.dtype)
-        g2 = g.reshape(m, n)
-        g2 = g2 if g2.stride(-1) == 1 else g2.contiguous()
-        dx = torch.empty((m, k), dtype=dt, device=g.device)
-        return run_grad(g2, wr, sr, recip(), dx).view(*g.shape[:-1], k)
-
-    return LinearPlan(fwd, grad, True, LINEAR_TUNER.gen, {"kind": "g4mm"})
-
-
 def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     """plan_linear() for a weight in the g4 layout: the Gluon kernel where gluon.supported(x), else dequantize_g4 +
     cuBLAS (config kind "dequant"); grad always dequantize_g4 + cuBLAS. Raises for bad inputs on the first call."""
@@ -884,13 +859,11 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     x2 = x.detach().reshape(-1, k)
     m = x2.shape[0]
     if m == 0 or not gluon.supported(x2):
-        if G4MM and m > 64:
-            return _g4mm_plan(x, wr, sr, global_scale, rf, n, k, m, bias is not None)
         return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, {"kind": "dequant"}, dequant)
     config = gluon_config(m, n, k, x.device)
     split, cps = _splits(cdiv(k, 64), config.get("split", 1))
-    run = gluon.launcher(m, n, k, config, split, cps, bias is not None)
+    run = gluon.launcher(m, n, k, config, split, cps, bias is not None, fixup_device=_fixup_device(x.device))
     c = _PlanCtx(m=m, n=n, k=k, dt=x.dtype, dev=x.device, rf=rf, global_scale=global_scale,
                  has_bias=bias is not None, out_shape=(*x.shape[:-1], n))
-    fwd = _finish(c, split, lambda x2, b, dst, y, aux: run(x2, wr, sr, c.recip(), b, dst, n))
+    fwd = _finish(c, split, lambda x2, b, dst, y, aux: run(x2, wr, sr, c.recip(), b, dst, n, y), run.fixup)
     return LinearPlan(fwd, grad, True, LINEAR_TUNER.gen, config)

@@ -497,3 +497,58 @@ def test_real_smollm2_in_g4_same_logits_and_checkpoint(smollm2, kernel_gpu, tmp_
     assert a.keys() == b.keys() and any(k.endswith("weight_packed") for k in a)
     for key in a:
         assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), key
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and G4.device_ok(torch.device("cuda"))),
+                    reason="the Gluon decode kernel needs an sm_80+ GPU (the interpreter cannot run Gluon)")
+@pytest.mark.parametrize("m,n,k,bias", [(8, 512, 3584, False), (1, 48, 1024, True), (13, 208, 576, True),
+                                        (16, 3584, 3584, False)])
+def test_splitk_fixup_bit_identical_to_the_reduce_kernel(m, n, k, bias):
+    """The Gluon GEMV reducing its own split-K partials (last program per tile) gives the separate reduce kernel's
+    bits, over repeated calls, two weights of one shape back to back (shared counters) and CUDA-graph replays
+    (the counters re-arm themselves)."""
+    from hfq_kernels import nvfp4_matmul as MM
+
+    dev = torch.device("cuda")
+    ws = [tuple(t.to(dev) for t in (*G4.repack(*_canonical(n, k, seed=s)[:2]), _canonical(n, k, seed=s)[2]))
+          for s in (1, 2)]
+    b = torch.randn(n, device=dev).to(torch.bfloat16) if bias else None
+    x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    cfg = MM.gluon_config(m, n, k, dev)
+    split, cps = MM._splits(G4.cdiv(k, 64), max(cfg.get("split", 1), 2))
+    assert split > 1
+    plain = G4.launcher(m, n, k, cfg, split, cps, bias)
+    fix = G4.launcher(m, n, k, cfg, split, cps, bias, fixup_device=dev)
+    assert fix.fixup and not plain.fixup
+
+    def via_reduce(wr, sr, r):
+        dst = torch.empty((split, m, n), dtype=torch.float32, device=dev)
+        y = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
+        plain(x, wr, sr, r, b, dst, n)
+        MM._splitk_reduce_kernel[(G4.cdiv(m * n, 1024),)](dst, b if b is not None else r, y, m, n, split, n,
+                                                         HAS_BIAS=bias, BLOCK=1024)
+        return y
+
+    def via_fixup(wr, sr, r):
+        dst = torch.empty((split, m, n), dtype=torch.float32, device=dev)
+        y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+        fix(x, wr, sr, r, b, dst, n, y)
+        return y
+
+    refs = [via_reduce(*w) for w in ws]
+    ref_f = [F.linear(x.float(), G4.dequantize_g4_ref(w[0].cpu(), w[1].cpu(), w[2].cpu(), n, k, torch.float32)
+                      .to(dev), None if b is None else b.float()) for w in ws]
+    for _ in range(3):
+        for w, ref, rf in zip(ws, refs, ref_f):
+            y = via_fixup(*w)
+            assert torch.equal(y, ref)
+            torch.testing.assert_close(y.float(), rf, rtol=2e-2, atol=2e-2)
+    graph_out = []
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graph_out = [via_fixup(*w) for w in ws]
+    for _ in range(4):
+        for t in graph_out:
+            t.fill_(float("nan"))
+        g.replay()
+        assert all(torch.equal(t, ref) for t, ref in zip(graph_out, refs))
