@@ -182,9 +182,12 @@ if HAS_GLUON:
                 done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
                 if done == gl.num_programs(2) - 1:
                     tot = gl.zeros([BN, BM], gl.float32, layout=mma)
-                    for sk in range(gl.num_programs(2)):
-                        tot += gl.load(y_ptr + sk.to(gl.int64) * M * N + pofs, mask=ymask, other=0.0,
-                                       cache_modifier=".cg")
+                    nsplit = gl.num_programs(2)
+                    for s0 in range(0, nsplit, 8):  # 8 partials' loads in flight per round; +0.0 past the end
+                        for j in gl.static_range(8):
+                            sk = s0 + j
+                            tot += gl.load(y_ptr + sk.to(gl.int64) * M * N + pofs, mask=ymask & (sk < nsplit),
+                                           other=0.0, cache_modifier=".cg")
                     if HAS_BIAS:
                         tot += gl.expand_dims(gl.load(b_ptr + rn, mask=rn < N, other=0.0).to(gl.float32), 1)
                     gl.store(out_ptr + gl.expand_dims(mo.to(gl.int64) * stride_ym, 0) + gl.expand_dims(rn, 1),
