@@ -114,9 +114,9 @@ if HAS_GLUON:
                 + gl.expand_dims(gl.expand_dims(e, 0), 1)) + kc0 * (32 * E)
 
     @gluon.jit
-    def _g4_kernel(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, out_ptr, cnt_ptr, M, N, K, KC, NT, stride_xm,
-                   stride_ym, cps, BM: gl.constexpr, R: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                   PREFETCH: gl.constexpr, FIXUP: gl.constexpr):
+    def _g4_kernel(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, KC, NT, stride_xm, stride_ym, cps,
+                   BM: gl.constexpr, R: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+                   PREFETCH: gl.constexpr):
         W: gl.constexpr = gl.num_warps()
         RT: gl.constexpr = R * W
         BN: gl.constexpr = RT * 16
@@ -171,28 +171,8 @@ if HAS_GLUON:
         ymask = gl.expand_dims(rn < N, 1) & gl.expand_dims(mo < M, 0)
         acc = acc * (16384.0 / gl.load(recip_ptr))
         if PARTIAL:
-            pofs = gl.expand_dims(mo, 0).to(gl.int64) * N + gl.expand_dims(rn, 1)
-            gl.store(y_ptr + pid_k.to(gl.int64) * M * N + pofs, acc, mask=ymask)
-            if FIXUP:
-                # serial split-K fixup: the last program of this output tile to finish sums the partials in split
-                # order (the reduce kernel's order: bit-identical results) and writes out_ptr; it then re-arms the
-                # tile's counter, so the counters are zero between launches (CUDA-graph replays included)
-                gl.thread_barrier()
-                tile = pid_m * gl.num_programs(0) + pid_n
-                done = gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-                if done == gl.num_programs(2) - 1:
-                    tot = gl.zeros([BN, BM], gl.float32, layout=mma)
-                    nsplit = gl.num_programs(2)
-                    for s0 in range(0, nsplit, 8):  # 8 partials' loads in flight per round; +0.0 past the end
-                        for j in gl.static_range(8):
-                            sk = s0 + j
-                            tot += gl.load(y_ptr + sk.to(gl.int64) * M * N + pofs, mask=ymask & (sk < nsplit),
-                                           other=0.0, cache_modifier=".cg")
-                    if HAS_BIAS:
-                        tot += gl.expand_dims(gl.load(b_ptr + rn, mask=rn < N, other=0.0).to(gl.float32), 1)
-                    gl.store(out_ptr + gl.expand_dims(mo.to(gl.int64) * stride_ym, 0) + gl.expand_dims(rn, 1),
-                             tot.to(out_ptr.dtype.element_ty), mask=ymask)
-                    gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+            gl.store(y_ptr + (pid_k * M + gl.expand_dims(mo, 0)).to(gl.int64) * N + gl.expand_dims(rn, 1), acc,
+                     mask=ymask)
         else:
             if HAS_BIAS:
                 acc += gl.expand_dims(gl.load(b_ptr + rn, mask=rn < N, other=0.0).to(gl.float32), 1)
@@ -513,11 +493,6 @@ def supported(x2: torch.Tensor) -> bool:
             and os.environ.get("HFQ_NVFP4_GLUON", "1") != "0" and _sm80(x2.device))
 
 
-# Split-K partials reduced by the GEMV's own last program per tile instead of a second launch (HFQ_NVFP4_SPLITK_FIXUP=0:
-# the separate reduce kernel); same summation order, bit-identical outputs.
-SPLITK_FIXUP = os.environ.get("HFQ_NVFP4_SPLITK_FIXUP", "1") != "0"
-
-
 def default_config(m: int, n: int, k: int, sms: int) -> dict:
     """Heuristic config: 2 row tiles per warp, 4 warps, split-K until ~2 programs per SM."""
     bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
@@ -528,28 +503,21 @@ def default_config(m: int, n: int, k: int, sms: int) -> dict:
     return dict(kind="gluon", BM=bm, R=r, warps=warps, split=split)
 
 
-def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool, fixup_device=None):
-    """run(x2, wr, sr, recip, bias, dst, y_stride, out=None): launch() with the grid and meta-parameters of this
-    (M, N, K, config, split) worked out once (per-shape plans keep it). With `fixup_device` (and split > 1, and
-    SPLITK_FIXUP) the kernel reduces its own partials into `out` (run.fixup is then True): no reduce launch."""
+def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool):
+    """run(x2, wr, sr, recip, bias, dst, y_stride): launch() with the grid and meta-parameters of this
+    (M, N, K, config, split) worked out once (per-shape plans keep it)."""
     nt, kc = cdiv(n, 16), cdiv(k, 64)
     bm, r, warps = cfg["BM"], cfg["R"], cfg.get("warps", 4)
     partial = split > 1
     grid = (cdiv(nt, r * warps), cdiv(m, bm), split)
-    fixup = partial and fixup_device is not None and SPLITK_FIXUP
-    meta = dict(BM=bm, R=r, HAS_BIAS=has_bias and (fixup or not partial), PARTIAL=partial,
-                PREFETCH=bool(cfg.get("prefetch", True)), FIXUP=fixup, num_warps=warps)
-    # one arrival counter per output tile, zero between launches (the last arrival re-arms it); shared by the
-    # weights of this shape, whose launches are ordered on the stream
-    cnt = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=fixup_device) if fixup else None
+    meta = dict(BM=bm, R=r, HAS_BIAS=has_bias and not partial, PARTIAL=partial,
+                PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps)
 
     bound = BoundLaunch(_g4_kernel, grid, meta)
 
-    def run(x2, wr, sr, recip, bias, dst, y_stride, out=None):
-        bound(x2, wr, sr, recip, bias if bias is not None else recip, dst, out if fixup else dst,
-              cnt if fixup else sr, m, n, k, kc, nt, x2.stride(0), y_stride, cps)
+    def run(x2, wr, sr, recip, bias, dst, y_stride):
+        bound(x2, wr, sr, recip, bias if bias is not None else recip, dst, m, n, k, kc, nt, x2.stride(0), y_stride, cps)
 
-    run.fixup = fixup
     return run
 
 

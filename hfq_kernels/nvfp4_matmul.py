@@ -12,7 +12,6 @@ shape (benchmarks/results/nvfp4_matmul_sweep.json, "grad"), so it is not shipped
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
@@ -674,15 +673,9 @@ class _PlanCtx:
         return self.rf if self.rf is not None else self.global_scale.float()
 
 
-def _fixup_device(dev):
-    """The device for a plan's split-K arrival counters; None (the reduce kernel instead) while a CUDA graph is being
-    captured, where a plan made now must not allocate memory that outlives the graph's pool."""
-    return None if torch.cuda.is_current_stream_capturing() else dev
-
-
-def _finish(c: _PlanCtx, dst_split: int, launch, fixup: bool = False):
+def _finish(c: _PlanCtx, dst_split: int, launch):
     """forward(x, b, aux) around launch(x2, b, dst, y, aux): y [M, N] written directly (split 1) or via fp32
-    partials [split, M, N] and the reduce kernel (`fixup`: the launch reduces them into y itself)."""
+    partials [split, M, N] and the reduce kernel."""
     m, n, k = c.m, c.n, c.k
     rgrid = (cdiv(m * n, 1024),)
     reduce = {hb: BoundLaunch(_splitk_reduce_kernel, rgrid, dict(HAS_BIAS=hb, BLOCK=1024, num_warps=4))
@@ -698,8 +691,7 @@ def _finish(c: _PlanCtx, dst_split: int, launch, fixup: bool = False):
         else:
             dst = torch.empty((dst_split, m, n), dtype=torch.float32, device=c.dev)
             launch(x2, b, dst, y, aux)
-            if not fixup:
-                reduce[b is not None](dst, b if b is not None else c.recip(), y, m, n, dst_split, n)
+            reduce[b is not None](dst, b if b is not None else c.recip(), y, m, n, dst_split, n)
         return y.view(c.out_shape)
 
     return fwd
@@ -736,9 +728,8 @@ def _kind_forward(c: _PlanCtx, kind: str, config: dict, x):
         return _words(c, config)
     if kind == "gluon" and gluon.supported(x.reshape(-1, k)):
         split, cps = _splits(cdiv(k, 64), config.get("split", 1))
-        run = gluon.launcher(m, n, k, config, split, cps, c.has_bias, fixup_device=_fixup_device(c.dev))
-        g4 = _finish(c, split, lambda x2, b, dst, y, rep: run(x2, rep[0], rep[1], c.recip(), b, dst, n, y),
-                     run.fixup)
+        run = gluon.launcher(m, n, k, config, split, cps, c.has_bias)
+        g4 = _finish(c, split, lambda x2, b, dst, y, rep: run(x2, rep[0], rep[1], c.recip(), b, dst, n))
         fallback = _words(c, words_default(m, n, k, sm_count(c.dev)))  # while the repacked copy cannot be built
 
         def fwd(x, b):
@@ -862,8 +853,8 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
         return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, {"kind": "dequant"}, dequant)
     config = gluon_config(m, n, k, x.device)
     split, cps = _splits(cdiv(k, 64), config.get("split", 1))
-    run = gluon.launcher(m, n, k, config, split, cps, bias is not None, fixup_device=_fixup_device(x.device))
+    run = gluon.launcher(m, n, k, config, split, cps, bias is not None)
     c = _PlanCtx(m=m, n=n, k=k, dt=x.dtype, dev=x.device, rf=rf, global_scale=global_scale,
                  has_bias=bias is not None, out_shape=(*x.shape[:-1], n))
-    fwd = _finish(c, split, lambda x2, b, dst, y, aux: run(x2, wr, sr, c.recip(), b, dst, n, y), run.fixup)
+    fwd = _finish(c, split, lambda x2, b, dst, y, aux: run(x2, wr, sr, c.recip(), b, dst, n))
     return LinearPlan(fwd, grad, True, LINEAR_TUNER.gen, config)
