@@ -245,7 +245,9 @@ def make_row(method, size, batch, plen, new, rounds, peaks, alloc):
             row[f"{k}_spread"] = [round(min(v), 3), round(max(v), 3)] if v else None
     row["step_s_rounds"] = [round(r["step_s"], 3) for r in rounds]
     row["rollout_tok_s"] = round(batch * new / row["rollout_s"], 1) if row["rollout_s"] else None
-    row["peak_gb"] = round(max(peaks.values()), 2) if peaks else None
+    # the step's peak: its phases only (the build peak is the benchmark's random-init BF16 model, not the method's)
+    step_peaks = [v for k, v in peaks.items() if k != "build_and_warmup"]
+    row["peak_gb"] = round(max(step_peaks), 2) if step_peaks else None
     row.update(alloc)
     row.update({f"peak_{k}_gb": round(v, 2) for k, v in peaks.items()})
     return row
@@ -268,11 +270,13 @@ def write(rows, notes, out_dir, name="qerl_step", device=None):
              " EOS off (every row generates completion_len tokens). The 7B methods are built side by side and their "
              "steps interleaved (A B C A B C ...) after one warm-up step each; times are medians over the `rounds` "
              "reported steps, spreads their min-max, `x` ratios of medians with the min-max of per-round ratios. "
-             "Memory is each method's own (what the other live methods hold is subtracted).", "",
+             "Memory is each method's own (what the other live methods hold is subtracted); held = allocated after "
+             "warm-up, step peak = the largest allocation during rollout, log-probs and update (the build's peak, "
+             "a random-init BF16 model quantized here, is in the phase table).", "",
              "| method | model | batch | prompt | completion | rounds | step s | step spread | rollout s | rollout spread |"
-             " reward s | logprob s | update s | update spread | rollout tok/s | peak GB | step x bf16_lora (spread) |"
-             " rollout x bf16_lora | step x qlora (spread) | mem / bf16_lora |",
-             "|" + "---|" * 20]
+             " reward s | logprob s | update s | update spread | rollout tok/s | held GB | step peak GB |"
+             " step x bf16_lora (spread) | rollout x bf16_lora | step x qlora (spread) | step peak / bf16_lora |",
+             "|" + "---|" * 21]
     b, q = base.get("bf16_lora"), base.get("qlora")
 
     def sp(v):
@@ -294,7 +298,7 @@ def write(rows, notes, out_dir, name="qerl_step", device=None):
                      f"{r.get('rounds', '')} | {r.get('step_s')} | {sp(r.get('step_s_spread'))} | {r.get('rollout_s')} | "
                      f"{sp(r.get('rollout_s_spread'))} | {r.get('reward_s')} | {r.get('logprob_s')} | "
                      f"{r.get('update_s')} | {sp(r.get('update_s_spread'))} | {r.get('rollout_tok_s')} | "
-                     f"{r.get('peak_gb')} | {ratio_sp(b)} | {ratio(b, 'rollout_s')} | {ratio_sp(q)} | "
+                     f"{r.get('alloc_after_warmup_gb', '')} | {r.get('peak_gb')} | {ratio_sp(b)} | {ratio(b, 'rollout_s')} | {ratio_sp(q)} | "
                      f"{ratio(b, 'peak_gb', inv=True)} |")
     ph = [k for k in ("built", "after_warmup") if any(f"alloc_{k}_gb" in r for r in rows)]
     pk = ["build_and_warmup", "rollout", "logprob", "update"]
