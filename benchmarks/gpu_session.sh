@@ -34,6 +34,9 @@ for part in "$@"; do
     nvfp4_oh) timeout 70 python benchmarks/nvfp4_overhead.py --out "$OUT" > "$OUT/nvfp4_oh.txt" 2>&1 ;;
     nvfp4) timeout 400 python benchmarks/nvfp4_matmul.py --out "$OUT" > "$OUT/nvfp4.txt" 2>&1 ;;
     rollout) timeout 580 python benchmarks/rollout.py --out "$OUT" > "$OUT/rollout.txt" 2>&1 ;;
+    # NVFP4 and NVFP4+LoRA at batch 8: tok/s, the step split, grouped q/k/v + gate/up launches vs per linear
+    rollout_nv) timeout 400 python benchmarks/rollout.py --what nvfp4,nvfp4+lora --batches 8 --new-tokens 512 \
+                  --budget-s 360 --out "$OUT" > "$OUT/rollout_nv.txt" 2>&1 ;;
     # NVFP4+LoRA at batch 8 only: tok/s, the step split, and LoRA fused into the decode kernels vs not
     rollout_lora) timeout 300 python benchmarks/rollout.py --what nvfp4+lora --batches 8 --new-tokens 512 \
                     --budget-s 260 --out "$OUT" > "$OUT/rollout_lora.txt" 2>&1 ;;

@@ -353,6 +353,27 @@ def lora_fusion(eng, V, rounds=3, splits=(None, 32, 64)):
             "speedup_vs_separate": {k: round(med["separate"] / m, 3) for k, m in med.items()}}
 
 
+def nvfp4_grouping(eng, V, rounds=3):
+    """Greedy decode-step replay with NVFP4 q/k/v and gate/up as one grouped Gluon launch each (the default) vs one
+    launch (+ split-K reduce) per linear (HFQ_ROLLOUT_NVFP4_GROUP=0), interleaved."""
+    keep = eng.adapter.group_nvfp4
+    ms = {"grouped": [], "per_linear": []}
+    for _ in range(rounds):
+        for name, on in (("grouped", True), ("per_linear", False)):
+            eng.adapter.group_nvfp4 = on
+            eng.invalidate()
+            t = step_split(eng, V, with_eager=False, greedy_only=True).get("replay_ms_greedy")
+            if t is None:
+                eng.adapter.group_nvfp4 = keep
+                return {"error": f"no graph captured for {name}"}
+            ms[name].append(t)
+    eng.adapter.group_nvfp4 = keep
+    eng.invalidate()
+    med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
+    return {"replay_ms": {k: sorted(v) for k, v in ms.items()},
+            "speedup_grouped": round(med["per_linear"] / med["grouped"], 3)}
+
+
 # ---------------------------------------------------------------------------------------------- table mode
 def bench(results, batches, new, plen, budget_s, layers, weights_list):
     cfg = qwen7b_config(layers)
@@ -478,6 +499,9 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                         log(f"split {w} unfused", results[f"split_{w}_b8_unfused"])
                         eng.adapter.fused, eng.adapter.gemm = True, gm
                         eng.invalidate()
+                    if eng.adapter.fused:
+                        results[f"group_{w}_b8"] = nvfp4_grouping(eng, V)
+                        log(f"NVFP4 grouped q/k/v, gate/up ({w})", results[f"group_{w}_b8"])
                     if w == "nvfp4+lora" and eng.adapter.fused:
                         results["lora_fusion_b8"] = lora_fusion(eng, V)
                         log("LoRA fused into the decode kernels", results["lora_fusion_b8"])
@@ -506,7 +530,7 @@ def write(results, out_dir):
                      f"{r['new_tokens']} | {r.get('tok_s')} | {r.get('peak_gb')} | {ratio} |")
     if results.get("not_run"):
         lines.append(f"\nNot run (time budget / missing package): {', '.join(results['not_run'])}")
-    for k in [k for k in results if k.startswith("split_")] + ["quick"]:
+    for k in [k for k in results if k.startswith(("split_", "group_", "lora_fusion"))] + ["quick"]:
         if k in results:
             lines.append(f"\n{k}: `{json.dumps(results[k])}`")
     with open(os.path.join(out_dir, "rollout.md"), "w") as f:

@@ -117,6 +117,35 @@ if HAS_GLUON:
     def _g4_kernel(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, KC, NT, stride_xm, stride_ym, cps,
                    BM: gl.constexpr, R: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
                    PREFETCH: gl.constexpr):
+        _g4_tile(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, KC, NT, stride_xm, stride_ym, cps,
+                 gl.program_id(0), gl.program_id(1), gl.program_id(2), BM, R, HAS_BIAS, PARTIAL, PREFETCH)
+
+    @gluon.jit
+    def _g4_group_kernel(x_ptr, wr0, sr0, rc0, b0, y0, wr1, sr1, rc1, b1, y1, wr2, sr2, rc2, b2, y2,
+                         M, K, KC, N0, N1, N2, T0, T1, stride_xm, cps, BM: gl.constexpr, R: gl.constexpr,
+                         HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, PREFETCH: gl.constexpr, G: gl.constexpr):
+        """_g4_kernel for 2-3 weights sharing x (q/k/v, gate/up) in one launch: programs [0, T0) along axis 0 take
+        weight 0's row tiles, [T0, T0 + T1) weight 1's, the rest weight 2's; each writes its own output (row stride
+        N_g) or partials [split, M, N_g]."""
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        if pid_n < T0:
+            _g4_tile(x_ptr, wr0, sr0, rc0, b0, y0, M, N0, K, KC, (N0 + 15) // 16, stride_xm, N0, cps,
+                     pid_n, pid_m, pid_k, BM, R, HAS_BIAS, PARTIAL, PREFETCH)
+        elif G == 2 or pid_n < T0 + T1:
+            _g4_tile(x_ptr, wr1, sr1, rc1, b1, y1, M, N1, K, KC, (N1 + 15) // 16, stride_xm, N1, cps,
+                     pid_n - T0, pid_m, pid_k, BM, R, HAS_BIAS, PARTIAL, PREFETCH)
+        else:
+            _g4_tile(x_ptr, wr2, sr2, rc2, b2, y2, M, N2, K, KC, (N2 + 15) // 16, stride_xm, N2, cps,
+                     pid_n - T0 - T1, pid_m, pid_k, BM, R, HAS_BIAS, PARTIAL, PREFETCH)
+
+    @gluon.jit
+    def _g4_tile(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, KC, NT, stride_xm, stride_ym, cps,
+                 pid_n, pid_m, pid_k, BM: gl.constexpr, R: gl.constexpr, HAS_BIAS: gl.constexpr,
+                 PARTIAL: gl.constexpr, PREFETCH: gl.constexpr):
+        """One program of _g4_kernel: output rows [pid_n * BN, +BN) x columns [pid_m * BM, +BM), K chunks
+        [pid_k * cps, +cps)."""
         W: gl.constexpr = gl.num_warps()
         RT: gl.constexpr = R * W
         BN: gl.constexpr = RT * 16
@@ -126,9 +155,6 @@ if HAS_GLUON:
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
         L4: gl.constexpr = gl.BlockedLayout([1, 1, 2, 2], [1, 32, 1, 1], [W, 1, 1, 1], [3, 2, 1, 0])
         LS: gl.constexpr = gl.SliceLayout(3, L4)
-        pid_n = gl.program_id(0)
-        pid_m = gl.program_id(1)
-        pid_k = gl.program_id(2)
         kc0 = pid_k * cps
         nch = gl.minimum(cps, KC - kc0)
         woff = _g4_lane_offsets(pid_n, kc0, KC, NT, RT, 4, L3)  # words r = 2 hrow + wsub
@@ -517,6 +543,33 @@ def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: 
 
     def run(x2, wr, sr, recip, bias, dst, y_stride):
         bound(x2, wr, sr, recip, bias if bias is not None else recip, dst, m, n, k, kc, nt, x2.stride(0), y_stride, cps)
+
+    return run
+
+
+def group_launcher(m: int, ns: tuple, k: int, cfg: dict, split: int, cps: int, has_bias: bool):
+    """run(x2, members, dsts): one _g4_group_kernel launch for 2-3 weights sharing x2 [m, k]; members are
+    (wr, sr, recip, bias) with bias None or not for all; dsts their outputs [m, n_g] (split 1, bias added) or
+    partials [split, m, n_g] (split > 1, bias left to the reduce)."""
+    kc = cdiv(k, 64)
+    bm, r, warps = cfg["BM"], cfg["R"], cfg.get("warps", 4)
+    tiles = [cdiv(cdiv(n, 16), r * warps) for n in ns]
+    grid = (sum(tiles), cdiv(m, bm), split)
+    g = len(ns)
+    meta = dict(BM=bm, R=r, HAS_BIAS=has_bias and split == 1, PARTIAL=split > 1,
+                PREFETCH=bool(cfg.get("prefetch", True)), G=g, num_warps=warps)
+    n0, n1 = ns[0], ns[1]
+    n2 = ns[2] if g == 3 else ns[1]
+    t0, t1 = tiles[0], tiles[1]
+    bound = BoundLaunch(_g4_group_kernel, grid, meta)
+
+    def run(x2, members, dsts):
+        args = []
+        for (wr, sr, recip, bias), dst in zip(members, dsts):
+            args += [wr, sr, recip, bias if bias is not None else recip, dst]
+        if g == 2:
+            args += args[-5:]
+        bound(x2, *args, m, k, kc, n0, n1, n2, t0, t1, x2.stride(0), cps)
 
     return run
 

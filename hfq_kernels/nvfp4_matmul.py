@@ -337,6 +337,29 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_ym, HAS_BIAS:
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _splitk_reduce_group_kernel(p_ptr, b0, b1, b2, y0, y1, y2, M, N0, N1, N2, SPLIT, HAS_BIAS: tl.constexpr,
+                                BLOCK: tl.constexpr):
+    """_splitk_reduce_kernel for a grouped launch (program axis 1 = member g): p holds the members' partials
+    [split, M, N_g] one after another; y_g [M, N_g] contiguous."""
+    g = tl.program_id(1)
+    if g == 0:
+        n, base, b_ptr, y_ptr = N0, N0 * 0, b0, y0
+    elif g == 1:
+        n, base, b_ptr, y_ptr = N1, N0, b1, y1
+    else:
+        n, base, b_ptr, y_ptr = N2, N0 + N1, b2, y2
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * n
+    src = p_ptr + (base.to(tl.int64) * SPLIT * M)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLIT):
+        acc += tl.load(src + s * M * n + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
 # ----------------------------------------------------------------------------------------------- configs
 def default_config(m: int, n: int, k: int, sms: int) -> dict:
     """Heuristic config used when no tuned choice exists (and during graph capture / compile)."""
@@ -829,6 +852,67 @@ def grad_input_g4(g, wr, sr, global_scale, n: int, k: int):
     if g.shape[-1] != n:
         raise ValueError(f"nvfp4_g4_linear_grad_input: grad has {g.shape[-1]} features but the weight has {n} rows")
     return g @ gluon.dequantize_g4(wr, sr, global_scale, n, k, g.dtype)
+
+
+_GROUP_PLANS: dict = {}  # (M, widths, K, bias?, dtype, device) -> grouped forward (few shapes: a model's groups)
+
+
+def group_g4_ok(x2: torch.Tensor, weights) -> bool:
+    """Whether linear_group_g4 can take x2 [M, K] and weights [(wr, sr, global_scale, bias, n)]: 2-3 of them,
+    the Gluon kernel's inputs (bf16, M <= 64, sm_80+), fp32 global scales, biases all None or all x2's dtype."""
+    if not (2 <= len(weights) <= 3 and gluon.supported(x2) and x2.stride(-1) == 1):
+        return False
+    k = x2.shape[1]
+    hb = {w[3] is not None for w in weights}
+    return (len(hb) == 1 and all(w[2].dtype == torch.float32 and w[4] % 16 == 0 and w[4] > 0 for w in weights)
+            and all(w[3] is None or (w[3].dtype == x2.dtype and w[3].is_contiguous()) for w in weights)
+            and all(gluon.g4_numel(w[4], k) == (w[0].numel(), w[1].numel()) for w in weights))
+
+
+def linear_group_g4(x2: torch.Tensor, weights) -> list:
+    """[x2 @ W_g^T + b_g] for 2-3 g4 weights sharing x2 (q/k/v, gate/up of a decode step): one Gluon launch for
+    all of them (and one split-K reduce), where separate calls take one (or two) each. weights: [(wr, sr,
+    global_scale, bias, n)], checked by group_g4_ok. The values are those of the per-weight kernel at the group's
+    split-K (the split is chosen for the group's total width)."""
+    m, k = x2.shape
+    ns = tuple(w[4] for w in weights)
+    hb = weights[0][3] is not None
+    key = (m, ns, k, hb, x2.dtype, x2.device)
+    fwd = _GROUP_PLANS.get(key)
+    if fwd is None:
+        if len(_GROUP_PLANS) >= 64:
+            _GROUP_PLANS.clear()
+        fwd = _GROUP_PLANS[key] = _group_plan(m, ns, k, hb, x2.dtype, x2.device)
+    return fwd(x2, weights)
+
+
+def _group_plan(m, ns, k, hb, dt, dev):
+    cfg = gluon_config(m, sum(ns), k, dev)
+    split, cps = _splits(cdiv(k, 64), cfg.get("split", 1))
+    run = gluon.group_launcher(m, ns, k, cfg, split, cps, hb)
+    g = len(ns)
+    nmax, total = max(ns), sum(ns)
+    offs = [0, ns[0], ns[0] + ns[1]][:g]
+    reduce = BoundLaunch(_splitk_reduce_group_kernel, (cdiv(m * nmax, 1024), g),
+                         dict(HAS_BIAS=hb, BLOCK=1024, num_warps=4))
+    n2 = ns[2] if g == 3 else ns[1]
+
+    def fwd(x2, weights):
+        outs = [torch.empty((m, n), dtype=dt, device=dev) for n in ns]
+        members = [(w[0], w[1], w[2], w[3]) for w in weights]
+        if split == 1:
+            run(x2, members, outs)
+            return outs
+        part = torch.empty(split * m * total, dtype=torch.float32, device=dev)
+        dsts = [part[o * split * m:(o + n) * split * m] for o, n in zip(offs, ns)]
+        run(x2, members, dsts)
+        bs = [w[3] if w[3] is not None else w[2] for w in weights]
+        ys = outs + outs[-1:] if g == 2 else outs
+        bs = bs + bs[-1:] if g == 2 else bs
+        reduce(part, *bs, *ys, m, ns[0], ns[1], n2, split)
+        return outs
+
+    return fwd
 
 
 def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:

@@ -361,6 +361,16 @@ src = GluonASTSource(fn=gluon._g4_kernel, signature=sig,
                      constexprs=dict(BM=16, R=2, HAS_BIAS=False, PARTIAL=True, PREFETCH=True))
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 print("shared", k.metadata.shared, "mma", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.asm["ptx"])
+gsig = {"x_ptr": "*bf16"}
+for g in range(3):
+    gsig.update({f"wr{g}": "*i32", f"sr{g}": "*u8", f"rc{g}": "*fp32", f"b{g}": "*bf16", f"y{g}": "*fp32"})
+gsig.update({n: "i32" for n in ("M", "K", "KC", "N0", "N1", "N2", "T0", "T1", "stride_xm", "cps")})
+for groups in (2, 3):
+    src = GluonASTSource(fn=gluon._g4_group_kernel, signature=gsig,
+                         constexprs=dict(BM=8, R=2, HAS_BIAS=False, PARTIAL=True, PREFETCH=True, G=groups))
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    print("group", groups, "shared", k.metadata.shared,
+          "mma", k.asm["ptx"].count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") > 0)
 """
 
 
@@ -378,7 +388,9 @@ def test_g4_kernel_compiles_for_sm90_without_shared_memory():
     out = compile_for_sm90(_GLUON_SM90)
     if out == ["NO_GLUON"]:
         pytest.skip("no gluon")
-    assert out == ["shared", "0", "mma", "True"]
+    assert out[:4] == ["shared", "0", "mma", "True"]
+    # the grouped launch (q/k/v, gate/up) compiles with 2 and 3 members, also without shared memory
+    assert out[4:] == ["group", "2", "shared", "0", "mma", "True", "group", "3", "shared", "0", "mma", "True"]
 
 
 def test_autotune_rejects_a_config_that_miscomputes(monkeypatch):
@@ -392,3 +404,33 @@ def test_autotune_rejects_a_config_that_miscomputes(monkeypatch):
                         if config.get("bad") else real(*a, config=config, **kw))
     with pytest.raises(ValueError, match="relative error"):
         runner(dict(kind="dequant", bad=True))
+
+
+@pytest.mark.parametrize("m,ns,split,bias,dtype", [(1, (48, 16), 3, False, torch.bfloat16),
+                                                   (5, (32, 16, 80), 2, True, torch.float16),
+                                                   (13, (16, 64, 16), 7, True, torch.float32),
+                                                   (3, (112, 48), 1, True, torch.bfloat16)])
+def test_grouped_splitk_reduce_matches_torch(m, ns, split, bias, dtype):
+    """The grouped launch's reduce: member g's partials [split, M, N_g], stored one member after another in one
+    buffer, summed in split order (+ bias) into its own output; the per-weight reduce kernel's bits."""
+    g = torch.Generator().manual_seed(m + split)
+    parts = [torch.randn(split, m, n, generator=g) for n in ns]
+    flat = torch.cat([p.reshape(-1) for p in parts]).to(DEV)
+    bs = [torch.randn(n, generator=g).to(dtype).to(DEV) for n in ns]
+    outs = [torch.full((m, n), float("nan"), dtype=dtype, device=DEV) for n in ns]
+    three = (bs + bs[-1:], outs + outs[-1:]) if len(ns) == 2 else (bs, outs)
+    n2 = ns[2] if len(ns) == 3 else ns[1]
+    MM._splitk_reduce_group_kernel[(MM.cdiv(m * max(ns), 1024), len(ns))](
+        flat, *three[0], *three[1], m, ns[0], ns[1], n2, split, HAS_BIAS=bias, BLOCK=1024)
+    for p, b, y in zip(parts, bs, outs):
+        single = torch.full_like(y, float("nan"))
+        MM._splitk_reduce_kernel[(MM.cdiv(m * p.shape[2], 1024),)](p.contiguous().to(DEV), b, single, m, p.shape[2],
+                                                                   split, p.shape[2], HAS_BIAS=bias, BLOCK=1024)
+        assert torch.equal(y, single)
+        ref = torch.zeros(m, p.shape[2])
+        for part in p:  # split order, fp32
+            ref += part
+        ref += b.float().cpu() if bias else 0.0
+        # within one rounding of the output dtype (the interpreter's fp32 -> bf16 cast is not round-to-nearest)
+        tol = {torch.float32: 0.0, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+        torch.testing.assert_close(y.float().cpu(), ref, rtol=tol, atol=tol)

@@ -497,3 +497,91 @@ def test_real_smollm2_in_g4_same_logits_and_checkpoint(smollm2, kernel_gpu, tmp_
     assert a.keys() == b.keys() and any(k.endswith("weight_packed") for k in a)
     for key in a:
         assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), key
+
+
+_GLUON_GPU = torch.cuda.is_available() and G4.device_ok(torch.device("cuda"))
+
+
+@pytest.mark.skipif(not _GLUON_GPU, reason="the Gluon decode kernel needs an sm_80+ GPU (the interpreter cannot run "
+                                           "Gluon; the grouped reduce and the kernel's sm_90 build are checked on CPU)")
+@pytest.mark.parametrize("m,ns,k,bias,split", [(8, (3584 // 7, 64, 64), 512, True, 4), (1, (48, 32), 1024, False, 1),
+                                               (13, (208, 16, 96), 576, True, 3), (64, (32, 48), 128, False, 2)])
+def test_grouped_g4_launch_bit_identical_to_per_weight_launches(m, ns, k, bias, split):
+    """One grouped launch for 2-3 weights sharing x gives each weight's per-weight kernel bits at the same config and
+    split, and matches x @ dequant(W)^T + b."""
+    from hfq_kernels import nvfp4_matmul as MM
+
+    dev = torch.device("cuda")
+    ws = []
+    for i, n in enumerate(ns):
+        p, s, r = _canonical(n, k, seed=10 + i)
+        wr, sr = (t.to(dev) for t in G4.repack(p, s))
+        b = (torch.randn(n, generator=torch.Generator().manual_seed(i)) * 0.1).to(torch.bfloat16).to(dev) if bias else None
+        ws.append((wr, sr, r.float().to(dev), b, n))
+    x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    cfg = dict(MM.gluon_config(m, sum(ns), k, dev), split=split)
+    sp, cps = MM._splits(G4.cdiv(k, 64), split)
+    assert MM.group_g4_ok(x, ws)
+    run = G4.group_launcher(m, ns, k, cfg, sp, cps, bias)
+    if sp == 1:
+        outs = [torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev) for n in ns]
+        run(x, [w[:4] for w in ws], outs)
+    else:
+        part = torch.empty(sp * m * sum(ns), dtype=torch.float32, device=dev)
+        offs = [0, ns[0], ns[0] + ns[1]][:len(ns)]
+        dsts = [part[o * sp * m:(o + n) * sp * m] for o, n in zip(offs, ns)]
+        run(x, [w[:4] for w in ws], dsts)
+    for i, (wr, sr, r, b, n) in enumerate(ws):
+        one = G4.launcher(m, n, k, cfg, sp, cps, bias)
+        if sp == 1:
+            y = torch.empty((m, n), dtype=torch.bfloat16, device=dev)
+            one(x, wr, sr, r, b, y, n)
+            assert torch.equal(outs[i], y)
+        else:
+            d = torch.empty((sp, m, n), dtype=torch.float32, device=dev)
+            one(x, wr, sr, r, b, d, n)
+            assert torch.equal(dsts[i].view(sp, m, n), d)
+    ys = MM.linear_group_g4(x, ws)
+    for (wr, sr, r, b, n), y in zip(ws, ys):
+        w = G4.dequantize_g4_ref(wr.cpu(), sr.cpu(), r.cpu(), n, k, torch.float32).to(dev)
+        ref = F.linear(x.float(), w, None if b is None else b.float())
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+    # what the grouped path refuses: one member, mixed bias presence, a non-fp32 global scale, fp16 x
+    assert not MM.group_g4_ok(x, ws[:1])
+    if bias:
+        assert not MM.group_g4_ok(x, [ws[0], (*ws[1][:3], None, ws[1][4])])
+    assert not MM.group_g4_ok(x, [ws[0], (ws[1][0], ws[1][1], ws[1][2].half(), ws[1][3], ws[1][4])])
+    assert not MM.group_g4_ok(x.half(), ws)
+
+
+@pytest.mark.skipif(not _GLUON_GPU, reason="the Gluon decode kernel needs an sm_80+ GPU")
+def test_rollout_groups_nvfp4_projections(tmp_path, monkeypatch):
+    """The rollout engine runs q/k/v and gate/up of an NVFP4 model as grouped launches (2 per layer and step), with
+    LoRA on top, and its greedy tokens equal transformers' generate on the same model."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from hfq.nvfp4 import NVFP4Config
+    from hfq.nvfp4.peft_lora import get_peft_model
+    from hfq.rollout import RolloutEngine
+    from hfq.rollout import decoder as D
+    from hfq.tiny import save_tiny
+
+    path = save_tiny(tmp_path / "tiny", arch="qwen2", seed=6)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config(), device_map="cuda").eval()
+    calls = []
+    real = D._nv.linear_group_g4
+    monkeypatch.setattr(D._nv, "linear_group_g4", lambda x2, ws: calls.append(len(ws)) or real(x2, ws))
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    for m in (model, get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                      target_modules=["q_proj", "v_proj", "up_proj"])).eval()):
+        calls.clear()
+        eng = RolloutEngine(m, max_batch=2, max_seq_len=40, kv_block=16, graph_mode="eager")
+        out = eng.generate(prompts, max_new_tokens=6, temperature=0, eos_token_ids=[])
+        n_layers = model.config.num_hidden_layers
+        assert calls.count(3) >= 5 * n_layers and calls.count(2) >= 5 * n_layers  # q/k/v and gate/up, every step
+        ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9, 10], [0, 0, 0, 0, 0, 0, 11, 12, 13]], device="cuda")
+        ref = m.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=6, do_sample=False,
+                         pad_token_id=0)[:, ids.shape[1]:]
+        assert torch.equal(out.completion_ids.cpu(), ref.cpu())

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hfq_kernels import lora as _lora
+from hfq_kernels import nvfp4_matmul as _nv
 from hfq_kernels import rollout as K
 from hfq_kernels import skinny_gemm as _gemm
 from hfq_kernels.rollout import rope_ref as _rope
@@ -123,6 +124,7 @@ class DecoderAdapter:
         self.gemm = False  # skinny Triton GEMM for plain BF16/FP16 nn.Linear at <= 16 rows (set by the engine)
         self.fuse_lora = False  # LoRA shrinks/expands inside the norm, attention, RoPE, SiLU*mul kernels (engine)
         self.lora_splits = None  # K splits (programs) of the fused norm / SiLU*mul kernels; None: lora.Shrink's
+        self.group_nvfp4 = True  # q/k/v and gate/up NVFP4 (g4) linears as one grouped launch each (fused path)
 
     def _qkv(self, attn, x, cos, sin):
         b, n, _ = x.shape
@@ -246,7 +248,10 @@ class DecoderAdapter:
         grp, plans = lora_ if lora_ is not None else self._group_lora(mods, x)
         x2 = x.reshape(-1, x.shape[-1])
         base = [m.base_layer if i in grp else m for i, m in enumerate(mods)]
-        if (self.gemm and len(base) > 1 and all(type(m) is torch.nn.Linear and not _has_hooks(m) for m in base)
+        g4 = self._g4_group(base, x2) if self.group_nvfp4 else None
+        if g4 is not None:
+            outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_group_g4(x2, g4)]
+        elif (self.gemm and len(base) > 1 and all(type(m) is torch.nn.Linear and not _has_hooks(m) for m in base)
                 and _gemm.group_eligible(x, [m.weight for m in base], [m.bias for m in base])):
             outs = _gemm.linear_group(x, [m.weight for m in base], [m.bias for m in base])
         else:
@@ -266,6 +271,24 @@ class DecoderAdapter:
         else:
             _lora.lora_add_(x2, ys, [plans[i][0] for i in grp])
         return (outs, None) if defer else outs
+
+    @staticmethod
+    def _g4_group(mods, x2):
+        """[(words, scales, global scale, bias, out_features)] when `mods` are 2-3 hfq NVFP4 linears holding their
+        weights in the g4 layout (no hooks, no compute-dtype cast) that one grouped Gluon launch can serve for x2;
+        else None (each runs as its own module)."""
+        if not 2 <= len(mods) <= 3 or (torch.is_grad_enabled() and x2.requires_grad):
+            return None
+        ws = []
+        for m in mods:
+            b = getattr(m, "_buffers", {})
+            if (type(m).__name__ != "NVFP4Linear" or "weight_g4" not in b or getattr(m, "format", None) != "nvfp4"
+                    or getattr(m, "compute_dtype", None) not in (None, x2.dtype) or _has_hooks(m)
+                    or m.in_features != x2.shape[-1]):
+                return None
+            ws.append((b["weight_g4"], b["weight_g4_scale"], b["weight_global_scale"], m._parameters.get("bias"),
+                       m.out_features))
+        return ws if _nv.group_g4_ok(x2, ws) else None
 
     @staticmethod
     def _plain_mlp(mlp):

@@ -122,6 +122,8 @@ class RolloutEngine:
         if splits and not (splits.isdigit() and 1 <= int(splits) <= 256):
             raise ValueError(f"HFQ_ROLLOUT_LORA_SPLITS: an integer in 1..256, got {splits!r}")
         self.adapter.lora_splits = int(splits) if splits else None
+        # NVFP4 (g4) q/k/v and gate/up as one grouped Gluon launch each (HFQ_ROLLOUT_NVFP4_GROUP=0: one per linear)
+        self.adapter.group_nvfp4 = os.environ.get("HFQ_ROLLOUT_NVFP4_GROUP", "1") != "0"
         self.dtype = self.adapter.dtype
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
