@@ -520,12 +520,13 @@ def supported(x2: torch.Tensor) -> bool:
 
 
 def default_config(m: int, n: int, k: int, sms: int) -> dict:
-    """Heuristic config: 2 row tiles per warp, 4 warps, split-K until ~2 programs per SM."""
+    """Heuristic config: 2 row tiles per warp, 4 warps, split-K until ~4 programs per SM (H100, M=8, CUDA graph:
+    grouped gate/up 3584 -> 2x18944 37 us at split 2 vs 47 us unsplit; down_proj 20 vs 26 us at split 19 vs 10)."""
     bm = 8 if m <= 8 else (16 if m <= 16 else (32 if m <= 32 else 64))
     r, warps = 2, 4
     tiles = cdiv(cdiv(n, 16), r * warps) * cdiv(m, bm)
     kc = cdiv(k, 64)
-    split = max(1, min(kc, cdiv(2 * sms, tiles)))
+    split = max(1, min(kc, cdiv(4 * sms, tiles)))
     return dict(kind="gluon", BM=bm, R=r, warps=warps, split=split)
 
 
