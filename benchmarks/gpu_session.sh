@@ -37,7 +37,7 @@ for part in "$@"; do
     # NVFP4 and NVFP4+LoRA at batch 8: tok/s, the step split, grouped q/k/v + gate/up launches vs per linear
     rollout_nv) timeout 400 python benchmarks/rollout.py --what nvfp4,nvfp4+lora --batches 8 --new-tokens 512 \
                   --budget-s 360 --out "$OUT" > "$OUT/rollout_nv.txt" 2>&1 ;;
-    # NVFP4+LoRA at batch 8 only: tok/s, the step split, and LoRA fused into the decode kernels vs not
+    # NVFP4+LoRA at batch 8 only: tok/s and the step split
     rollout_lora) timeout 300 python benchmarks/rollout.py --what nvfp4+lora --batches 8 --new-tokens 512 \
                     --budget-s 260 --out "$OUT" > "$OUT/rollout_lora.txt" 2>&1 ;;
     eco) timeout 150 python benchmarks/eco.py --iters ${ECO_ITERS:-10} --out "$OUT" > "$OUT/eco.txt" 2>&1 ;;

@@ -330,29 +330,6 @@ def step_split(eng, V, b=8, with_eager=True, greedy_only=False):
     return out
 
 
-def lora_fusion(eng, V, rounds=3, splits=(None, 32, 64)):
-    """Greedy decode-step replay with LoRA's shrinks and expands as their own launches vs fused into the norm /
-    attention-combine / RoPE / SiLU*mul kernels (HFQ_ROLLOUT_FUSE_LORA) at a few K-split counts of the fused
-    norm / SiLU*mul kernels (HFQ_ROLLOUT_LORA_SPLITS), interleaved."""
-    keep = eng.adapter.fuse_lora, eng.adapter.lora_splits
-    variants = [("separate", False, None)] + [(f"fused_splits_{s or 'default'}", True, s) for s in splits]
-    ms = {name: [] for name, _, _ in variants}
-    for _ in range(rounds):
-        for name, fuse, s in variants:
-            eng.adapter.fuse_lora, eng.adapter.lora_splits = fuse, s
-            eng.invalidate()
-            t = step_split(eng, V, with_eager=False, greedy_only=True).get("replay_ms_greedy")
-            if t is None:  # no CUDA graph could be captured: nothing comparable to time
-                eng.adapter.fuse_lora, eng.adapter.lora_splits = keep
-                return {"error": f"no graph captured for {name}"}
-            ms[name].append(t)
-    eng.adapter.fuse_lora, eng.adapter.lora_splits = keep
-    eng.invalidate()
-    med = {name: sorted(v)[len(v) // 2] for name, v in ms.items()}
-    return {"replay_ms": {k: sorted(v) for k, v in ms.items()},
-            "speedup_vs_separate": {k: round(med["separate"] / m, 3) for k, m in med.items()}}
-
-
 def nvfp4_grouping(eng, V, rounds=3):
     """Greedy decode-step replay with NVFP4 q/k/v and gate/up as one grouped Gluon launch each (the default) vs one
     launch (+ split-K reduce) per linear (HFQ_ROLLOUT_NVFP4_GROUP=0), interleaved."""
@@ -502,9 +479,6 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                     if eng.adapter.fused:
                         results[f"group_{w}_b8"] = nvfp4_grouping(eng, V)
                         log(f"NVFP4 grouped q/k/v, gate/up ({w})", results[f"group_{w}_b8"])
-                    if w == "nvfp4+lora" and eng.adapter.fused:
-                        results["lora_fusion_b8"] = lora_fusion(eng, V)
-                        log("LoRA fused into the decode kernels", results["lora_fusion_b8"])
             except Exception as ex:  # noqa: BLE001 - a failing kernel must not lose the other rows
                 add(engine="hfq", weights=w, batch=b, new_tokens=new, tok_s=None, peak_gb=None,
                     error=f"{type(ex).__name__}: {str(ex)[:200]}")
@@ -530,7 +504,7 @@ def write(results, out_dir):
                      f"{r['new_tokens']} | {r.get('tok_s')} | {r.get('peak_gb')} | {ratio} |")
     if results.get("not_run"):
         lines.append(f"\nNot run (time budget / missing package): {', '.join(results['not_run'])}")
-    for k in [k for k in results if k.startswith(("split_", "group_", "lora_fusion"))] + ["quick"]:
+    for k in [k for k in results if k.startswith(("split_", "group_"))] + ["quick"]:
         if k in results:
             lines.append(f"\n{k}: `{json.dumps(results[k])}`")
     with open(os.path.join(out_dir, "rollout.md"), "w") as f:

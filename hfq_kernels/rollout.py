@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from hfq_kernels._triton import HAS_TRITON, available, next_pow2, sm_count, tl, triton  # noqa: F401
-from hfq_kernels.lora import row_delta
 
 
 # ------------------------------------------------------------------------------------------ references
@@ -142,10 +141,7 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, sx, sr, sy, s
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, col_ptr,
                     sq, sk, sv, sc, ssn, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s,
-                    p_ptr, n_splits, R, bq, bk, bv, sbq, sbk, sbv, slot_q, slot_k, slot_v, scq, sck, scv,
-                    NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr,
-                    EQ: tl.constexpr, EK: tl.constexpr, EV: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr,
-                    BS: tl.constexpr):
+                    NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BH)
@@ -156,19 +152,10 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_pt
     s2 = tl.load(sin_ptr + b * ssn + HALF + d, mask=dm, other=0.0).to(tl.float32)
     if h < NH:
         src = q_ptr + b * sq + h * HD
-        x1 = tl.load(src + d, mask=dm, other=0.0)
-        x2 = tl.load(src + HALF + d, mask=dm, other=0.0)
-        if EQ:  # q_proj's LoRA expand, from the Shrink the norm filled
-            x1 = row_delta(x1, p_ptr, slot_q, n_splits, b, bq, sbq, h * HD + d, dm, R, scq, BM, BR, BS)
-            x2 = row_delta(x2, p_ptr, slot_q, n_splits, b, bq, sbq, h * HD + HALF + d, dm, R, scq, BM, BR, BS)
     else:
         src = k_ptr + b * sk + (h - NH) * HD
-        x1 = tl.load(src + d, mask=dm, other=0.0)
-        x2 = tl.load(src + HALF + d, mask=dm, other=0.0)
-        if EK:
-            x1 = row_delta(x1, p_ptr, slot_k, n_splits, b, bk, sbk, (h - NH) * HD + d, dm, R, sck, BM, BR, BS)
-            x2 = row_delta(x2, p_ptr, slot_k, n_splits, b, bk, sbk, (h - NH) * HD + HALF + d, dm, R, sck, BM, BR,
-                           BS)
+    x1 = tl.load(src + d, mask=dm, other=0.0)
+    x2 = tl.load(src + HALF + d, mask=dm, other=0.0)
     dt = x1.dtype
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
@@ -187,13 +174,8 @@ def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_pt
         tl.store(dk + HALF + d, o2, mask=dm)
         dv = vc_ptr + b * vc_b + j * vc_h + col * vc_s
         vs = v_ptr + b * sv + j * HD
-        v1 = tl.load(vs + d, mask=dm, other=0.0)
-        v2 = tl.load(vs + HALF + d, mask=dm, other=0.0)
-        if EV:
-            v1 = row_delta(v1, p_ptr, slot_v, n_splits, b, bv, sbv, j * HD + d, dm, R, scv, BM, BR, BS)
-            v2 = row_delta(v2, p_ptr, slot_v, n_splits, b, bv, sbv, j * HD + HALF + d, dm, R, scv, BM, BR, BS)
-        tl.store(dv + d, v1, mask=dm)
-        tl.store(dv + HALF + d, v2, mask=dm)
+        tl.store(dv + d, tl.load(vs + d, mask=dm, other=0.0), mask=dm)
+        tl.store(dv + HALF + d, tl.load(vs + HALF + d, mask=dm, other=0.0), mask=dm)
 
 @triton.jit
 def _partial_index(bh, sp, n_splits, GP: tl.constexpr):
@@ -254,10 +236,9 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, col_ptr, m_ptr, l_ptr,
     tl.store(acc_ptr + (base + g[:, None]) * BD + d[None, :], acc)
 
 @triton.jit
-def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_splits, so, a_ptr, p_ptr, R, sa,
+def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_splits, so,
                          NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                         HD: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr,
-                         LORA: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr):
+                         HD: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = h // G
@@ -272,14 +253,7 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_splits, so, a_ptr, p_pt
     w = tl.exp(m - mx)
     acc = tl.load(acc_ptr + base[:, None] * BD + d[None, :], mask=sm[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
-    o = out.to(o_ptr.dtype.element_ty)
-    tl.store(o_ptr + b * so + h * HD + d, o, mask=d < HD)
-    if LORA:  # o_proj's LoRA shrink, split per head: partial (head h, row b) = o[b, head h] . A[:, head h]^T
-        rr = tl.arange(0, BR)
-        a = tl.load(a_ptr + rr[:, None] * sa + h * HD + d[None, :], mask=(rr < R)[:, None] & (d < HD)[None, :],
-                    other=0.0)
-        t = tl.sum(a.to(tl.float32) * o.to(tl.float32)[None, :], axis=1)
-        tl.store(p_ptr + (h * BM + b) * BR + rr, t)
+    tl.store(o_ptr + b * so + h * HD + d, out.to(o_ptr.dtype.element_ty), mask=d < HD)
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr):
@@ -382,34 +356,18 @@ def add_rmsnorm(x, residual, weight, eps):
     return y.view(x.shape), s
 
 
-def rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, col, n_heads, n_kv, head_dim, lora=None):
-    """See rope_kv_write_ref. q/k/v: [b, heads*hd] (last dim contiguous). `lora` = (an `hfq_kernels.lora.Shrink`
-    filled for q/k/v's adapters, (q's slot, k's slot, v's slot), None where a projection has none): q, k, v are
-    the base outputs and their LoRA expands are added here (no expand launch)."""
+def rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, col, n_heads, n_kv, head_dim):
+    """See rope_kv_write_ref. q/k/v: [b, heads*hd] (last dim contiguous)."""
     b = q.shape[0]
     q2, k2, v2 = q.reshape(b, -1), k.reshape(b, -1), v.reshape(b, -1)
     cos2, sin2 = cos.reshape(b, -1), sin.reshape(b, -1)
     qo = torch.empty((b, n_heads, head_dim), dtype=q.dtype, device=q.device)
     half = head_dim // 2
-    sh, slots = lora if lora is not None else (None, (None, None, None))
-    if sh is not None:
-        outs = (n_heads * head_dim, n_kv * head_dim, n_kv * head_dim)
-        for name, slot, n in zip("qkv", slots, outs):
-            if slot is not None and (sh.plans[slot][1].shape[0] != n or sh.M != b):
-                raise ValueError(f"rope_kv_write: {name}_proj's LoRA expands {sh.plans[slot][1].shape[0]} features "
-                                 f"over {sh.M} rows, the output has {n} over {b}")
-    bs = [sh.plans[i][1] if i is not None else q2 for i in slots]
-    sc = [float(sh.plans[i][2]) if i is not None else 0.0 for i in slots]
     _rope_kv_kernel[(b, n_heads + n_kv)](
         q2, k2, v2, cos2, sin2, qo, k_cache, v_cache, col, q2.stride(0), k2.stride(0), v2.stride(0),
         cos2.stride(0), sin2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        sh.part if sh is not None else qo, sh.n_splits if sh is not None else 1, sh.R if sh is not None else 0,
-        bs[0], bs[1], bs[2], bs[0].stride(0), bs[1].stride(0), bs[2].stride(0),
-        *[i or 0 for i in slots], *sc,
-        NH=n_heads, HD=head_dim, HALF=half, BH=next_pow2(half), EQ=slots[0] is not None, EK=slots[1] is not None,
-        EV=slots[2] is not None, BM=sh.BM if sh is not None else 16, BR=sh.BR if sh is not None else 16,
-        BS=max(2, next_pow2(sh.n_splits)) if sh is not None else 2, num_warps=1)
+        NH=n_heads, HD=head_dim, HALF=half, BH=next_pow2(half), num_warps=1)
     return qo
 
 
@@ -421,11 +379,9 @@ def _splits(b, n_kv, kv_len, block_n, target_programs):
     return chunk, -(-kv_len // chunk)
 
 
-def decode_attention(q, k_cache, v_cache, mask, col, kv_len, scaling, block_n=None, shrink=None):
+def decode_attention(q, k_cache, v_cache, mask, col, kv_len, scaling, block_n=None):
     """q [b, nh, hd] (contiguous); attends to cache columns [0, min(kv_len, col + 1)) of rows [0, b) with the
-    additive mask [b, >= kv_len] (last dim contiguous); returns [b, nh*hd] in q's dtype. `shrink`: an
-    `hfq_kernels.lora.Shrink` for one adapter over the output with one split per head (k_per_split = hd):
-    the combine kernel also writes its partials (o_proj's LoRA shrink)."""
+    additive mask [b, >= kv_len] (last dim contiguous); returns [b, nh*hd] in q's dtype."""
     b, nh, hd = q.shape
     n_kv = k_cache.shape[1]
     G = nh // n_kv
@@ -445,15 +401,8 @@ def decode_attention(q, k_cache, v_cache, mask, col, kv_len, scaling, block_n=No
         v_cache.stride(2), mask.stride(0),
         NKV=n_kv, G=G, GP=GP, HD=hd, BD=BD, BN=block_n, IEEE=ieee, num_warps=4, num_stages=2)
     o = torch.empty((b, nh * hd), dtype=q.dtype, device=dev)
-    if shrink is not None and not (shrink.n == 1 and shrink.M == b and shrink.K == nh * hd
-                                   and shrink.k_per_split == hd and shrink.n_splits == nh):
-        raise ValueError(f"decode_attention: the shrink must be one adapter over [{b}, {nh * hd}] split per head "
-                         f"({hd} columns), got {shrink.n} over [{shrink.M}, {shrink.K}] in splits of "
-                         f"{shrink.k_per_split}")
-    lora = (shrink.a[0], shrink.part, shrink.R, shrink.sa[0], shrink.BM, shrink.BR) if shrink else (o, m, 0, 0, 16, 16)
-    _attn_combine_kernel[(b, nh)](m, l, acc, o, n_splits, o.stride(0), lora[0], lora[1], lora[2], lora[3],
-                                  NH=nh, NKV=n_kv, G=G, GP=GP, HD=hd, BD=BD, BS=max(2, next_pow2(n_splits)),
-                                  LORA=shrink is not None, BM=lora[4], BR=lora[5], num_warps=2)
+    _attn_combine_kernel[(b, nh)](m, l, acc, o, n_splits, o.stride(0), NH=nh, NKV=n_kv, G=G, GP=GP, HD=hd, BD=BD,
+                                  BS=max(2, next_pow2(n_splits)), num_warps=2)
     return o
 
 

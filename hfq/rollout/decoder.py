@@ -7,10 +7,10 @@ KV cache are ours, so a decode step has fixed shapes and no host synchronisation
 
 With `fused=True` (CUDA, or CPU under TRITON_INTERPRET=1) a decode step runs the norms, RoPE + KV write,
 attention and SiLU*mul as the Triton kernels of `hfq_kernels.rollout`, reading the norm weights where they
-live, and applies unmerged LoRA with one shrink + one expand kernel per group of linears sharing an input
-(`hfq_kernels.lora`; q/k/v, gate/up, o, down), or with `fuse_lora` the shrinks inside the kernels producing
-each group's input and the q/k/v and gate/up expands inside RoPE and SiLU*mul; any module it does not recognise
-(custom norms, hooks, DoRA, dropout in training, ...) is called as the model's own module.
+live, runs hfq NVFP4 q/k/v and gate/up as one grouped Gluon launch each, and applies unmerged LoRA with one
+shrink + one expand kernel per group of linears sharing an input (`hfq_kernels.lora`; q/k/v, gate/up, o, down);
+any module it does not recognise (custom norms, hooks, DoRA, dropout in training, ...) is called as the model's
+own module.
 """
 from __future__ import annotations
 
@@ -122,8 +122,6 @@ class DecoderAdapter:
         self.dtype = self.embed.weight.dtype
         self.fused = bool(fused)
         self.gemm = False  # skinny Triton GEMM for plain BF16/FP16 nn.Linear at <= 16 rows (set by the engine)
-        self.fuse_lora = False  # LoRA shrinks/expands inside the norm, attention, RoPE, SiLU*mul kernels (engine)
-        self.lora_splits = None  # K splits (programs) of the fused norm / SiLU*mul kernels; None: lora.Shrink's
         self.group_nvfp4 = True  # q/k/v and gate/up NVFP4 (g4) linears as one grouped launch each (fused path)
 
     def _qkv(self, attn, x, cos, sin):
@@ -218,35 +216,15 @@ class DecoderAdapter:
             y2.addmm_(F.linear(x2, a), b.t(), alpha=scale)
         return y
 
-    def _group_lora(self, mods, x):
-        """(indices of the single-adapter LoRA members that the grouped kernels serve, every member's plan);
-        the indices are empty where the group does not fit the kernels (then each member runs on its own)."""
+    def _linear_group(self, mods, x):
+        """[m(x) for m in mods]; the single-adapter LoRA ones among them get their updates from one shrink and
+        one expand kernel for the whole group (`lora.lora_add_`)."""
         plans = [_lora_plan(m, x) for m in mods]
         grp = [i for i, p in enumerate(plans) if p is not None and len(p) == 1]
-        rows = x.numel() // x.shape[-1]
-        if (len(grp) < 1 or rows > 64 or x.stride(-1) != 1
+        x2 = x.reshape(-1, x.shape[-1])
+        if (len(grp) < 1 or x2.shape[0] > 64 or x2.stride(-1) != 1
                 or len({plans[i][0][0].shape[0] for i in grp}) != 1 or plans[grp[0]][0][0].shape[0] > 128):
             grp = []
-        return grp, plans
-
-    def _shrink(self, lora_, x, **split):
-        """A `lora.Shrink` for the group's adapters over x's rows, when the shrink is to be fused into the kernel
-        that produces x (`fuse_lora`); else None."""
-        grp, plans = lora_
-        if not (self.fuse_lora and grp):
-            return None
-        if not split and self.lora_splits:
-            split = {"n_splits": self.lora_splits}
-        return _lora.Shrink([plans[i][0] for i in grp], x.numel() // x.shape[-1], x.shape[-1], x.device, **split)
-
-    def _linear_group(self, mods, x, lora_=None, shrink=None, defer=False):
-        """[m(x) for m in mods]; the single-adapter LoRA ones among them get their updates from one shrink and
-        one expand kernel for the whole group (`lora.lora_add_`), or from the expand alone when the kernel that
-        produced x already wrote the shrink's partials into `shrink`. `defer` (with `shrink`): return
-        (base outputs, each member's slot in `shrink` or None) and leave the expands to the consuming kernel;
-        the slots are None when the LoRA updates were applied here after all."""
-        grp, plans = lora_ if lora_ is not None else self._group_lora(mods, x)
-        x2 = x.reshape(-1, x.shape[-1])
         base = [m.base_layer if i in grp else m for i, m in enumerate(mods)]
         g4 = self._g4_group(base, x2) if self.group_nvfp4 else None
         if g4 is not None:
@@ -257,20 +235,14 @@ class DecoderAdapter:
         else:
             outs = [self._linear(m, x) for m in base]
         if not grp:
-            return (outs, None) if defer else outs
+            return outs
         if any(outs[i].dtype != x.dtype or not outs[i].is_contiguous() for i in grp):
             for i in grp:
                 for a, b, scale in plans[i]:
                     outs[i] = outs[i] + F.linear(F.linear(x, a), b) * scale
-            return (outs, None) if defer else outs
-        if defer and shrink is not None:
-            return outs, tuple(grp.index(i) if i in grp else None for i in range(len(mods)))
-        ys = [outs[i].view(-1, outs[i].shape[-1]) for i in grp]
-        if shrink is not None:
-            _lora.expand_(shrink, ys)
-        else:
-            _lora.lora_add_(x2, ys, [plans[i][0] for i in grp])
-        return (outs, None) if defer else outs
+            return outs
+        _lora.lora_add_(x2, [outs[i].view(-1, outs[i].shape[-1]) for i in grp], [plans[i][0] for i in grp])
+        return outs
 
     @staticmethod
     def _g4_group(mods, x2):
@@ -290,26 +262,15 @@ class DecoderAdapter:
                        m.out_features))
         return ws if _nv.group_g4_ok(x2, ws) else None
 
-    @staticmethod
-    def _plain_mlp(mlp):
-        return (all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+    def _mlp(self, mlp, x):
+        if (all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
                 and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
-                and not _has_hooks(mlp) and not _has_hooks(mlp.act_fn))
-
-    def _mlp(self, mlp, x, lora_=None, shrink=None):
-        if not self._plain_mlp(mlp):
-            return mlp(x)
-        (g, u), slots = self._linear_group([mlp.gate_proj, mlp.up_proj], x, lora_, shrink, defer=True)
-        if not (g.is_contiguous() and u.is_contiguous() and g.dtype == u.dtype):
-            if slots is not None:  # the expands were left to SiLU*mul: apply them here
-                _lora.expand_(shrink, [t.view(-1, t.shape[-1]) for t, s in zip((g, u), slots) if s is not None])
+                and not _has_hooks(mlp) and not _has_hooks(mlp.act_fn)):
+            g, u = self._linear_group([mlp.gate_proj, mlp.up_proj], x)
+            if g.is_contiguous() and u.is_contiguous() and g.dtype == u.dtype:
+                return self._linear_group([mlp.down_proj], K.silu_mul(g, u))[0]
             return self._linear_group([mlp.down_proj], mlp.act_fn(g) * u)[0]
-        down = self._group_lora([mlp.down_proj], g)
-        sh = self._shrink(down, g)
-        if sh is None and slots is None:
-            return self._linear_group([mlp.down_proj], K.silu_mul(g, u), down)[0]
-        h = _lora.silu_mul_lora(g, u, sh, (shrink, slots) if slots is not None else None, self.lora_splits)
-        return self._linear_group([mlp.down_proj], h, down, sh)[0]
+        return mlp(x)
 
     def decode_fused(self, ids, pos, col, add_mask, k_cache, v_cache, b: int, kv_len: int):
         """`decode` with the fused kernels (same arguments and result)."""
@@ -320,41 +281,19 @@ class DecoderAdapter:
         x, res = h, None
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-            xn, res, lq, sh = self._norm_shrink(layer.input_layernorm, x, res, qkv)
-            if self.qk_norm:  # the q/k norms read the LoRA-updated q, k: the expands stay here
-                (q, k, v), slots = self._linear_group(qkv, xn, lq, sh), None
+            xn, res = self._norm(layer.input_layernorm, x, res)
+            q, k, v = self._linear_group([attn.q_proj, attn.k_proj, attn.v_proj], xn)
+            if self.qk_norm:
                 q = attn.q_norm(q.view(b, 1, nh, hd))
                 k = attn.k_norm(k.view(b, 1, nkv, hd))
-            else:  # the LoRA expands of q, k, v run inside the RoPE + KV-write kernel
-                (q, k, v), slots = self._linear_group(qkv, xn, lq, sh, defer=True)
             q, k, v = (t.reshape(b, -1).contiguous() for t in (q, k, v))
-            qr = K.rope_kv_write(q, k, v, cos, sin, k_cache[i], v_cache[i], col, nh, nkv, hd,
-                                 lora=(sh, slots) if slots is not None else None)
-            lo, sh = None, None
-            if self.fuse_lora:  # qr has the attention output's shape, dtype and strides
-                lo = self._group_lora([attn.o_proj], qr.view(b, 1, nh * hd))
-                sh = self._shrink(lo, qr.view(b, nh * hd), k_per_split=hd)
-            o = K.decode_attention(qr, k_cache[i], v_cache[i], add_mask, col, kv_len, self.scaling, shrink=sh)
-            o = self._linear_group([attn.o_proj], o.view(b, 1, nh * hd), lo, sh)[0]
-            mlp = layer.mlp
-            up = [mlp.gate_proj, mlp.up_proj] if self._plain_mlp(mlp) else []
-            xn, res, lm, sh = self._norm_shrink(layer.post_attention_layernorm, o, res, up)
-            x = self._mlp(mlp, xn, lm, sh)
+            qr = K.rope_kv_write(q, k, v, cos, sin, k_cache[i], v_cache[i], col, nh, nkv, hd)
+            o = K.decode_attention(qr, k_cache[i], v_cache[i], add_mask, col, kv_len, self.scaling)
+            o = self._linear_group([attn.o_proj], o.view(b, 1, nh * hd))[0]
+            xn, res = self._norm(layer.post_attention_layernorm, o, res)
+            x = self._mlp(layer.mlp, xn)
         out, _ = self._norm(self.norm, x, res)
         return out[:, 0]
-
-    def _norm_shrink(self, mod, x, residual, mods):
-        """`_norm`, with the LoRA shrink of the group `mods` that reads its output fused into the norm kernel where
-        it can be: (normed, x + residual, the group's LoRA plans, the filled Shrink), or the plans and Shrink None
-        (then `_linear_group` plans on the normed tensor and runs its own shrink)."""
-        if self.fuse_lora and mods and self._plain_norm(mod, x) and x.stride(-1) == 1:
-            lora_ = self._group_lora(mods, x)  # the norm's output has x's shape and dtype, contiguous
-            sh = self._shrink(lora_, x)
-            if sh is not None:
-                y, s = _lora.add_rmsnorm_shrink(x, residual, mod.weight, mod.variance_epsilon, sh)
-                return y, s, lora_, sh
-        return (*self._norm(mod, x, residual), None, None)
 
     def logits(self, hidden):
         if self.fused:

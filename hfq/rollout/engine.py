@@ -115,13 +115,6 @@ class RolloutEngine:
         self.adapter.fused = can_fuse and (fused_kernels is True or (fused_kernels == "auto"
                                                                     and self.device.type == "cuda"))
         self.adapter.gemm = bool(skinny_gemm) and self.adapter.fused and self.device.type == "cuda"
-        # LoRA shrinks and expands fused into the norm / attention-combine / RoPE / SiLU*mul kernels (2 LoRA
-        # launches per block instead of 8): opt-in until timed on a GPU against the separate launches
-        self.adapter.fuse_lora = self.adapter.fused and os.environ.get("HFQ_ROLLOUT_FUSE_LORA", "0") == "1"
-        splits = os.environ.get("HFQ_ROLLOUT_LORA_SPLITS", "")
-        if splits and not (splits.isdigit() and 1 <= int(splits) <= 256):
-            raise ValueError(f"HFQ_ROLLOUT_LORA_SPLITS: an integer in 1..256, got {splits!r}")
-        self.adapter.lora_splits = int(splits) if splits else None
         # NVFP4 (g4) q/k/v and gate/up as one grouped Gluon launch each (HFQ_ROLLOUT_NVFP4_GROUP=0: one per linear)
         self.adapter.group_nvfp4 = os.environ.get("HFQ_ROLLOUT_NVFP4_GROUP", "1") != "0"
         self.dtype = self.adapter.dtype
