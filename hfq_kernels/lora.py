@@ -5,9 +5,9 @@ A "shrink" computes the K-split fp32 partials of x A_i^T for the group; an "expa
 model dtype (as PEFT's lora_A output is) and adds scale_i * t_i B_i^T to the base outputs with one rounding.
 `lora_add_` runs both (8 launches per Llama block with all seven projections adapted; at batch 8 that replaced 2
 cuBLAS GEMMs per linear). A `Shrink` holds the partials and the geometry both sides share. A and B are read where
-they live, so optimizer steps are seen by captured graphs. (Fusing the shrinks into the norm / attention / SiLU*mul
-kernels and the expands into RoPE / SiLU*mul measured 0.90x of these separate launches on an H100, 7B-shaped batch 8,
-and was removed.)
+they live, so optimizer steps are seen by captured graphs. They stay separate launches: fusing the shrinks into the
+norm / attention / SiLU*mul kernels and the expands into RoPE / SiLU*mul measured 0.90x of them (H100, 7B-shaped,
+batch 8).
 """
 from __future__ import annotations
 

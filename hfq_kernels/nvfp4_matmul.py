@@ -869,11 +869,17 @@ def group_g4_ok(x2: torch.Tensor, weights) -> bool:
             and all(gluon.g4_numel(w[4], k) == (w[0].numel(), w[1].numel()) for w in weights))
 
 
-def linear_group_g4(x2: torch.Tensor, weights) -> list:
+def linear_group_g4(x2: torch.Tensor, weights, checked: bool = False) -> list:
     """[x2 @ W_g^T + b_g] for 2-3 g4 weights sharing x2 (q/k/v, gate/up of a decode step): one Gluon launch for
     all of them (and one split-K reduce), where separate calls take one (or two) each. weights: [(wr, sr,
-    global_scale, bias, n)], checked by group_g4_ok. The values are those of the per-weight kernel at the group's
-    split-K (the split is chosen for the group's total width)."""
+    global_scale, bias, n)]; raises unless group_g4_ok (`checked`: the caller has asked it). The values are those
+    of the per-weight kernel at the group's split-K (the split is chosen for the group's total width)."""
+    if not checked and not group_g4_ok(x2, weights):
+        raise ValueError(
+            "nvfp4 grouped linear: needs 2-3 g4 weights (words, scales, fp32 global scale, bias, out_features: a "
+            "multiple of 16) sharing a contiguous bf16 x [M <= 64, K] on an sm_80+ GPU, biases all None or all in "
+            f"x's dtype; got x {tuple(x2.shape)} {x2.dtype} on {x2.device}, out_features "
+            f"{[w[4] for w in weights]}, global scales {[w[2].dtype for w in weights]}")
     m, k = x2.shape
     ns = tuple(w[4] for w in weights)
     hb = weights[0][3] is not None

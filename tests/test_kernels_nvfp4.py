@@ -434,3 +434,17 @@ def test_grouped_splitk_reduce_matches_torch(m, ns, split, bias, dtype):
         # within one rounding of the output dtype (the interpreter's fp32 -> bf16 cast is not round-to-nearest)
         tol = {torch.float32: 0.0, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
         torch.testing.assert_close(y.float().cpu(), ref, rtol=tol, atol=tol)
+
+
+def test_grouped_linear_refuses_what_the_gluon_kernel_cannot_take():
+    """linear_group_g4 raises (naming shapes, dtypes and scales) for input it cannot serve: here fp32 x on this
+    device, or a single weight; the decoder asks group_g4_ok first and falls back to one launch per linear."""
+    p, s, r = K.quantize(_weight(32, 64, seed=3))
+    wr, sr = gluon.repack(p, s)
+    w = (wr.to(DEV), sr.to(DEV), r.to(DEV), None, 32)
+    x = torch.randn(2, 64, device=DEV)
+    assert not MM.group_g4_ok(x, [w, w])
+    with pytest.raises(ValueError, match=r"nvfp4 grouped linear: .*x \(2, 64\) torch.float32"):
+        MM.linear_group_g4(x, [w, w])
+    with pytest.raises(ValueError, match="2-3 g4 weights"):
+        MM.linear_group_g4(x.to(torch.bfloat16), [w])

@@ -553,6 +553,8 @@ def test_grouped_g4_launch_bit_identical_to_per_weight_launches(m, ns, k, bias, 
         assert not MM.group_g4_ok(x, [ws[0], (*ws[1][:3], None, ws[1][4])])
     assert not MM.group_g4_ok(x, [ws[0], (ws[1][0], ws[1][1], ws[1][2].half(), ws[1][3], ws[1][4])])
     assert not MM.group_g4_ok(x.half(), ws)
+    with pytest.raises(ValueError, match="nvfp4 grouped linear"):
+        MM.linear_group_g4(x.half(), ws)
 
 
 @pytest.mark.skipif(not _GLUON_GPU, reason="the Gluon decode kernel needs an sm_80+ GPU")
@@ -573,7 +575,8 @@ def test_rollout_groups_nvfp4_projections(tmp_path, monkeypatch):
                                                  device_map="cuda").eval()  # the Gluon kernel takes bf16
     calls = []
     real = D._nv.linear_group_g4
-    monkeypatch.setattr(D._nv, "linear_group_g4", lambda x2, ws: calls.append(len(ws)) or real(x2, ws))
+    monkeypatch.setattr(D._nv, "linear_group_g4",
+                        lambda x2, ws, **kw: calls.append(len(ws)) or real(x2, ws, **kw))
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
     n_layers = model.config.num_hidden_layers
     for with_lora in (False, True):

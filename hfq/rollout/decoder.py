@@ -228,7 +228,7 @@ class DecoderAdapter:
         base = [m.base_layer if i in grp else m for i, m in enumerate(mods)]
         g4 = self._g4_group(base, x2) if self.group_nvfp4 else None
         if g4 is not None:
-            outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_group_g4(x2, g4)]
+            outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_group_g4(x2, g4, checked=True)]
         elif (self.gemm and len(base) > 1 and all(type(m) is torch.nn.Linear and not _has_hooks(m) for m in base)
                 and _gemm.group_eligible(x, [m.weight for m in base], [m.bias for m in base])):
             outs = _gemm.linear_group(x, [m.weight for m in base], [m.bias for m in base])
