@@ -36,10 +36,10 @@ for part in "$@"; do
     rollout) timeout 580 python benchmarks/rollout.py --out "$OUT" > "$OUT/rollout.txt" 2>&1 ;;
     # NVFP4 and NVFP4+LoRA at batch 8: tok/s, the step split, grouped q/k/v + gate/up launches vs per linear
     rollout_nv) timeout 400 python benchmarks/rollout.py --what nvfp4,nvfp4+lora --batches 8 --new-tokens 512 \
-                  --budget-s 360 --out "$OUT" > "$OUT/rollout_nv.txt" 2>&1 ;;
+                  --budget-s 360 --name rollout_nvfp4_b8 --out "$OUT" > "$OUT/rollout_nv.txt" 2>&1 ;;
     # NVFP4+LoRA at batch 8 only: tok/s and the step split
     rollout_lora) timeout 300 python benchmarks/rollout.py --what nvfp4+lora --batches 8 --new-tokens 512 \
-                    --budget-s 260 --out "$OUT" > "$OUT/rollout_lora.txt" 2>&1 ;;
+                    --budget-s 260 --name rollout_lora_b8 --out "$OUT" > "$OUT/rollout_lora.txt" 2>&1 ;;
     eco) timeout 150 python benchmarks/eco.py --iters ${ECO_ITERS:-10} --out "$OUT" > "$OUT/eco.txt" 2>&1 ;;
     quest) timeout 110 python benchmarks/quest_step.py --out "$OUT" > "$OUT/quest.txt" 2>&1 ;;
     qerl) timeout 420 python benchmarks/qerl_step.py --methods qerl,bf16_lora --out "$OUT" > "$OUT/qerl.txt" 2>&1 ;;

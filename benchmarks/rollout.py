@@ -3,7 +3,7 @@
     python benchmarks/rollout.py --check            # GPU correctness (graphs on) + quick batch-8 timing
     python benchmarks/rollout.py                    # the table: Qwen2.5-7B-shaped random init, prompt 256
 
-Writes benchmarks/results/rollout.json (device, date, commit, rows) and rollout.md (or --out DIR).
+Writes benchmarks/results/rollout.json (device, date, commit, rows) and rollout.md (or --out DIR, --name NAME).
 Rows: engine (generate|generate_static_compiled|transformers_cb|hfq), weights (bf16|nvfp4|nvfp4+lora|nf4),
 model, batch, prompt_len, new_tokens, tok_s, peak_gb; EOS is disabled so every row makes new_tokens tokens.
 Baselines that would take minutes at 2048 tokens run fewer tokens (their row says how many): their
@@ -27,6 +27,7 @@ from hfq.rollout import RolloutEngine  # noqa: E402
 
 T0 = time.time()
 OUT_DIR = None  # results are rewritten after every row, so a killed run still leaves its numbers
+NAME = "rollout"  # file stem of the results (a partial run gets its own name: the full table stays)
 
 
 def log(*a):
@@ -491,7 +492,7 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
 
 def write(results, out_dir):
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "rollout.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{NAME}.json"), "w") as f:
         json.dump(results, f, indent=1)
     lines = [f"# Rollout throughput\n", f"device: {results['device']}  date: {results['date']}  commit: {results['commit']}\n",
              "EOS disabled; sampling at temperature 1; tok/s = batch x new_tokens / wall time (prefill included).\n",
@@ -507,7 +508,7 @@ def write(results, out_dir):
     for k in [k for k in results if k.startswith(("split_", "group_"))] + ["quick"]:
         if k in results:
             lines.append(f"\n{k}: `{json.dumps(results[k])}`")
-    with open(os.path.join(out_dir, "rollout.md"), "w") as f:
+    with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -522,9 +523,10 @@ def main():
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--what", default="bf16,generate,cb,nvfp4,nvfp4+lora,nf4")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--name", default="rollout", help="results file stem (rollout.json / rollout.md)")
     a = ap.parse_args()
-    global OUT_DIR
-    OUT_DIR = a.out
+    global OUT_DIR, NAME
+    OUT_DIR, NAME = a.out, a.name
     commit = os.environ.get("HFQ_COMMIT")  # set it on the device: its copy's git may not be this checkout's
     if not commit:
         try:
