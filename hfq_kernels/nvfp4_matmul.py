@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from hfq_kernels import nvfp4_gluon as gluon
 from hfq_kernels._autotune import Tuner
 from hfq_kernels._autotune import _capturing as _autotune_capturing
-from hfq_kernels._triton import INTERPRET, BoundLaunch, cdiv, e2m1_raw, e2m1_to_f32, e4m3_to_f32, sm_count, tl, triton
+from hfq_kernels._triton import (INTERPRET, LRU, BoundLaunch, cdiv, e2m1_raw, e2m1_to_f32, e4m3_to_f32, sm_count, tl,
+                                 triton)
 from hfq_kernels.nvfp4_quant import _dequantize_kernel, check_packed, dequant_raw
 
 KINDS = {
@@ -322,9 +323,9 @@ def _words_kernel(x_ptr, wq_ptr, ws_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, strid
                  mask=ymask)
 
 @triton.jit
-def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_ym, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """y[M, N] = sum_s partial[s, M, N] (+ bias), cast to y's dtype."""
+def _splitk_sum(p_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_ym, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's BLOCK elements of y[M, N] = sum_s partial[s, M, N] (+ bias), summed in split order, cast to
+    y's dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -338,26 +339,24 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_ym, HAS_BIAS:
 
 
 @triton.jit
+def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_ym, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """y[M, N] = sum_s partial[s, M, N] (+ bias), cast to y's dtype."""
+    _splitk_sum(p_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_ym, HAS_BIAS, BLOCK)
+
+
+@triton.jit
 def _splitk_reduce_group_kernel(p_ptr, b0, b1, b2, y0, y1, y2, M, N0, N1, N2, SPLIT, HAS_BIAS: tl.constexpr,
                                 BLOCK: tl.constexpr):
     """_splitk_reduce_kernel for a grouped launch (program axis 1 = member g): p holds the members' partials
     [split, M, N_g] one after another; y_g [M, N_g] contiguous."""
     g = tl.program_id(1)
     if g == 0:
-        n, base, b_ptr, y_ptr = N0, N0 * 0, b0, y0
+        _splitk_sum(p_ptr, b0, y0, M, N0, SPLIT, N0, HAS_BIAS, BLOCK)
     elif g == 1:
-        n, base, b_ptr, y_ptr = N1, N0, b1, y1
+        _splitk_sum(p_ptr + N0.to(tl.int64) * SPLIT * M, b1, y1, M, N1, SPLIT, N1, HAS_BIAS, BLOCK)
     else:
-        n, base, b_ptr, y_ptr = N2, N0 + N1, b2, y2
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < M * n
-    src = p_ptr + (base.to(tl.int64) * SPLIT * M)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, SPLIT):
-        acc += tl.load(src + s * M * n + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        _splitk_sum(p_ptr + (N0 + N1).to(tl.int64) * SPLIT * M, b2, y2, M, N2, SPLIT, N2, HAS_BIAS, BLOCK)
 
 
 # ----------------------------------------------------------------------------------------------- configs
@@ -854,7 +853,7 @@ def grad_input_g4(g, wr, sr, global_scale, n: int, k: int):
     return g @ gluon.dequantize_g4(wr, sr, global_scale, n, k, g.dtype)
 
 
-_GROUP_PLANS: dict = {}  # (M, widths, K, bias?, dtype, device) -> grouped forward (few shapes: a model's groups)
+_GROUP_PLANS = LRU(64)  # (M, widths, K, bias?, dtype, device) -> grouped forward (few shapes: a model's groups)
 
 
 def group_g4_ok(x2: torch.Tensor, weights) -> bool:
@@ -884,12 +883,7 @@ def linear_group_g4(x2: torch.Tensor, weights, checked: bool = False) -> list:
     ns = tuple(w[4] for w in weights)
     hb = weights[0][3] is not None
     key = (m, ns, k, hb, x2.dtype, x2.device)
-    fwd = _GROUP_PLANS.get(key)
-    if fwd is None:
-        if len(_GROUP_PLANS) >= 64:
-            _GROUP_PLANS.clear()
-        fwd = _GROUP_PLANS[key] = _group_plan(m, ns, k, hb, x2.dtype, x2.device)
-    return fwd(x2, weights)
+    return _GROUP_PLANS.get_or(key, lambda: _group_plan(m, ns, k, hb, x2.dtype, x2.device))(x2, weights)
 
 
 def _group_plan(m, ns, k, hb, dt, dev):
