@@ -21,6 +21,9 @@ for part in "$@"; do
     qft) timeout 400 python -m pytest -q -p no:cacheprovider tests/test_qft_kernels.py tests/test_qft_lion.py \
            tests/test_qft_grads.py tests/test_qft_outliers.py tests/test_qft.py > "$OUT/qft_tests.txt" 2>&1
          timeout 200 python benchmarks/qft_kernels.py --out "$OUT" > "$OUT/qft_kernels.txt" 2>&1 ;;
+    # 2-GPU machines: DDP with INT8 gradients over NCCL (by hand and Trainer under accelerate launch), plus the gloo runs
+    ddp2) timeout 400 python -m pytest -q -p no:cacheprovider tests/test_qft_grads.py -k "two_gpus or ddp or accelerate" \
+            > "$OUT/ddp2_tests.txt" 2>&1 ;;
     rollout_t) timeout 150 python -m pytest -q -p no:cacheprovider tests/test_rollout_kernels.py tests/test_rollout.py \
                  tests/test_peft_routes.py > "$OUT/rollout_tests.txt" 2>&1 ;;
     ecotest) timeout 120 python -m pytest -q -p no:cacheprovider tests/test_eco_kernel.py tests/test_eco.py > "$OUT/ecotest.txt" 2>&1 ;;

@@ -1,9 +1,11 @@
 """QFTConfig(gradient_bits=8) INT8 weight gradients with what training wraps around them: gradient accumulation
 (micro-steps vs one large batch, by hand and through Trainer), Trainer's max_grad_norm (the INT8 store is counted in
-the norm and scaled), DDP over 2 CPU processes (gloo; ranks bit-identical, = one process on the global batch within
-INT8 error), Trainer resume, and bad inputs (outlier_fraction, NaN weights/gradients, inconsistent checkpoints).
+the norm and scaled), DDP over 2 CPU processes (gloo) and over 2 GPUs (NCCL; ranks bit-identical, = one process on the
+global batch within INT8 error), Trainer resume, and bad inputs (outlier_fraction, NaN weights/gradients, inconsistent
+checkpoints).
 
-This file is also the DDP worker script: `python tests/test_qft_grads.py ddp OUT` spawns 2 ranks.
+This file is also the worker script: `python tests/test_qft_grads.py ddp cpu|cuda OUT` spawns 2 DDP ranks;
+`trainer cpu|cuda OUT` is one Trainer process (a rank under `accelerate launch`).
 """
 import copy
 import os
@@ -13,19 +15,26 @@ import sys
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from _hfq_test_utils import shard, snapshot
 
 STEPS, SHARD, SEQ, WORLD = 3, 4, 16, 2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _tiny(seed=0, gradient_bits=8):
+def _tiny(seed=0, gradient_bits=8, device="cpu"):
+    """The tiny quantized LLaMA, quantized on the CPU (the same codes for every process) and moved to `device`."""
     from hfq.qft import QFTConfig, quantize_model_
     from hfq.tiny import tiny_model
 
     model = tiny_model("llama", seed=seed, hidden=64, intermediate=128, kv_heads=4).train()
     quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=gradient_bits))
-    return model
+    return model.to(device)
+
+
+def _cpu(tree):
+    """`tree` (dicts, lists, tuples) with every tensor copied to the CPU: worker results loadable anywhere."""
+    return tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _grads(model):
@@ -103,19 +112,19 @@ class _Record:
         return Rec()
 
 
-def _trainer_run(out, steps=1, batch=8, accum=1, max_grad_norm=0.0, resume=None, save_steps=0, **opt_kw):
+def _trainer_run(out, steps=1, batch=8, accum=1, max_grad_norm=0.0, resume=None, save_steps=0, device="cpu",
+                 **opt_kw):
     from transformers import Trainer, TrainingArguments
 
     from hfq.qft import QLion
 
-    model = _tiny()
+    args = TrainingArguments(out, max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
+                             max_grad_norm=max_grad_norm, logging_steps=1, report_to=[], use_cpu=device == "cpu",
+                             seed=0, disable_tqdm=True, save_strategy="steps" if save_steps else "no",
+                             save_steps=save_steps or 1, lr_scheduler_type="constant")
+    model = _tiny(device=args.device)  # this rank's device, before the optimizer sees the parameters
     opt = QLion(model.parameters(), **dict(dict(lr=1e-3, weight_decay=0.01, seed=1), **opt_kw))
     rec = _Record()
-    args = TrainingArguments(out, max_steps=steps, per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
-                             max_grad_norm=max_grad_norm, logging_steps=1, report_to=[], use_cpu=True, seed=0,
-                             disable_tqdm=True, save_strategy="steps" if save_steps else "no",
-                             save_steps=save_steps or 1,
-                             lr_scheduler_type="constant")
     tr = Trainer(model=model, args=args, train_dataset=_data(), optimizers=(opt, None), callbacks=[rec])
     tr.train(resume_from_checkpoint=resume)
     logs = [h for h in tr.state.log_history if "loss" in h]
@@ -390,19 +399,24 @@ def _opt(params):
     return QLion(params, lr=3e-3, weight_decay=0.01, seed=1)
 
 
-def _ddp_worker(rank, port, out):
+def _ddp_worker(rank, port, out, device):
+    """One DDP rank, `device` "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r): STEPS QLion steps on its own shards,
+    results saved as CPU tensors to OUT/rank{r}.pt."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    model = _tiny()
-    ddp = DDP(model)
+    dev = torch.device(device, rank if device == "cuda" else None)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=WORLD)
+    model = _tiny(device=dev)
+    ddp = DDP(model, device_ids=[rank] if dev.type == "cuda" else None)
     opt = _opt(ddp.parameters())
     res = {"snaps": [], "losses": [], "norms": [], "int8": None}
     for step in range(STEPS):
-        x = _shard(step, rank)
+        x = _shard(step, rank).to(dev)
         loss = ddp(input_ids=x, labels=x).loss
         loss.backward()
         if step == 0:
@@ -413,8 +427,11 @@ def _ddp_worker(rank, port, out):
         opt.zero_grad()
         res["snaps"].append(snapshot(model))
         res["losses"].append(float(loss.detach()))
-    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    torch.save(_cpu(res), os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
+    if dev.type == "cuda":  # the un-ignored error below is checked over gloo only: NCCL work left in flight may hang
+        dist.destroy_process_group()
+        return
     # a wrapper DDP was not told about (here: the ignore list dropped) fails at the first backward, saying what to do
     bare = _tiny()
     del bare._ddp_params_and_buffers_to_ignore
@@ -432,20 +449,21 @@ def _ddp_worker(rank, port, out):
     os._exit(0)
 
 
-def _env():
+def _env(**kw):
+    """This environment (NCCL settings included) with the repository importable, one OpenMP thread, and `kw`."""
     return dict(os.environ, OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p), **kw)
 
 
-def test_ddp_two_processes_int8_gradients(tmp_path):
-    r = subprocess.run([sys.executable, os.path.abspath(__file__), "ddp", str(tmp_path)], env=_env(),
+def _ddp_ranks(out, device):
+    """Run the 2 DDP ranks on `device`; checks what must hold bit for bit (per-rank losses differ: other data; the
+    INT8 codes and scales, dequantized gradients and every step's weights are the same on both ranks). Returns
+    both ranks' results."""
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "ddp", device, str(out)], env=_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    a, b = (torch.load(tmp_path / f"rank{i}.pt") for i in range(WORLD))
+    a, b = (torch.load(out / f"rank{i}.pt") for i in range(WORLD))
     assert a["losses"] != b["losses"]  # different data per rank
-    for i in range(WORLD):
-        msg = (tmp_path / f"rank{i}_unignored.txt").read_text()
-        assert "ddp_ignore_int8_grad_weights_" in msg and "INT8 gradient of model." in msg, msg
     assert a["int8"] and a["int8"].keys() == b["int8"].keys()
     for n in a["int8"]:  # the INT8 gradients were averaged before storage: the same codes and scales on both ranks
         assert all(torch.equal(x, y) for x, y in zip(a["int8"][n], b["int8"][n])), n
@@ -453,48 +471,88 @@ def test_ddp_two_processes_int8_gradients(tmp_path):
         assert torch.equal(a["grads"][n], b["grads"][n]), n
     for sa, sb in zip(a["snaps"], b["snaps"]):
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-    # one process on the concatenated global batch
+    return a, b
+
+
+def _one_process(device, ranks=tuple(range(WORLD))):
+    """The DDP run's steps in one process on `device`, each on the shards of `ranks` concatenated (all of them: the
+    global batch). Returns (on the CPU) the first step's gradients and INT8 row scales, the losses and norms."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = _tiny()
+        model = _tiny(device=device)
         opt = _opt(model.parameters())
-        losses, norms = [], []
+        res = {"losses": [], "norms": []}
         for step in range(STEPS):
-            x = torch.cat([_shard(step, r) for r in range(WORLD)])
+            x = torch.cat([_shard(step, r) for r in ranks]).to(device)
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
             if step == 0:
-                ref = _grads(model)
-                stores = _int8(model)
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
+                res["grads"], res["scales"] = _grads(model), {n: q.scales.clone() for n, q in _int8(model).items()}
+            res["norms"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss.detach()))
+            res["losses"].append(float(loss.detach()))
     finally:
         torch.set_num_threads(threads)
-    for n, g in ref.items():  # one INT8 rounding each side; plain grads: fp32 summation order
-        tol = float(stores[n].scales.max()) * 1.01 if n in stores else 1e-6
+    return _cpu(res)
+
+
+def test_ddp_two_processes_int8_gradients(tmp_path):
+    a, b = _ddp_ranks(tmp_path, "cpu")
+    for i in range(WORLD):
+        msg = (tmp_path / f"rank{i}_unignored.txt").read_text()
+        assert "ddp_ignore_int8_grad_weights_" in msg and "INT8 gradient of model." in msg, msg
+    ref = _one_process("cpu")
+    for n, g in ref["grads"].items():  # one INT8 rounding each side; plain grads: fp32 summation order
+        tol = float(ref["scales"][n].max()) * 1.01 if n in ref["scales"] else 1e-6
         assert float((a["grads"][n] - g).abs().max()) <= tol, n
     mean = [(x + y) / 2 for x, y in zip(a["losses"], b["losses"])]
-    assert mean[0] == pytest.approx(losses[0], abs=1e-5)
-    assert max(abs(x - y) for x, y in zip(mean, losses)) < 2e-3, (mean, losses)
-    assert a["norms"] == b["norms"] and a["norms"][0] == pytest.approx(norms[0], rel=1e-3)
+    assert mean[0] == pytest.approx(ref["losses"][0], abs=1e-5)
+    assert max(abs(x - y) for x, y in zip(mean, ref["losses"])) < 2e-3, (mean, ref["losses"])
+    assert a["norms"] == b["norms"] and a["norms"][0] == pytest.approx(ref["norms"][0], rel=1e-3)
     assert a["norms"][0] > 1.0  # clipping was active, on the same global norm on both ranks
     k = "model.layers.0.mlp.down_proj.weight.codes"
     assert not torch.equal(a["snaps"][-1][k], snapshot(_tiny())[k])  # the quantized weights were trained
 
 
-def _trainer_worker(out):
-    """One rank of `accelerate launch`: Trainer + QLion, batch 2 x accumulation 2 x 2 ranks, max_grad_norm."""
+_TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (one DDP rank per GPU, NCCL)")
+
+
+@_TWO_GPUS
+def test_ddp_two_gpus_nccl_int8_gradients(tmp_path):
+    """DDP over NCCL, one rank per GPU: ranks bit-identical; one GPU on the global batch within INT8 error (GPU
+    float sums run in other orders, so plain gradients, losses and norms get relative tolerances), while rank 0's own
+    shard alone gives clearly other gradients. The un-ignored-wrapper error is the CPU test's (gloo) only."""
+    a, b = _ddp_ranks(tmp_path, "cuda")
+    ref, own = _one_process("cuda"), _one_process("cuda", ranks=(0,))
+    for n, g in ref["grads"].items():  # INT8: one rounding each side (a code may move one step); plain: fp32 order
+        tol = float(ref["scales"][n].max()) * 1.01 if n in ref["scales"] else 1e-3 * float(g.abs().max())
+        assert float((a["grads"][n] - g).abs().max()) <= tol, n
+        assert float((own["grads"][n] - g).abs().max()) > 10 * tol, n  # rank 0's shard alone: far outside it
+    mean = [(x + y) / 2 for x, y in zip(a["losses"], b["losses"])]
+    assert mean[0] == pytest.approx(ref["losses"][0], abs=1e-4)  # the same weights: float order only
+    assert mean == pytest.approx(ref["losses"], rel=1e-2)
+    assert a["norms"] == b["norms"] and a["norms"][0] == pytest.approx(ref["norms"][0], rel=1e-2)
+    assert own["norms"][0] != pytest.approx(ref["norms"][0], rel=5e-2)
+    assert a["norms"][0] > 1.0
+    k = "model.layers.0.mlp.down_proj.weight.codes"
+    assert not torch.equal(a["snaps"][-1][k], snapshot(_tiny())[k])
+
+
+def _trainer_worker(device, out):
+    """One Trainer process (Trainer + QLion, max_grad_norm) on `device`: under `accelerate launch` a rank with batch 2
+    x accumulation 2, alone batch 8: each optimizer step sees the same 8 sequences."""
     torch.set_num_threads(1)
-    model, rec, logs = _trainer_run(os.path.join(out, "run"), steps=STEPS, batch=2, accum=2, max_grad_norm=0.5,
-                                    lr=3e-3)
+    batch, accum = (2, 2) if int(os.environ.get("WORLD_SIZE", "1")) > 1 else (8, 1)
+    model, rec, logs = _trainer_run(os.path.join(out, "run"), steps=STEPS, batch=batch, accum=accum,
+                                    max_grad_norm=0.5, lr=3e-3, device=device)
     import torch.distributed as dist
 
-    torch.save({"world": dist.get_world_size(), "snap": snapshot(model), "logs": logs,
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    torch.save({"world": world, "snap": _cpu(snapshot(model)), "logs": logs,
                 "ignored": sorted(getattr(model, "_ddp_params_and_buffers_to_ignore", []))},
-               os.path.join(out, f"trainer_rank{dist.get_rank()}.pt"))
+               os.path.join(out, f"trainer_rank{rank}.pt"))
 
 
 def _free_port():
@@ -505,19 +563,25 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _accelerate_launch(device, out):
+    """`accelerate launch` of 2 Trainer ranks on `device`; checks they end bit-identical. Returns rank 0's results."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--main_process_port", str(_free_port()), "--mixed_precision", "no",
+           "--dynamo_backend", "no", os.path.abspath(__file__), "trainer", device, str(out)]
+    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    a, b = (torch.load(out / f"trainer_rank{i}.pt") for i in range(WORLD))
+    assert a["world"] == 2 and "model.layers.0.self_attn.q_proj.weight" in a["ignored"]
+    assert a["snap"].keys() == b["snap"].keys() and all(torch.equal(a["snap"][k], b["snap"][k]) for k in a["snap"])
+    assert a["logs"] == b["logs"]
+    return a
+
+
 def test_trainer_ddp_accelerate_launch_accumulation_and_clipping(tmp_path):
     """Trainer under `accelerate launch` (2 CPU processes, DDP over gloo) with gradient accumulation and
     max_grad_norm: ranks end bit-identical; losses and gradient norms are the single-process run's on the same
     global batch of 8 within INT8 gradient error."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--main_process_port", str(_free_port()), "--mixed_precision", "no",
-           "--dynamo_backend", "no", os.path.abspath(__file__), "trainer", str(tmp_path)]
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    a, b = (torch.load(tmp_path / f"trainer_rank{i}.pt") for i in range(WORLD))
-    assert a["world"] == 2 and "model.layers.0.self_attn.q_proj.weight" in a["ignored"]
-    assert a["snap"].keys() == b["snap"].keys() and all(torch.equal(a["snap"][k], b["snap"][k]) for k in a["snap"])
-    assert a["logs"] == b["logs"]
+    a = _accelerate_launch("cpu", tmp_path)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -531,13 +595,34 @@ def test_trainer_ddp_accelerate_launch_accumulation_and_clipping(tmp_path):
     assert ref[0]["grad_norm"] > 0.5  # the clip was active
 
 
+@_TWO_GPUS
+def test_trainer_ddp_two_gpus_accelerate_launch(tmp_path):
+    """Trainer under `accelerate launch` on 2 GPUs (DDP over NCCL), accumulation and max_grad_norm: ranks end
+    bit-identical; losses and gradient norms are one GPU's on the same global batch of 8 (a process of its own: with
+    2 visible GPUs Trainer would wrap nn.DataParallel) within INT8 error and GPU float summation order."""
+    a = _accelerate_launch("cuda", tmp_path)
+    single = tmp_path / "single"
+    single.mkdir()
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "trainer", "cuda", str(single)],
+                       env=_env(CUDA_VISIBLE_DEVICES=gpu), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    ref = torch.load(single / "trainer_rank0.pt")["logs"]
+    assert len(a["logs"]) == len(ref) == STEPS
+    assert a["logs"][0]["loss"] == pytest.approx(ref[0]["loss"], abs=1e-4)
+    for x, y in zip(a["logs"], ref):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-2), (a["logs"], ref)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-2), (a["logs"], ref)
+    assert ref[0]["grad_norm"] > 0.5  # the clip was active
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "trainer":
-        _trainer_worker(sys.argv[2])
+        _trainer_worker(sys.argv[2], sys.argv[3])
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(_ddp_worker, args=(_free_port(), sys.argv[2]), nprocs=WORLD)
+        mp.spawn(_ddp_worker, args=(_free_port(), sys.argv[3], sys.argv[2]), nprocs=WORLD)
 
 
 def test_checkpoint_recompute_reuses_its_decoded_weight(monkeypatch):
