@@ -601,3 +601,111 @@ def test_rollout_groups_nvfp4_projections(tmp_path, monkeypatch):
                 assert calls == [len(mods)]
                 for g, w in zip(got, want):
                     torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_g4_partials_refuses_what_the_gluon_kernel_cannot_take():
+    """linear_g4_partials names the input it cannot take (here: CPU x, which the Gluon kernel never runs on) and the
+    g4 tensors that do not fit the weight's shape."""
+    from hfq_kernels import nvfp4_matmul as MM
+
+    wr, sr = G4.repack(*_canonical(32, 64)[:2])
+    r = torch.ones((), dtype=torch.float32)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert not MM.g4_partials_ok(x)
+    with pytest.raises(ValueError, match=r"nvfp4 g4 partials: needs a bf16 x \[M in 1..64, 64\].*got \(3, 64\)"):
+        MM.linear_g4_partials(x, wr, sr, r, None, 32, 64)
+    with pytest.raises(ValueError, match=r"g4 layout of \[32, 128\]"):
+        MM.linear_g4_partials(torch.randn(3, 128).to(torch.bfloat16), wr, sr, r, None, 32, 128)
+    with pytest.raises(ValueError, match=r"bias must have shape \(32,\), got \(31,\)"):
+        MM.linear_g4_partials(x, wr, sr, r, torch.zeros(31), 32, 64)
+
+
+@pytest.mark.skipif(not _GLUON_GPU, reason="the Gluon decode kernel needs an sm_80+ GPU (the fused norm's sum is "
+                                           "checked bit for bit against the reduce on CPU)")
+@pytest.mark.parametrize("m,n,k,bias,split", [(8, 512, 1024, True, 5), (1, 48, 512, False, 1), (13, 208, 576, True, 3),
+                                              (64, 32, 128, False, 2), (5, 96, 4096, False, 19)])
+def test_g4_partials_folded_into_the_norm_bit_identical(m, n, k, bias, split):
+    """linear_g4_partials gives linear_g4's kernel and split (its partials reduced are linear_g4's bits), and
+    splitk_add_rmsnorm on them equals add_rmsnorm of linear_g4's output bit for bit."""
+    from hfq_kernels import nvfp4_matmul as MM
+    from hfq_kernels import rollout as R
+
+    dev = torch.device("cuda")
+    p, s, r = _canonical(n, k, seed=3)
+    wr, sr = (t.to(dev) for t in G4.repack(p, s))
+    r = r.float().to(dev)
+    g = torch.Generator().manual_seed(m)
+    b = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16).to(dev) if bias else None
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(dev)
+    res = torch.randn(m, n, generator=g).to(torch.bfloat16).to(dev)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16).to(dev)
+    key = MM.Tuner.key(m, n, k, torch.bfloat16, dev)
+    kept = MM.LINEAR_TUNER.cache.get(key)
+    MM.LINEAR_TUNER.cache[key] = dict(G4.default_config(m, n, k, MM.sm_count(dev)), split=split)  # a tuned split
+    try:
+        want = MM.linear_g4(x, wr, sr, r, n, k, b)
+        got, sp = MM.linear_g4_partials(x, wr, sr, r, b, n, k)
+        assert sp == MM._splits(G4.cdiv(k, 64), split)[0]
+        if sp == 1:
+            assert got.shape == (m, n) and torch.equal(got, want)
+            return
+        assert got.shape == (sp, m, n) and got.dtype == torch.float32
+        y, s_ = R.splitk_add_rmsnorm(got, b, res, w, 1e-6, torch.bfloat16)
+        y_ref, s_ref = R.add_rmsnorm(want, res, w, 1e-6)
+        assert torch.equal(s_, s_ref) and torch.equal(y, y_ref)
+        y0, s0 = R.splitk_add_rmsnorm(got, b, None, w, 1e-6, torch.bfloat16)
+        assert torch.equal(s0, want) and torch.equal(y0, R.add_rmsnorm(want, None, w, 1e-6)[0])
+    finally:
+        if kept is None:
+            del MM.LINEAR_TUNER.cache[key]
+        else:
+            MM.LINEAR_TUNER.cache[key] = kept
+
+
+@pytest.mark.skipif(not _GLUON_GPU, reason="the Gluon decode kernel needs an sm_80+ GPU")
+def test_rollout_fold_reduce_same_logits_and_tokens(tmp_path, monkeypatch):
+    """The rollout engine's decode with the o_proj / down_proj split-K reduce folded into the next add+RMSNorm gives
+    the same bits as with it off (greedy tokens and log-probs, CUDA graphs and eager, with and without LoRA); the
+    fold is taken for every NVFP4 o_proj / down_proj without LoRA and for none with it."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from hfq.nvfp4 import NVFP4Config
+    from hfq.nvfp4.peft_lora import get_peft_model
+    from hfq.rollout import RolloutEngine
+    from hfq.rollout import decoder as D
+    from hfq.tiny import save_tiny
+
+    path = save_tiny(tmp_path / "tiny", arch="qwen2", seed=6, hidden=256, intermediate=512)  # K split 4 and 8
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config(), dtype=torch.bfloat16,
+                                                 device_map="cuda").eval()
+    calls = []
+    real = D.K.splitk_add_rmsnorm
+    monkeypatch.setattr(D.K, "splitk_add_rmsnorm", lambda p, *a: calls.append(p.shape) or real(p, *a))
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40]]
+    n_layers = model.config.num_hidden_layers
+    for lora in (None, ["o_proj"], ["o_proj", "down_proj"]):
+        m = model
+        if lora:
+            m = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                 target_modules=lora)).to(torch.bfloat16).eval()
+        lin = D.unwrap_causal_lm(m).model.layers[0]
+        folded = [name for name, mod in (("o_proj", lin.self_attn.o_proj), ("down_proj", lin.mlp.down_proj))
+                  if type(mod).__name__ == "NVFP4Linear"]
+        for graph_mode in ("cuda_graph", "eager"):
+            outs = {}
+            for fold in (True, False):
+                monkeypatch.setenv("HFQ_ROLLOUT_FOLD_REDUCE", "1" if fold else "0")
+                eng = RolloutEngine(m, max_batch=4, max_seq_len=40, kv_block=16, graph_mode=graph_mode)
+                assert eng.adapter.fused and eng.adapter.fold_reduce == fold
+                calls.clear()
+                outs[fold] = eng.generate(prompts, max_new_tokens=8, temperature=0, eos_token_ids=[],
+                                          return_logprobs=True)
+                if fold and graph_mode == "eager":  # one call per folded linear, layer and decode step
+                    assert len(calls) == 7 * n_layers * len(folded), (lora, len(calls))
+                elif not fold:
+                    assert not calls
+            assert torch.equal(outs[True].completion_ids, outs[False].completion_ids), (lora, graph_mode)
+            assert torch.equal(outs[True].logprobs, outs[False].logprobs), (lora, graph_mode)
+        if lora:
+            m.unload()
