@@ -375,6 +375,29 @@ def fold_reduce(eng, V, rounds=3):
     return adapter_ab(eng, V, "fold_reduce", "folded", "separate_reduce", rounds)
 
 
+def pdl_ab(eng, V, rounds=3):
+    """Decode graph captured with programmatic dependent launch of the decode kernels (the default on sm_90+) vs
+    without (HFQ_PDL=0), greedy replay, interleaved over `rounds`."""
+    from hfq_kernels import _triton
+
+    keep = _triton._PDL[0]
+    ms = {"pdl": [], "no_pdl": []}
+    try:
+        for _ in range(rounds):
+            for name, on in (("pdl", True), ("no_pdl", False)):
+                _triton.set_pdl(on)
+                eng.invalidate()
+                t = step_split(eng, V, with_eager=False, greedy_only=True).get("replay_ms_greedy")
+                if t is None:
+                    return {"error": f"no graph captured for {name}"}
+                ms[name].append(t)
+    finally:
+        _triton.set_pdl(keep)
+        eng.invalidate()
+    med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
+    return {"replay_ms": {k: sorted(v) for k, v in ms.items()}, "speedup_pdl": round(med["no_pdl"] / med["pdl"], 3)}
+
+
 # ---------------------------------------------------------------------------------------------- table mode
 def bench(results, batches, new, plen, budget_s, layers, weights_list):
     cfg = qwen7b_config(layers)
@@ -505,6 +528,9 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                         log(f"NVFP4 grouped q/k/v, gate/up ({w})", results[f"group_{w}_b8"])
                         results[f"fold_{w}_b8"] = fold_reduce(eng, V)
                         log(f"NVFP4 o/down split-K reduce folded into the norm ({w})", results[f"fold_{w}_b8"])
+                    if eng.adapter.fused:
+                        results[f"pdl_{w}_b8"] = pdl_ab(eng, V)
+                        log(f"programmatic dependent launch ({w})", results[f"pdl_{w}_b8"])
             except Exception as ex:  # noqa: BLE001 - a failing kernel must not lose the other rows
                 add(engine="hfq", weights=w, batch=b, new_tokens=new, tok_s=None, peak_gb=None,
                     error=f"{type(ex).__name__}: {str(ex)[:200]}")
@@ -530,7 +556,7 @@ def write(results, out_dir):
                      f"{r['new_tokens']} | {r.get('tok_s')} | {r.get('peak_gb')} | {ratio} |")
     if results.get("not_run"):
         lines.append(f"\nNot run (time budget / missing package): {', '.join(results['not_run'])}")
-    for k in [k for k in results if k.startswith(("split_", "group_", "fold_"))] + ["quick"]:
+    for k in [k for k in results if k.startswith(("split_", "group_", "fold_", "pdl_"))] + ["quick"]:
         if k in results:
             lines.append(f"\n{k}: `{json.dumps(results[k])}`")
     with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:

@@ -221,6 +221,82 @@ def checkpointing() -> bool:
     return "_checkpoint_hook" in name or "_recomputation_hook" in name
 
 
+# Programmatic dependent launch (sm_90+) for the decode-step kernels: inside `pdl_launches()` (the rollout engine's
+# graph warm-up and capture) each kernel taking the PDL constexpr is launched with `launch_pdl`, so it may start
+# while the kernel before it still runs; it waits (griddepcontrol.wait) before it touches memory an earlier kernel
+# reads or writes, then lets the next kernel launch. That hides the launch gap between the many small kernels of a
+# decode step; the NVFP4 GEMV also loads its first weight chunk before the wait (weights do not change inside a
+# captured step). Outside the scope nothing changes. HFQ_PDL=0 or set_pdl(False) turns it off.
+_PDL = [os.environ.get("HFQ_PDL", "1") != "0", 0]  # [enabled, open pdl_launches() scopes]
+_PDL_CAP: dict = {}
+
+
+def set_pdl(on: bool) -> None:
+    """Turn programmatic dependent launch of the decode kernels on/off (for launches made from now on)."""
+    _PDL[0] = bool(on)
+
+
+class pdl_launches:
+    """Context manager: kernels launched inside it (on sm_90+ GPUs) use programmatic dependent launch."""
+
+    def __enter__(self):
+        _PDL[1] += 1
+        return self
+
+    def __exit__(self, *exc):
+        _PDL[1] -= 1
+        return False
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether a kernel launched now on `device` uses programmatic dependent launch (enabled, inside
+    pdl_launches(), a CUDA sm_90+ device, not the interpreter)."""
+    if not (_PDL[0] and _PDL[1]) or INTERPRET or not HAS_TRITON or device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _PDL_CAP.get(idx)
+    if ok is None:
+        ok = _PDL_CAP[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return ok
+
+
+def pdl_meta(device: torch.device) -> dict:
+    """Launch meta-parameters for a kernel taking the PDL constexpr, for a launch made now on `device`."""
+    return dict(PDL=True, launch_pdl=True) if pdl(device) else dict(PDL=False)
+
+
+def pdl_bound(kernel, grid, meta: dict):
+    """Two BoundLaunch of `kernel` (PDL off / on); call the result's `pick(device)` at launch time."""
+    return _PdlBound(BoundLaunch(kernel, grid, dict(meta, PDL=False)),
+                     BoundLaunch(kernel, grid, dict(meta, PDL=True, launch_pdl=True)))
+
+
+class _PdlBound:
+    __slots__ = ("off", "on")
+
+    def __init__(self, off, on):
+        self.off, self.on = off, on
+
+    def pick(self, device):
+        return self.on if pdl(device) else self.off
+
+
+if HAS_TRITON:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """With PDL: wait until the kernels before this one are done (their writes visible), then let the next
+        kernel launch. Call before the first access to memory another kernel writes or reads."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+else:
+    @triton.jit
+    def pdl_enter(PDL):
+        """Stand-in (no triton): kernels raise when launched."""
+
+
 _BIND = os.environ.get("HFQ_TRITON_BIND", "1") != "0"
 
 

@@ -15,14 +15,16 @@ from types import SimpleNamespace
 
 import torch
 
-from hfq_kernels._triton import group_of, member, next_pow2, pick3, sel3, tl, triton
+from hfq_kernels._triton import group_of, member, next_pow2, pdl_enter, pdl_meta, pick3, sel3, tl, triton
 
 MAX_GROUP = 3
 
 
 @triton.jit
 def _shrink_kernel(x_ptr, a0, a1, a2, p_ptr, M, K, R, sxm, sa0, sa1, sa2, k_per_split, n_splits,
-                   IEEE: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+                   IEEE: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     i = tl.program_id(0)
     sp = tl.program_id(1)
     sa = sel3(i, sa0, sa1, sa2)
@@ -42,7 +44,9 @@ def _shrink_kernel(x_ptr, a0, a1, a2, p_ptr, M, K, R, sxm, sa0, sa1, sa2, k_per_
 @triton.jit
 def _expand_kernel(p_ptr, b0, b1, b2, y0, y1, y2, s0, s1, s2, n0, n1, n2, sb0, sb1, sb2, sy0, sy1, sy2,
                    M, R, nb0, nb1, NS: tl.constexpr,
-                   IEEE: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr):
+                   IEEE: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     i, blk = group_of(tl.program_id(0), nb0, nb1)
     scale = sel3(i, s0, s1, s2)
     N, sb, sy, b_ptr, y_ptr = member(i, n0, n1, n2, sb0, sb1, sb2, sy0, sy1, sy2, b0, b1, b2, y0, y1, y2)
@@ -101,7 +105,8 @@ def shrink_(x, sh: Shrink):
     _check_rows(x, "lora shrink x")
     _shrink_kernel[(sh.n, sh.n_splits)](x, sh.a[0], sh.a[1], sh.a[2], sh.part, sh.M, sh.K, sh.R, x.stride(0),
                                         sh.sa[0], sh.sa[1], sh.sa[2], sh.k_per_split, sh.n_splits,
-                                        IEEE=x.dtype == torch.float32, BM=sh.BM, BR=sh.BR, BK=sh.BK, num_warps=4)
+                                        IEEE=x.dtype == torch.float32, BM=sh.BM, BR=sh.BR, BK=sh.BK, num_warps=4,
+                                        **pdl_meta(x.device))
 
 
 def expand_(sh: Shrink, outs, block_n: int = 64):
@@ -121,7 +126,8 @@ def expand_(sh: Shrink, outs, block_n: int = 64):
     _expand_kernel[(sum(nbs),)](sh.part, b[0], b[1], b[2], ys[0], ys[1], ys[2], sc[0], sc[1], sc[2], ns[0], ns[1],
                                 ns[2], b[0].stride(0), b[1].stride(0), b[2].stride(0), ys[0].stride(0),
                                 ys[1].stride(0), ys[2].stride(0), sh.M, sh.R, nbs[0], nbs[1], NS=sh.n_splits,
-                                IEEE=outs[0].dtype == torch.float32, BM=sh.BM, BR=sh.BR, BN=block_n, num_warps=4)
+                                IEEE=outs[0].dtype == torch.float32, BM=sh.BM, BR=sh.BR, BN=block_n, num_warps=4,
+                                **pdl_meta(outs[0].device))
     return outs
 
 

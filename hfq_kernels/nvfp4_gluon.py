@@ -28,8 +28,8 @@ import weakref
 
 import torch
 
-from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, BoundLaunch, cdiv, e2m1_to_f32, f32_to_bf16_rne, tl,
-                                 triton)
+from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, BoundLaunch, cdiv, e2m1_to_f32, f32_to_bf16_rne,
+                                 pdl_bound, tl, triton)
 
 _G4_SM = (0, 3, -3, 6)
 _G4_SS = (0, 3, 1, 2)
@@ -80,6 +80,13 @@ if HAS_GLUON:
             warp_bases=[[0, 0, 0]] * (W.bit_length() - 1), block_bases=[], shape=[BM, 4, 16])
 
     @gluon.jit
+    def _pdl_enter():
+        """pdl_enter for Gluon: wait for the kernels before this one, then let the next one launch."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def _g4_operands(w, s, xt, RT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, L4: gl.constexpr,
                      a_l: gl.constexpr, b_l: gl.constexpr):
         """One 64-wide K chunk: weight words w + scale bytes s -> the MMA's A operand [BN, 64] (decoded in
@@ -116,14 +123,15 @@ if HAS_GLUON:
     @gluon.jit
     def _g4_kernel(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, KC, NT, stride_xm, stride_ym, cps,
                    BM: gl.constexpr, R: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-                   PREFETCH: gl.constexpr):
+                   PREFETCH: gl.constexpr, PDL: gl.constexpr = False):
         _g4_tile(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, KC, NT, stride_xm, stride_ym, cps,
-                 gl.program_id(0), gl.program_id(1), gl.program_id(2), BM, R, HAS_BIAS, PARTIAL, PREFETCH)
+                 gl.program_id(0), gl.program_id(1), gl.program_id(2), BM, R, HAS_BIAS, PARTIAL, PREFETCH, PDL)
 
     @gluon.jit
     def _g4_group_kernel(x_ptr, wr0, sr0, rc0, b0, y0, wr1, sr1, rc1, b1, y1, wr2, sr2, rc2, b2, y2,
                          M, K, KC, N0, N1, N2, T0, T1, stride_xm, cps, BM: gl.constexpr, R: gl.constexpr,
-                         HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, PREFETCH: gl.constexpr, G: gl.constexpr):
+                         HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, PREFETCH: gl.constexpr, G: gl.constexpr,
+                         PDL: gl.constexpr = False):
         """_g4_kernel for 2-3 weights sharing x (q/k/v, gate/up) in one launch: programs [0, T0) along axis 0 take
         weight 0's row tiles, [T0, T0 + T1) weight 1's, the rest weight 2's; each writes its own output (row stride
         N_g) or partials [split, M, N_g]."""
@@ -132,20 +140,20 @@ if HAS_GLUON:
         pid_k = gl.program_id(2)
         if pid_n < T0:
             _g4_tile(x_ptr, wr0, sr0, rc0, b0, y0, M, N0, K, KC, (N0 + 15) // 16, stride_xm, N0, cps,
-                     pid_n, pid_m, pid_k, BM, R, HAS_BIAS, PARTIAL, PREFETCH)
+                     pid_n, pid_m, pid_k, BM, R, HAS_BIAS, PARTIAL, PREFETCH, PDL)
         elif G == 2 or pid_n < T0 + T1:
             _g4_tile(x_ptr, wr1, sr1, rc1, b1, y1, M, N1, K, KC, (N1 + 15) // 16, stride_xm, N1, cps,
-                     pid_n - T0, pid_m, pid_k, BM, R, HAS_BIAS, PARTIAL, PREFETCH)
+                     pid_n - T0, pid_m, pid_k, BM, R, HAS_BIAS, PARTIAL, PREFETCH, PDL)
         else:
             _g4_tile(x_ptr, wr2, sr2, rc2, b2, y2, M, N2, K, KC, (N2 + 15) // 16, stride_xm, N2, cps,
-                     pid_n - T0 - T1, pid_m, pid_k, BM, R, HAS_BIAS, PARTIAL, PREFETCH)
+                     pid_n - T0 - T1, pid_m, pid_k, BM, R, HAS_BIAS, PARTIAL, PREFETCH, PDL)
 
     @gluon.jit
     def _g4_tile(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, KC, NT, stride_xm, stride_ym, cps,
                  pid_n, pid_m, pid_k, BM: gl.constexpr, R: gl.constexpr, HAS_BIAS: gl.constexpr,
-                 PARTIAL: gl.constexpr, PREFETCH: gl.constexpr):
+                 PARTIAL: gl.constexpr, PREFETCH: gl.constexpr, PDL: gl.constexpr):
         """One program of _g4_kernel: output rows [pid_n * BN, +BN) x columns [pid_m * BM, +BM), K chunks
-        [pid_k * cps, +cps)."""
+        [pid_k * cps, +cps). With PDL the first weight chunk is loaded before waiting for the kernels before."""
         W: gl.constexpr = gl.num_warps()
         RT: gl.constexpr = R * W
         BN: gl.constexpr = RT * 16
@@ -173,6 +181,8 @@ if HAS_GLUON:
         k0 = kc0 * 64
         w = gl.load(wr_ptr + woff)
         s = gl.load(sr_ptr + soff)
+        if PDL:
+            _pdl_enter()
         xt = gl.load(xptr + k0, mask=xmok & (k0 + xc3 < K), other=0.0)
         for it in range(nch):
             if PREFETCH:
@@ -540,10 +550,11 @@ def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: 
     meta = dict(BM=bm, R=r, HAS_BIAS=has_bias and not partial, PARTIAL=partial,
                 PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps)
 
-    bound = BoundLaunch(_g4_kernel, grid, meta)
+    bound = pdl_bound(_g4_kernel, grid, meta)
 
     def run(x2, wr, sr, recip, bias, dst, y_stride):
-        bound(x2, wr, sr, recip, bias if bias is not None else recip, dst, m, n, k, kc, nt, x2.stride(0), y_stride, cps)
+        bound.pick(x2.device)(x2, wr, sr, recip, bias if bias is not None else recip, dst, m, n, k, kc, nt,
+                              x2.stride(0), y_stride, cps)
 
     return run
 
@@ -562,7 +573,7 @@ def group_launcher(m: int, ns: tuple, k: int, cfg: dict, split: int, cps: int, h
     n0, n1 = ns[0], ns[1]
     n2 = ns[2] if g == 3 else ns[1]
     t0, t1 = tiles[0], tiles[1]
-    bound = BoundLaunch(_g4_group_kernel, grid, meta)
+    bound = pdl_bound(_g4_group_kernel, grid, meta)
 
     def run(x2, members, dsts):
         args = []
@@ -570,7 +581,7 @@ def group_launcher(m: int, ns: tuple, k: int, cfg: dict, split: int, cps: int, h
             args += [wr, sr, recip, bias if bias is not None else recip, dst]
         if g == 2:
             args += args[-5:]
-        bound(x2, *args, m, k, kc, n0, n1, n2, t0, t1, x2.stride(0), cps)
+        bound.pick(x2.device)(x2, *args, m, k, kc, n0, n1, n2, t0, t1, x2.stride(0), cps)
 
     return run
 

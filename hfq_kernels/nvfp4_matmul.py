@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from hfq_kernels import nvfp4_gluon as gluon
 from hfq_kernels._autotune import Tuner
 from hfq_kernels._autotune import _capturing as _autotune_capturing
-from hfq_kernels._triton import (INTERPRET, LRU, BoundLaunch, cdiv, e2m1_raw, e2m1_to_f32, e4m3_to_f32, sm_count, tl,
-                                 triton)
+from hfq_kernels._triton import (INTERPRET, LRU, BoundLaunch, cdiv, e2m1_raw, e2m1_to_f32, e4m3_to_f32, pdl_bound,
+                                 pdl_enter, sm_count, tl, triton)
 from hfq_kernels.nvfp4_quant import _dequantize_kernel, check_packed, dequant_raw
 
 KINDS = {
@@ -348,16 +348,18 @@ def _splitk_sum(p_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_ym, HAS_BIAS: tl.conste
 
 @triton.jit
 def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_ym, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """y[M, N] = sum_s partial[s, M, N] (+ bias), cast to y's dtype."""
+    pdl_enter(PDL)
     _splitk_sum(p_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_ym, HAS_BIAS, BLOCK)
 
 
 @triton.jit
 def _splitk_reduce_group_kernel(p_ptr, b0, b1, b2, y0, y1, y2, M, N0, N1, N2, SPLIT, HAS_BIAS: tl.constexpr,
-                                BLOCK: tl.constexpr):
+                                BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """_splitk_reduce_kernel for a grouped launch (program axis 1 = member g): p holds the members' partials
     [split, M, N_g] one after another; y_g [M, N_g] contiguous."""
+    pdl_enter(PDL)
     g = tl.program_id(1)
     if g == 0:
         _splitk_sum(p_ptr, b0, y0, M, N0, SPLIT, N0, HAS_BIAS, BLOCK)
@@ -708,7 +710,7 @@ def _finish(c: _PlanCtx, dst_split: int, launch):
     partials [split, M, N] and the reduce kernel."""
     m, n, k = c.m, c.n, c.k
     rgrid = (cdiv(m * n, 1024),)
-    reduce = {hb: BoundLaunch(_splitk_reduce_kernel, rgrid, dict(HAS_BIAS=hb, BLOCK=1024, num_warps=4))
+    reduce = {hb: pdl_bound(_splitk_reduce_kernel, rgrid, dict(HAS_BIAS=hb, BLOCK=1024, num_warps=4))
               for hb in (False, True)}
 
     def fwd(x, b, aux=None):
@@ -721,7 +723,7 @@ def _finish(c: _PlanCtx, dst_split: int, launch):
         else:
             dst = torch.empty((dst_split, m, n), dtype=torch.float32, device=c.dev)
             launch(x2, b, dst, y, aux)
-            reduce[b is not None](dst, b if b is not None else c.recip(), y, m, n, dst_split, n)
+            reduce[b is not None].pick(c.dev)(dst, b if b is not None else c.recip(), y, m, n, dst_split, n)
         return y.view(c.out_shape)
 
     return fwd
@@ -936,8 +938,8 @@ def _group_plan(m, ns, k, hb, dt, dev):
     g = len(ns)
     nmax, total = max(ns), sum(ns)
     offs = [0, ns[0], ns[0] + ns[1]][:g]
-    reduce = BoundLaunch(_splitk_reduce_group_kernel, (cdiv(m * nmax, 1024), g),
-                         dict(HAS_BIAS=hb, BLOCK=1024, num_warps=4))
+    reduce = pdl_bound(_splitk_reduce_group_kernel, (cdiv(m * nmax, 1024), g),
+                       dict(HAS_BIAS=hb, BLOCK=1024, num_warps=4))
     n2 = ns[2] if g == 3 else ns[1]
 
     def fwd(x2, weights):
@@ -952,7 +954,7 @@ def _group_plan(m, ns, k, hb, dt, dev):
         bs = [w[3] if w[3] is not None else w[2] for w in weights]
         ys = outs + outs[-1:] if g == 2 else outs
         bs = bs + bs[-1:] if g == 2 else bs
-        reduce(part, *bs, *ys, m, ns[0], ns[1], n2, split)
+        reduce.pick(dev)(part, *bs, *ys, m, ns[0], ns[1], n2, split)
         return outs
 
     return fwd

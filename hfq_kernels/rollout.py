@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from hfq_kernels._triton import HAS_TRITON, available, next_pow2, sm_count, tl, triton  # noqa: F401
+from hfq_kernels._triton import (HAS_TRITON, available, next_pow2, pdl_enter, pdl_meta, sm_count, tl,  # noqa: F401
+                                 triton)
 from hfq_kernels.nvfp4_matmul import splitk_acc
 
 
@@ -142,7 +143,8 @@ def _add_rmsnorm_row(x, r_ptr, w_ptr, y_ptr, s_ptr, row, offs, m, H, eps, sr, sy
 
 @triton.jit
 def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, sx, sr, sy, ss,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
@@ -152,10 +154,12 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, sx, sr, sy, s
 
 @triton.jit
 def _splitk_add_rmsnorm_kernel(p_ptr, b_ptr, r_ptr, w_ptr, y_ptr, s_ptr, M, H, SPLIT, eps, sr, sy, ss,
-                               HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                               HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                               PDL: tl.constexpr = False):
     """_add_rmsnorm_kernel on x = the split-K reduce of fp32 partials [SPLIT, M, H] (+ bias) in y's dtype, summed by
     the reduce's own code (splitk_acc), so the same bits as the reduce then add+RMSNorm; the sum s is always
     stored (no tensor holds x otherwise)."""
+    pdl_enter(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     m = offs < H
@@ -166,7 +170,9 @@ def _splitk_add_rmsnorm_kernel(p_ptr, b_ptr, r_ptr, w_ptr, y_ptr, s_ptr, M, H, S
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, col_ptr,
                     sq, sk, sv, sc, ssn, kc_b, kc_h, kc_s, vc_b, vc_h, vc_s,
-                    NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr):
+                    NH: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BH)
@@ -214,7 +220,8 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, col_ptr, m_ptr, l_ptr,
                          kv_len, chunk, scale, n_splits,
                          kc_b, kc_h, kc_s, vc_b, vc_h, vc_s, mk_b,
                          NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, HD: tl.constexpr,
-                         BD: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+                         BD: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     bh = tl.program_id(0)  # row * NKV + kv head
     sp = tl.program_id(1)
     b = bh // NKV
@@ -263,7 +270,8 @@ def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, col_ptr, m_ptr, l_ptr,
 @triton.jit
 def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_splits, so,
                          NH: tl.constexpr, NKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                         HD: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
+                         HD: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = h // G
@@ -281,7 +289,8 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_splits, so,
     tl.store(o_ptr + b * so + h * HD + d, out.to(o_ptr.dtype.element_ty), mask=d < HD)
 
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     g = tl.load(g_ptr + offs, mask=m, other=0.0)
@@ -377,7 +386,7 @@ def add_rmsnorm(x, residual, weight, eps):
     block = next_pow2(H)
     _add_rmsnorm_kernel[(rows,)](x2, r2, weight, y, s_out, H, float(eps), x2.stride(0), r2.stride(0),
                                  y.stride(0), s_out.stride(0), HAS_RES=residual is not None, BLOCK=block,
-                                 num_warps=max(1, min(16, block // 256)))
+                                 num_warps=max(1, min(16, block // 256)), **pdl_meta(x2.device))
     return y.view(x.shape), s
 
 
@@ -414,7 +423,7 @@ def splitk_add_rmsnorm(partials, bias, residual, weight, eps, dtype):
     _splitk_add_rmsnorm_kernel[(rows,)](
         partials, bias if bias is not None else partials, r2, weight, y, s, rows, H, split, float(eps), r2.stride(0),
         y.stride(0), s.stride(0), HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK=block,
-        num_warps=max(1, min(16, block // 256)))
+        num_warps=max(1, min(16, block // 256)), **pdl_meta(partials.device))
     return y, s
 
 
@@ -429,7 +438,7 @@ def rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, col, n_heads, n_kv, head_
         q2, k2, v2, cos2, sin2, qo, k_cache, v_cache, col, q2.stride(0), k2.stride(0), v2.stride(0),
         cos2.stride(0), sin2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NH=n_heads, HD=head_dim, HALF=half, BH=next_pow2(half), num_warps=1)
+        NH=n_heads, HD=head_dim, HALF=half, BH=next_pow2(half), num_warps=1, **pdl_meta(q.device))
     return qo
 
 
@@ -461,10 +470,10 @@ def decode_attention(q, k_cache, v_cache, mask, col, kv_len, scaling, block_n=No
         q, k_cache, v_cache, mask, col, m, l, acc, int(kv_len), chunk, float(scaling), n_splits,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), mask.stride(0),
-        NKV=n_kv, G=G, GP=GP, HD=hd, BD=BD, BN=block_n, IEEE=ieee, num_warps=4, num_stages=2)
+        NKV=n_kv, G=G, GP=GP, HD=hd, BD=BD, BN=block_n, IEEE=ieee, num_warps=4, num_stages=2, **pdl_meta(dev))
     o = torch.empty((b, nh * hd), dtype=q.dtype, device=dev)
     _attn_combine_kernel[(b, nh)](m, l, acc, o, n_splits, o.stride(0), NH=nh, NKV=n_kv, G=G, GP=GP, HD=hd, BD=BD,
-                                  BS=max(2, next_pow2(n_splits)), num_warps=2)
+                                  BS=max(2, next_pow2(n_splits)), num_warps=2, **pdl_meta(dev))
     return o
 
 
@@ -473,7 +482,7 @@ def silu_mul(gate, up):
     out = torch.empty_like(gate)
     n = gate.numel()
     block = 1024
-    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(triton.cdiv(n, block),)](gate, up, out, n, BLOCK=block, num_warps=4, **pdl_meta(gate.device))
     return out
 
 

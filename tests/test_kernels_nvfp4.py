@@ -361,6 +361,13 @@ src = GluonASTSource(fn=gluon._g4_kernel, signature=sig,
                      constexprs=dict(BM=16, R=2, HAS_BIAS=False, PARTIAL=True, PREFETCH=True))
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 print("shared", k.metadata.shared, "mma", "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in k.asm["ptx"])
+# programmatic dependent launch: the wait comes after the first weight chunk's loads, before x's
+src = GluonASTSource(fn=gluon._g4_kernel, signature=sig,
+                     constexprs=dict(BM=16, R=2, HAS_BIAS=False, PARTIAL=True, PREFETCH=True, PDL=True))
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "launch_pdl": True})
+ptx = k.asm["ptx"]
+print("pdl", k.metadata.launch_pdl, ptx.count("griddepcontrol.wait") == 1,
+      ptx.index("ld.global") < ptx.index("griddepcontrol.wait") < ptx.index("griddepcontrol.launch_dependents"))
 gsig = {"x_ptr": "*bf16"}
 for g in range(3):
     gsig.update({f"wr{g}": "*i32", f"sr{g}": "*u8", f"rc{g}": "*fp32", f"b{g}": "*bf16", f"y{g}": "*fp32"})
@@ -389,6 +396,8 @@ def test_g4_kernel_compiles_for_sm90_without_shared_memory():
     if out == ["NO_GLUON"]:
         pytest.skip("no gluon")
     assert out[:4] == ["shared", "0", "mma", "True"]
+    assert out[4:8] == ["pdl", "True", "True", "True"]
+    out = out[:4] + out[8:]
     # the grouped launch (q/k/v, gate/up) compiles with 2 and 3 members, also without shared memory
     assert out[4:] == ["group", "2", "shared", "0", "mma", "True", "group", "3", "shared", "0", "mma", "True"]
 

@@ -709,3 +709,47 @@ def test_rollout_fold_reduce_same_logits_and_tokens(tmp_path, monkeypatch):
             assert torch.equal(outs[True].logprobs, outs[False].logprobs), (lora, graph_mode)
         if lora:
             m.unload()
+
+
+@pytest.mark.skipif(not (_GLUON_GPU and torch.cuda.get_device_capability()[0] >= 9),
+                    reason="programmatic dependent launch needs an sm_90+ GPU")
+def test_rollout_programmatic_dependent_launch_same_tokens(tmp_path, monkeypatch):
+    """The decode graph captured with programmatic dependent launch (every decode kernel waits for the one before
+    it inside the kernel) gives the bits of the graph without it: greedy tokens and log-probs, NVFP4 with and
+    without LoRA on all seven projections; the PDL launches were taken."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from hfq.nvfp4 import NVFP4Config
+    from hfq.nvfp4.peft_lora import get_peft_model
+    from hfq.rollout import RolloutEngine
+    from hfq.tiny import save_tiny
+    from hfq_kernels import _triton as T
+
+    path = save_tiny(tmp_path / "tiny", arch="qwen2", seed=7, hidden=256, intermediate=512)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config(), dtype=torch.bfloat16,
+                                                 device_map="cuda").eval()
+    taken = []
+    real = T.pdl
+    monkeypatch.setattr(T, "pdl", lambda dev: taken.append(real(dev)) or taken[-1])
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40]]
+    for lora in (False, True):
+        m = model
+        if lora:
+            m = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).to(torch.bfloat16).eval()
+        outs, keep = {}, T._PDL[0]
+        try:
+            for on in (True, False):
+                T.set_pdl(on)
+                taken.clear()
+                eng = RolloutEngine(m, max_batch=4, max_seq_len=40, kv_block=16, graph_mode="cuda_graph")
+                outs[on] = eng.generate(prompts, max_new_tokens=12, temperature=0, eos_token_ids=[],
+                                        return_logprobs=True)
+                assert any(taken) == on, (lora, on)
+        finally:
+            T.set_pdl(keep)
+        assert torch.equal(outs[True].completion_ids, outs[False].completion_ids), lora
+        assert torch.equal(outs[True].logprobs, outs[False].logprobs), lora
+        if lora:
+            m.unload()

@@ -330,3 +330,39 @@ def test_lora_expand_compiles_for_sm90():
     """The LoRA expand summing 16 K-split partials (unrolled) compiles for an H100 with tensor-core MMAs: the
     interpreter does not check GPU layouts or dot shapes. Compiles only; no GPU needed."""
     assert compile_for_sm90(_LORA_SM90) == ["True"]
+
+
+_PDL_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hfq_kernels import lora as L, nvfp4_matmul as MM, rollout as R
+
+def first_wait(fn, sig, consts, warps=4):
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(consts, PDL=True)),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "launch_pdl": True})
+    ptx = k.asm["ptx"]
+    w = ptx.find("griddepcontrol.wait")
+    ok = (k.metadata.launch_pdl and 0 <= w < ptx.index("griddepcontrol.launch_dependents")
+          and w < ptx.index("ld.global") and w < ptx.index("st.global"))
+    print(fn.__name__, ok)
+
+i32, bf16, f32 = "i32", "*bf16", "*fp32"
+first_wait(R._add_rmsnorm_kernel, dict(x_ptr=bf16, r_ptr=bf16, w_ptr=bf16, y_ptr=bf16, s_ptr=bf16, H=i32, eps="fp32",
+           sx=i32, sr=i32, sy=i32, ss=i32), dict(HAS_RES=True, BLOCK=4096), 16)
+first_wait(R._splitk_add_rmsnorm_kernel, dict(p_ptr=f32, b_ptr=bf16, r_ptr=bf16, w_ptr=bf16, y_ptr=bf16, s_ptr=bf16,
+           M=i32, H=i32, SPLIT=i32, eps="fp32", sr=i32, sy=i32, ss=i32), dict(HAS_BIAS=False, HAS_RES=True, BLOCK=4096), 16)
+first_wait(R._silu_mul_kernel, dict(g_ptr=bf16, u_ptr=bf16, o_ptr=bf16, n=i32), dict(BLOCK=1024))
+first_wait(MM._splitk_reduce_kernel, dict(p_ptr=f32, b_ptr=bf16, y_ptr=bf16, M=i32, N=i32, SPLIT=i32, stride_ym=i32),
+           dict(HAS_BIAS=True, BLOCK=1024))
+first_wait(L._shrink_kernel, dict(x_ptr=bf16, a0=bf16, a1=bf16, a2=bf16, p_ptr=f32, M=i32, K=i32, R=i32, sxm=i32,
+           sa0=i32, sa1=i32, sa2=i32, k_per_split=i32, n_splits=i32), dict(IEEE=False, BM=16, BR=32, BK=64))
+"""
+
+
+def test_pdl_kernels_wait_before_touching_memory_sm90():
+    """With PDL on, the decode kernels (compiled for sm_90, no GPU needed) wait for the kernel before them ahead of
+    their first global load and store, and only then let the next kernel launch."""
+    out = compile_for_sm90(_PDL_SM90)
+    assert out == ["_add_rmsnorm_kernel", "True", "_splitk_add_rmsnorm_kernel", "True", "_silu_mul_kernel", "True",
+                   "_splitk_reduce_kernel", "True", "_shrink_kernel", "True"], out

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from hfq_kernels import _triton
+from hfq_kernels._triton import pdl_launches
 from .decoder import DecoderAdapter
 from .sampling import SamplerFlags, row_keys, sample
 
@@ -237,14 +238,15 @@ class RolloutEngine:
             self.step.zero_()
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(s):
+            # decode kernels launch with programmatic dependent launch (sm_90+) in the warm-up and the graph
+            with torch.cuda.stream(s), pdl_launches():
                 for _ in range(2):  # warm-up: Triton autotuning, cuBLAS handles, lazy inits
                     self._decode_body(b, kv_len, flags)
             torch.cuda.current_stream(self.device).wait_stream(s)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool):
+            with torch.cuda.graph(g, pool=self._pool), pdl_launches():
                 self._decode_body(b, kv_len, flags)
             g.replay()  # the first replay uploads the graph; keep that out of generate (it resets the state)
             return g
