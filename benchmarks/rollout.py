@@ -208,17 +208,6 @@ def check(results):
         agree = (got == ref).float().mean().item()
         log(f"check NVFP4 bf16 greedy vs generate: token agreement {agree:.3f} (graphs={e.use_graphs}; bf16 "
             f"reductions differ in order, so late divergence is expected)")
-        kw = dict(max_new_tokens=60, temperature=0, eos_token_ids=[], return_logprobs=True)
-        outs = {}
-        for fold in (True, False):
-            e.adapter.fold_reduce = fold
-            e.invalidate()
-            outs[fold] = e.generate(P, **kw)
-        same = (torch.equal(outs[True].completion_ids, outs[False].completion_ids)
-                and torch.equal(outs[True].logprobs, outs[False].logprobs))
-        ok &= same
-        log(f"check NVFP4 o/down split-K reduce folded into the norm == separate reduce (graphs, tokens and "
-            f"log-probs bit for bit): {same}")
     except Exception as ex:  # noqa: BLE001
         log(f"check NVFP4 failed: {type(ex).__name__}: {ex}")
         ok = False
@@ -342,37 +331,25 @@ def step_split(eng, V, b=8, with_eager=True, greedy_only=False):
     return out
 
 
-def adapter_ab(eng, V, attr, on_name, off_name, rounds=3):
-    """Greedy decode-step replay with the DecoderAdapter switch `attr` on vs off, interleaved over `rounds`:
-    {"replay_ms": {on_name: [...], off_name: [...]}, "speedup_<on_name>": median off / median on}."""
-    keep = getattr(eng.adapter, attr)
-    ms = {on_name: [], off_name: []}
+def nvfp4_grouping(eng, V, rounds=3):
+    """Greedy decode-step replay with NVFP4 q/k/v and gate/up as one grouped Gluon launch each (the default) vs one
+    launch (+ split-K reduce) per linear (HFQ_ROLLOUT_NVFP4_GROUP=0), interleaved."""
+    keep = eng.adapter.group_nvfp4
+    ms = {"grouped": [], "per_linear": []}
     for _ in range(rounds):
-        for name, on in ((on_name, True), (off_name, False)):
-            setattr(eng.adapter, attr, on)
+        for name, on in (("grouped", True), ("per_linear", False)):
+            eng.adapter.group_nvfp4 = on
             eng.invalidate()
             t = step_split(eng, V, with_eager=False, greedy_only=True).get("replay_ms_greedy")
             if t is None:
-                setattr(eng.adapter, attr, keep)
+                eng.adapter.group_nvfp4 = keep
                 return {"error": f"no graph captured for {name}"}
             ms[name].append(t)
-    setattr(eng.adapter, attr, keep)
+    eng.adapter.group_nvfp4 = keep
     eng.invalidate()
     med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
     return {"replay_ms": {k: sorted(v) for k, v in ms.items()},
-            f"speedup_{on_name}": round(med[off_name] / med[on_name], 3)}
-
-
-def nvfp4_grouping(eng, V, rounds=3):
-    """NVFP4 q/k/v and gate/up as one grouped Gluon launch each (the default) vs one launch (+ split-K reduce) per
-    linear (HFQ_ROLLOUT_NVFP4_GROUP=0)."""
-    return adapter_ab(eng, V, "group_nvfp4", "grouped", "per_linear", rounds)
-
-
-def fold_reduce(eng, V, rounds=3):
-    """NVFP4 o_proj / down_proj split-K partials summed by the next add+RMSNorm (the default) vs a separate reduce
-    launch each (HFQ_ROLLOUT_FOLD_REDUCE=0); with LoRA on both, the fold is not taken (a control)."""
-    return adapter_ab(eng, V, "fold_reduce", "folded", "separate_reduce", rounds)
+            "speedup_grouped": round(med["per_linear"] / med["grouped"], 3)}
 
 
 def pdl_ab(eng, V, rounds=3):
@@ -526,9 +503,6 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                     if eng.adapter.fused:
                         results[f"group_{w}_b8"] = nvfp4_grouping(eng, V)
                         log(f"NVFP4 grouped q/k/v, gate/up ({w})", results[f"group_{w}_b8"])
-                        results[f"fold_{w}_b8"] = fold_reduce(eng, V)
-                        log(f"NVFP4 o/down split-K reduce folded into the norm ({w})", results[f"fold_{w}_b8"])
-                    if eng.adapter.fused:
                         results[f"pdl_{w}_b8"] = pdl_ab(eng, V)
                         log(f"programmatic dependent launch ({w})", results[f"pdl_{w}_b8"])
             except Exception as ex:  # noqa: BLE001 - a failing kernel must not lose the other rows
@@ -556,7 +530,7 @@ def write(results, out_dir):
                      f"{r['new_tokens']} | {r.get('tok_s')} | {r.get('peak_gb')} | {ratio} |")
     if results.get("not_run"):
         lines.append(f"\nNot run (time budget / missing package): {', '.join(results['not_run'])}")
-    for k in [k for k in results if k.startswith(("split_", "group_", "fold_", "pdl_"))] + ["quick"]:
+    for k in [k for k in results if k.startswith(("split_", "group_", "pdl_"))] + ["quick"]:
         if k in results:
             lines.append(f"\n{k}: `{json.dumps(results[k])}`")
     with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:

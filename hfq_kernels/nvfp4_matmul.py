@@ -323,26 +323,18 @@ def _words_kernel(x_ptr, wq_ptr, ws_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, strid
                  mask=ymask)
 
 @triton.jit
-def splitk_acc(p_ptr, b_ptr, offs, n, ok, MN, SPLIT, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    """fp32 sum_s partial[s] at the flat offsets offs [BLOCK] into [M, N] (MN = M * N), plus bias[n], in split
-    order: the split-K reduce's sum, shared with its fused consumers (hfq_kernels.rollout) so they get its bits."""
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, SPLIT):
-        acc += tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
-    return acc
-
-
-@triton.jit
 def _splitk_sum(p_ptr, b_ptr, y_ptr, M, N, SPLIT, stride_ym, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """This program's BLOCK elements of y[M, N] = sum_s partial[s, M, N] (+ bias), summed in split order, cast to
     y's dtype."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLIT):
+        acc += tl.load(p_ptr + s * M * N + offs, mask=ok, other=0.0)
     n = offs % N
     m = offs // N
-    acc = splitk_acc(p_ptr, b_ptr, offs, n, ok, M * N, SPLIT, HAS_BIAS, BLOCK)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -854,41 +846,6 @@ def linear_g4(x, wr, sr, global_scale, n: int, k: int, bias=None):
         cfg = gluon_config(x2.shape[0], n, k, x2.device)
         return _gluon_on(x2, wr, sr, n, recip, bias, cfg).reshape(*x.shape[:-1], n)
     return F.linear(x, gluon.dequantize_g4(wr, sr, recip, n, k, x.dtype), bias)
-
-
-_PARTIAL_PLANS = LRU(64)  # (M, N, K, bias?, device, tuner gen) -> (split, its bound launch)
-
-
-def g4_partials_ok(x2: torch.Tensor) -> bool:
-    """Whether linear_g4_partials can take x2: [M, K] with 1 <= M <= 64, contiguous rows, the Gluon kernel's input
-    (bf16, sm_80+): where linear_g4 runs that kernel too."""
-    return x2.dim() == 2 and x2.shape[0] > 0 and x2.stride(-1) == 1 and gluon.supported(x2)
-
-
-def linear_g4_partials(x2, wr, sr, global_scale, bias, n: int, k: int):
-    """linear_g4 for x2 [M, K] without its split-K reduce, for a consumer that sums the partials itself as
-    splitk_acc does (so gets linear_g4's bits): (fp32 partials [split, M, N], split), the bias left to the
-    consumer; at split 1, (y [M, N] in x2's dtype with the bias, 1). linear_g4's config, split and kernel. Raises
-    unless g4_partials_ok(x2) and the weight fits."""
-    check_g4_call(x2, wr, sr, global_scale, bias, n, k, "nvfp4 g4 partials")
-    if not g4_partials_ok(x2):
-        raise ValueError(f"nvfp4 g4 partials: needs a bf16 x [M in 1..64, {k}] with contiguous rows on an sm_80+ GPU "
-                         f"(the Gluon kernel), got {tuple(x2.shape)} {x2.dtype} on {x2.device}")
-    m, dev = x2.shape[0], x2.device
-
-    def plan():
-        cfg = gluon_config(m, n, k, dev)
-        split, cps = _splits(cdiv(k, 64), cfg.get("split", 1))
-        return split, gluon.launcher(m, n, k, cfg, split, cps, bias is not None)
-
-    split, run = _PARTIAL_PLANS.get_or((m, n, k, bias is not None, dev, LINEAR_TUNER.gen), plan)
-    if split == 1:
-        y = torch.empty((m, n), dtype=x2.dtype, device=dev)
-        run(x2, wr, sr, _g4_recip(global_scale), bias, y, n)
-        return y, 1
-    p = torch.empty((split, m, n), dtype=torch.float32, device=dev)
-    run(x2, wr, sr, _g4_recip(global_scale), None, p, n)
-    return p, split
 
 
 def grad_input_g4(g, wr, sr, global_scale, n: int, k: int):

@@ -3,8 +3,7 @@
 One decode step of a Llama-family block, besides its linears, is 6 kernels here instead of ~35 small ones
 (HF RMSNorm's casts, RoPE's slices and cats, residual adds, the KV index_copy, SDPA with a mask):
 
-- `add_rmsnorm`: residual add + RMSNorm (HF numerics: fp32 variance, cast to the input dtype, times weight);
-  `splitk_add_rmsnorm` does it on the split-K partials of the linear before it (the reduce folded in, same bits)
+- `add_rmsnorm`: residual add + RMSNorm (HF numerics: fp32 variance, cast to the input dtype, times weight)
 - `rope_kv_write`: RoPE on q and k, q written out, k and v written into the static cache at column `col`
 - `decode_attention`: split-KV attention of one query token per row over cache columns
   [0, min(kv_len, col + 1)) with the engine's additive mask (GQA without copying K/V), plus a combine kernel
@@ -24,7 +23,6 @@ import torch
 
 from hfq_kernels._triton import (HAS_TRITON, available, next_pow2, pdl_enter, pdl_meta, sm_count, tl,  # noqa: F401
                                  triton)
-from hfq_kernels.nvfp4_matmul import splitk_acc
 
 
 # ------------------------------------------------------------------------------------------ references
@@ -123,25 +121,6 @@ def _safe_max(m):
 
 
 @triton.jit
-def _add_rmsnorm_row(x, r_ptr, w_ptr, y_ptr, s_ptr, row, offs, m, H, eps, sr, sy, ss,
-                     HAS_RES: tl.constexpr, STORE_SUM: tl.constexpr):
-    """One row of add+RMSNorm from x (in the model dtype): s = x + residual (stored if STORE_SUM), y = weight *
-    normalize(s) with HF's casts."""
-    dt = x.dtype
-    if HAS_RES:
-        r = tl.load(r_ptr + row * sr + offs, mask=m, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-    if STORE_SUM:
-        tl.store(s_ptr + row * ss + offs, x, mask=m)
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, axis=0) / H
-    rstd = 1.0 / tl.sqrt(var + eps)
-    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    y = w * (xf * rstd).to(dt).to(tl.float32)
-    tl.store(y_ptr + row * sy + offs, y.to(dt), mask=m)
-
-
-@triton.jit
 def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, sx, sr, sy, ss,
                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     pdl_enter(PDL)
@@ -149,23 +128,17 @@ def _add_rmsnorm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, H, eps, sx, sr, sy, s
     offs = tl.arange(0, BLOCK)
     m = offs < H
     x = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0)
-    _add_rmsnorm_row(x, r_ptr, w_ptr, y_ptr, s_ptr, row, offs, m, H, eps, sr, sy, ss, HAS_RES, HAS_RES)
-
-
-@triton.jit
-def _splitk_add_rmsnorm_kernel(p_ptr, b_ptr, r_ptr, w_ptr, y_ptr, s_ptr, M, H, SPLIT, eps, sr, sy, ss,
-                               HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-                               PDL: tl.constexpr = False):
-    """_add_rmsnorm_kernel on x = the split-K reduce of fp32 partials [SPLIT, M, H] (+ bias) in y's dtype, summed by
-    the reduce's own code (splitk_acc), so the same bits as the reduce then add+RMSNorm; the sum s is always
-    stored (no tensor holds x otherwise)."""
-    pdl_enter(PDL)
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    m = offs < H
-    x = splitk_acc(p_ptr, b_ptr, row * H + offs, offs, m, M * H, SPLIT, HAS_BIAS, BLOCK)
-    _add_rmsnorm_row(x.to(y_ptr.dtype.element_ty), r_ptr, w_ptr, y_ptr, s_ptr, row, offs, m, H, eps, sr, sy, ss,
-                     HAS_RES, True)
+    dt = x.dtype
+    if HAS_RES:
+        r = tl.load(r_ptr + row * sr + offs, mask=m, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+        tl.store(s_ptr + row * ss + offs, x, mask=m)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / H
+    rstd = 1.0 / tl.sqrt(var + eps)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    y = w * (xf * rstd).to(dt).to(tl.float32)
+    tl.store(y_ptr + row * sy + offs, y.to(dt), mask=m)
 
 @triton.jit
 def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, qo_ptr, kc_ptr, vc_ptr, col_ptr,
@@ -388,43 +361,6 @@ def add_rmsnorm(x, residual, weight, eps):
                                  y.stride(0), s_out.stride(0), HAS_RES=residual is not None, BLOCK=block,
                                  num_warps=max(1, min(16, block // 256)), **pdl_meta(x2.device))
     return y.view(x.shape), s
-
-
-_NORM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def splitk_add_rmsnorm(partials, bias, residual, weight, eps, dtype):
-    """add_rmsnorm(x, residual, weight, eps) for x = the split-K reduce of a linear's fp32 partials [S, M, H] plus
-    bias [H] (or None) in `dtype`, in one launch instead of two, bit-identical to nvfp4_matmul's reduce then
-    add_rmsnorm. residual: M rows of H (last dim contiguous) or None. Returns (normed, x + residual or x), [M, H]."""
-    if partials.dim() != 3 or partials.dtype != torch.float32 or not partials.is_contiguous():
-        raise ValueError(f"splitk_add_rmsnorm: partials must be a contiguous float32 [split, M, H] tensor, got "
-                         f"{partials.dtype} {tuple(partials.shape)}")
-    split, rows, H = partials.shape
-    if dtype not in _NORM_DTYPES:
-        raise ValueError(f"splitk_add_rmsnorm: dtype must be one of {_NORM_DTYPES}, got {dtype}")
-    if weight.shape != (H,):
-        raise ValueError(f"splitk_add_rmsnorm: weight must have shape ({H},) for partials {tuple(partials.shape)}, "
-                         f"got {tuple(weight.shape)}")
-    if bias is not None and (bias.shape != (H,) or not bias.is_contiguous()):
-        raise ValueError(f"splitk_add_rmsnorm: bias must be a contiguous ({H},) tensor for partials "
-                         f"{tuple(partials.shape)}, got {tuple(bias.shape)}")
-    y = torch.empty((rows, H), dtype=dtype, device=partials.device)
-    s = torch.empty_like(y)
-    r2 = s  # not read without a residual
-    if residual is not None:
-        if residual.shape[-1] != H or residual.numel() != rows * H or residual.dtype != dtype:
-            raise ValueError(f"splitk_add_rmsnorm: residual must hold {rows} rows of {H} in {dtype} for partials "
-                             f"{tuple(partials.shape)}, got {residual.dtype} {tuple(residual.shape)}")
-        r2 = residual.reshape(rows, H)
-        if r2.stride(-1) != 1:
-            raise ValueError(f"splitk_add_rmsnorm: residual {tuple(residual.shape)} needs a contiguous last dim")
-    block = next_pow2(H)
-    _splitk_add_rmsnorm_kernel[(rows,)](
-        partials, bias if bias is not None else partials, r2, weight, y, s, rows, H, split, float(eps), r2.stride(0),
-        y.stride(0), s.stride(0), HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK=block,
-        num_warps=max(1, min(16, block // 256)), **pdl_meta(partials.device))
-    return y, s
 
 
 def rope_kv_write(q, k, v, cos, sin, k_cache, v_cache, col, n_heads, n_kv, head_dim):

@@ -43,82 +43,6 @@ def test_add_rmsnorm(dtype, with_res):
     assert rel(y, y_ref) < tol
 
 
-def _reduce_then_norm(p, b, r, w, eps, dtype):
-    """nvfp4_matmul's split-K reduce of p [S, M, H] (+ b) into dtype, then add_rmsnorm: what the fold replaces."""
-    from hfq_kernels._triton import cdiv
-    from hfq_kernels.nvfp4_matmul import _splitk_reduce_kernel
-
-    split, m, h = p.shape
-    x = torch.empty((m, h), dtype=dtype, device=DEV)
-    _splitk_reduce_kernel[(cdiv(m * h, 1024),)](p, b if b is not None else p, x, m, h, split, h,
-                                                HAS_BIAS=b is not None, BLOCK=1024, num_warps=4)
-    return K.add_rmsnorm(x, r, w, eps)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_splitk_add_rmsnorm_bit_equal_to_reduce_then_norm(dtype, with_bias):
-    """The norm kernel that sums a linear's split-K partials itself gives the bits of the split-K reduce followed by
-    add_rmsnorm (normed rows and the residual stream), on random odd shapes, with and without a residual."""
-    g = torch.Generator().manual_seed(12)
-    for i in range(6):
-        m = int(torch.randint(1, 65, (1,), generator=g)) if i else 64
-        h = int(torch.randint(3, 200, (1,), generator=g))
-        split = (1, 2, 3, 4, 7, 19)[i]
-        p = (torch.randn(split, m, h, generator=g) * 4).to(DEV)
-        b = torch.randn(h, generator=g).to(DEV, dtype) if with_bias else None
-        w = (1 + 0.1 * torch.randn(h, generator=g)).to(DEV, dtype)
-        for r in (torch.randn(m, 1, h, generator=g).to(DEV, dtype), None):
-            y, s = K.splitk_add_rmsnorm(p, b, r, w, 1e-6, dtype)
-            y_ref, s_ref = _reduce_then_norm(p, b, r, w, 1e-6, dtype)
-            assert y.shape == s.shape == (m, h) and y.dtype == s.dtype == dtype
-            assert torch.equal(y.view(torch.uint8), y_ref.reshape(m, h).view(torch.uint8)), (m, h, split)
-            assert torch.equal(s.view(torch.uint8), s_ref.reshape(m, h).view(torch.uint8)), (m, h, split)
-
-
-def test_splitk_add_rmsnorm_bad_input_named():
-    p = torch.zeros(3, 5, 40, device=DEV)
-    w = torch.ones(40, device=DEV)
-    with pytest.raises(ValueError, match=r"float32 \[split, M, H\].*\(5, 40\)"):
-        K.splitk_add_rmsnorm(p[0], None, None, w, 1e-6, torch.float32)
-    with pytest.raises(ValueError, match=r"float32 \[split, M, H\].*torch.float16 \(3, 5, 40\)"):
-        K.splitk_add_rmsnorm(p.half(), None, None, w, 1e-6, torch.float32)
-    with pytest.raises(ValueError, match=r"weight must have shape \(40,\).*got \(41,\)"):
-        K.splitk_add_rmsnorm(p, None, None, torch.ones(41, device=DEV), 1e-6, torch.float32)
-    with pytest.raises(ValueError, match=r"bias must be a contiguous \(40,\).*got \(5, 40\)"):
-        K.splitk_add_rmsnorm(p, torch.zeros(5, 40, device=DEV), None, w, 1e-6, torch.float32)
-    with pytest.raises(ValueError, match=r"residual must hold 5 rows of 40.*\(4, 40\)"):
-        K.splitk_add_rmsnorm(p, None, torch.zeros(4, 40, device=DEV), w, 1e-6, torch.float32)
-    with pytest.raises(ValueError, match=r"residual must hold 5 rows of 40 in torch.float32.*torch.bfloat16"):
-        K.splitk_add_rmsnorm(p, None, torch.zeros(5, 40, device=DEV, dtype=torch.bfloat16), w, 1e-6, torch.float32)
-    with pytest.raises(ValueError, match=r"residual \(5, 40\) needs a contiguous last dim"):
-        K.splitk_add_rmsnorm(p, None, torch.zeros(40, 5, device=DEV).t(), w, 1e-6, torch.float32)
-    with pytest.raises(ValueError, match="dtype must be one of"):
-        K.splitk_add_rmsnorm(p, None, None, w, 1e-6, torch.int32)
-
-
-_NORM_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from hfq_kernels import rollout as R
-
-i = "i32"
-sig = dict(p_ptr="*fp32", b_ptr="*bf16", r_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", s_ptr="*bf16", M=i, H=i,
-           SPLIT=i, eps="fp32", sr=i, sy=i, ss=i)
-k = triton.compile(ASTSource(fn=R._splitk_add_rmsnorm_kernel, signature=sig,
-                             constexprs=dict(HAS_BIAS=True, HAS_RES=True, BLOCK=4096)),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
-print("ld.global" in k.asm["ptx"])
-"""
-
-
-def test_splitk_add_rmsnorm_compiles_for_sm90():
-    """The fused reduce + add+RMSNorm kernel (the reduce's sum imported from nvfp4_matmul) builds for an H100 at a
-    7B model's width. Compiles only; no GPU needed."""
-    assert compile_for_sm90(_NORM_SM90) == ["True"]
-
-
 def _rope_inputs(g, b, nkv, hd, B, S, col, dtype):
     """cos/sin [b, hd] of random angles, the write column, and random K/V caches [B, nkv, S, hd]."""
     ang = torch.randn(b, hd // 2, generator=g)
@@ -350,8 +274,6 @@ def first_wait(fn, sig, consts, warps=4):
 i32, bf16, f32 = "i32", "*bf16", "*fp32"
 first_wait(R._add_rmsnorm_kernel, dict(x_ptr=bf16, r_ptr=bf16, w_ptr=bf16, y_ptr=bf16, s_ptr=bf16, H=i32, eps="fp32",
            sx=i32, sr=i32, sy=i32, ss=i32), dict(HAS_RES=True, BLOCK=4096), 16)
-first_wait(R._splitk_add_rmsnorm_kernel, dict(p_ptr=f32, b_ptr=bf16, r_ptr=bf16, w_ptr=bf16, y_ptr=bf16, s_ptr=bf16,
-           M=i32, H=i32, SPLIT=i32, eps="fp32", sr=i32, sy=i32, ss=i32), dict(HAS_BIAS=False, HAS_RES=True, BLOCK=4096), 16)
 first_wait(R._silu_mul_kernel, dict(g_ptr=bf16, u_ptr=bf16, o_ptr=bf16, n=i32), dict(BLOCK=1024))
 first_wait(MM._splitk_reduce_kernel, dict(p_ptr=f32, b_ptr=bf16, y_ptr=bf16, M=i32, N=i32, SPLIT=i32, stride_ym=i32),
            dict(HAS_BIAS=True, BLOCK=1024))
@@ -364,5 +286,5 @@ def test_pdl_kernels_wait_before_touching_memory_sm90():
     """With PDL on, the decode kernels (compiled for sm_90, no GPU needed) wait for the kernel before them ahead of
     their first global load and store, and only then let the next kernel launch."""
     out = compile_for_sm90(_PDL_SM90)
-    assert out == ["_add_rmsnorm_kernel", "True", "_splitk_add_rmsnorm_kernel", "True", "_silu_mul_kernel", "True",
+    assert out == ["_add_rmsnorm_kernel", "True", "_silu_mul_kernel", "True",
                    "_splitk_reduce_kernel", "True", "_shrink_kernel", "True"], out

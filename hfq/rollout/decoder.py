@@ -7,8 +7,7 @@ KV cache are ours, so a decode step has fixed shapes and no host synchronisation
 
 With `fused=True` (CUDA, or CPU under TRITON_INTERPRET=1) a decode step runs the norms, RoPE + KV write,
 attention and SiLU*mul as the Triton kernels of `hfq_kernels.rollout`, reading the norm weights where they
-live, runs hfq NVFP4 q/k/v and gate/up as one grouped Gluon launch each, sums the split-K partials of NVFP4 o_proj
-and down_proj (no LoRA) inside the add+RMSNorm after them, and applies unmerged LoRA with one
+live, runs hfq NVFP4 q/k/v and gate/up as one grouped Gluon launch each, and applies unmerged LoRA with one
 shrink + one expand kernel per group of linears sharing an input (`hfq_kernels.lora`; q/k/v, gate/up, o, down);
 any module it does not recognise (custom norms, hooks, DoRA, dropout in training, ...) is called as the model's
 own module.
@@ -124,7 +123,6 @@ class DecoderAdapter:
         self.fused = bool(fused)
         self.gemm = False  # skinny Triton GEMM for plain BF16/FP16 nn.Linear at <= 16 rows (set by the engine)
         self.group_nvfp4 = True  # q/k/v and gate/up NVFP4 (g4) linears as one grouped launch each (fused path)
-        self.fold_reduce = True  # NVFP4 (g4) o_proj / down_proj split-K reduce done by the next add+RMSNorm (fused)
 
     def _qkv(self, attn, x, cos, sin):
         b, n, _ = x.shape
@@ -247,54 +245,32 @@ class DecoderAdapter:
         return outs
 
     @staticmethod
-    def _g4_weight(m, x2):
-        """(words, scales, global scale, bias, out_features) when `m` is an hfq NVFP4 linear holding its weight in
-        the g4 layout (no hooks, no compute-dtype cast) for input x2 [M, K] with no gradient wanted; else None."""
-        b = getattr(m, "_buffers", {})
-        if (type(m).__name__ != "NVFP4Linear" or "weight_g4" not in b or getattr(m, "format", None) != "nvfp4"
-                or getattr(m, "compute_dtype", None) not in (None, x2.dtype) or _has_hooks(m)
-                or m.in_features != x2.shape[-1] or (torch.is_grad_enabled() and x2.requires_grad)):
+    def _g4_group(mods, x2):
+        """[(words, scales, global scale, bias, out_features)] when `mods` are 2-3 hfq NVFP4 linears holding their
+        weights in the g4 layout (no hooks, no compute-dtype cast) that one grouped Gluon launch can serve for x2;
+        else None (each runs as its own module)."""
+        if not 2 <= len(mods) <= 3 or (torch.is_grad_enabled() and x2.requires_grad):
             return None
-        return b["weight_g4"], b["weight_g4_scale"], b["weight_global_scale"], m._parameters.get("bias"), m.out_features
-
-    @classmethod
-    def _g4_group(cls, mods, x2):
-        """[_g4_weight(m, x2) for m in mods] when `mods` are 2-3 such linears that one grouped Gluon launch can serve
-        for x2; else None (each runs as its own module)."""
-        if not 2 <= len(mods) <= 3:
-            return None
-        ws = [cls._g4_weight(m, x2) for m in mods]
-        return ws if None not in ws and _nv.group_g4_ok(x2, ws) else None
-
-    def _linear_norm(self, norm, mod, x, residual):
-        """_norm(norm, mod(x), residual); mod None: _norm(norm, x, residual). With fold_reduce, a g4 NVFP4 linear
-        (no LoRA wrapper, bias in x's dtype) before a plain RMSNorm leaves its split-K partials to the norm kernel,
-        which sums them as the reduce does: the same bits, one launch fewer."""
-        if mod is None:
-            return self._norm(norm, x, residual)
-        x2 = x.reshape(-1, x.shape[-1])
-        w = self._g4_weight(mod, x2) if self.fold_reduce and self._plain_norm(norm, x) else None
-        if (w is None or (w[3] is not None and w[3].dtype != x.dtype) or not _nv.g4_partials_ok(x2)
-                or (residual is not None and (residual.dtype != x.dtype or residual.stride(-1) != 1))):
-            return self._norm(norm, self._linear_group([mod], x)[0], residual)
-        y, split = _nv.linear_g4_partials(x2, *w, x2.shape[-1])
-        shape = (*x.shape[:-1], w[4])
-        if split == 1:
-            return self._norm(norm, y.view(shape), residual)
-        yn, s = K.splitk_add_rmsnorm(y, w[3], residual, norm.weight, norm.variance_epsilon, x.dtype)
-        return yn.view(shape), s.view(shape)
+        ws = []
+        for m in mods:
+            b = getattr(m, "_buffers", {})
+            if (type(m).__name__ != "NVFP4Linear" or "weight_g4" not in b or getattr(m, "format", None) != "nvfp4"
+                    or getattr(m, "compute_dtype", None) not in (None, x2.dtype) or _has_hooks(m)
+                    or m.in_features != x2.shape[-1]):
+                return None
+            ws.append((b["weight_g4"], b["weight_g4_scale"], b["weight_global_scale"], m._parameters.get("bias"),
+                       m.out_features))
+        return ws if _nv.group_g4_ok(x2, ws) else None
 
     def _mlp(self, mlp, x):
-        """(mlp.down_proj, its input) for a gated SiLU MLP, down_proj left to the next norm (_linear_norm);
-        (None, mlp(x)) for any other MLP."""
         if (all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
                 and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
                 and not _has_hooks(mlp) and not _has_hooks(mlp.act_fn)):
             g, u = self._linear_group([mlp.gate_proj, mlp.up_proj], x)
             if g.is_contiguous() and u.is_contiguous() and g.dtype == u.dtype:
-                return mlp.down_proj, K.silu_mul(g, u)
-            return mlp.down_proj, mlp.act_fn(g) * u
-        return None, mlp(x)
+                return self._linear_group([mlp.down_proj], K.silu_mul(g, u))[0]
+            return self._linear_group([mlp.down_proj], mlp.act_fn(g) * u)[0]
+        return mlp(x)
 
     def decode_fused(self, ids, pos, col, add_mask, k_cache, v_cache, b: int, kv_len: int):
         """`decode` with the fused kernels (same arguments and result)."""
@@ -302,10 +278,10 @@ class DecoderAdapter:
         cos, sin = self.rotary(h, pos[:, None])
         cos, sin = cos.reshape(b, -1).contiguous(), sin.reshape(b, -1).contiguous()
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-        x, down, res = h, None, None  # down: the previous layer's down_proj, still to be applied to x
+        x, res = h, None
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            xn, res = self._linear_norm(layer.input_layernorm, down, x, res)
+            xn, res = self._norm(layer.input_layernorm, x, res)
             q, k, v = self._linear_group([attn.q_proj, attn.k_proj, attn.v_proj], xn)
             if self.qk_norm:
                 q = attn.q_norm(q.view(b, 1, nh, hd))
@@ -313,9 +289,10 @@ class DecoderAdapter:
             q, k, v = (t.reshape(b, -1).contiguous() for t in (q, k, v))
             qr = K.rope_kv_write(q, k, v, cos, sin, k_cache[i], v_cache[i], col, nh, nkv, hd)
             o = K.decode_attention(qr, k_cache[i], v_cache[i], add_mask, col, kv_len, self.scaling)
-            xn, res = self._linear_norm(layer.post_attention_layernorm, attn.o_proj, o.view(b, 1, nh * hd), res)
-            down, x = self._mlp(layer.mlp, xn)
-        out, _ = self._linear_norm(self.norm, down, x, res)
+            o = self._linear_group([attn.o_proj], o.view(b, 1, nh * hd))[0]
+            xn, res = self._norm(layer.post_attention_layernorm, o, res)
+            x = self._mlp(layer.mlp, xn)
+        out, _ = self._norm(self.norm, x, res)
         return out[:, 0]
 
     def logits(self, hidden):

@@ -118,9 +118,6 @@ class RolloutEngine:
         self.adapter.gemm = bool(skinny_gemm) and self.adapter.fused and self.device.type == "cuda"
         # NVFP4 (g4) q/k/v and gate/up as one grouped Gluon launch each (HFQ_ROLLOUT_NVFP4_GROUP=0: one per linear)
         self.adapter.group_nvfp4 = os.environ.get("HFQ_ROLLOUT_NVFP4_GROUP", "1") != "0"
-        # NVFP4 (g4) o_proj / down_proj partials summed by the next add+RMSNorm (HFQ_ROLLOUT_FOLD_REDUCE=0: a reduce
-        # launch each)
-        self.adapter.fold_reduce = os.environ.get("HFQ_ROLLOUT_FOLD_REDUCE", "1") != "0"
         self.dtype = self.adapter.dtype
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
