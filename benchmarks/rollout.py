@@ -352,6 +352,28 @@ def nvfp4_grouping(eng, V, rounds=3):
             "speedup_grouped": round(med["per_linear"] / med["grouped"], 3)}
 
 
+def lora_reduce_ab(eng, V, rounds=3):
+    """NVFP4+LoRA: the base linears' split-K reduce done by the LoRA expand's launch (the default) vs a reduce and
+    an expand launch (HFQ_ROLLOUT_LORA_REDUCE=0), greedy replay, interleaved over `rounds`."""
+    keep = eng.adapter.lora_in_reduce
+    ms = {"in_expand": [], "separate": []}
+    try:
+        for _ in range(rounds):
+            for name, on in (("in_expand", True), ("separate", False)):
+                eng.adapter.lora_in_reduce = on
+                eng.invalidate()
+                t = step_split(eng, V, with_eager=False, greedy_only=True).get("replay_ms_greedy")
+                if t is None:
+                    return {"error": f"no graph captured for {name}"}
+                ms[name].append(t)
+    finally:
+        eng.adapter.lora_in_reduce = keep
+        eng.invalidate()
+    med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
+    return {"replay_ms": {k: sorted(v) for k, v in ms.items()},
+            "speedup_in_expand": round(med["separate"] / med["in_expand"], 3)}
+
+
 def pdl_ab(eng, V, rounds=3):
     """Decode graph captured with programmatic dependent launch of the decode kernels (the default on sm_90+) vs
     without (HFQ_PDL=0), greedy replay, interleaved over `rounds`."""
@@ -505,6 +527,9 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                         log(f"NVFP4 grouped q/k/v, gate/up ({w})", results[f"group_{w}_b8"])
                         results[f"pdl_{w}_b8"] = pdl_ab(eng, V)
                         log(f"programmatic dependent launch ({w})", results[f"pdl_{w}_b8"])
+                        if w == "nvfp4+lora":
+                            results[f"lorareduce_{w}_b8"] = lora_reduce_ab(eng, V)
+                            log(f"split-K reduce in the LoRA expand ({w})", results[f"lorareduce_{w}_b8"])
             except Exception as ex:  # noqa: BLE001 - a failing kernel must not lose the other rows
                 add(engine="hfq", weights=w, batch=b, new_tokens=new, tok_s=None, peak_gb=None,
                     error=f"{type(ex).__name__}: {str(ex)[:200]}")
@@ -530,7 +555,7 @@ def write(results, out_dir):
                      f"{r['new_tokens']} | {r.get('tok_s')} | {r.get('peak_gb')} | {ratio} |")
     if results.get("not_run"):
         lines.append(f"\nNot run (time budget / missing package): {', '.join(results['not_run'])}")
-    for k in [k for k in results if k.startswith(("split_", "group_", "pdl_"))] + ["quick"]:
+    for k in [k for k in results if k.startswith(("split_", "group_", "pdl_", "lorareduce_"))] + ["quick"]:
         if k in results:
             lines.append(f"\n{k}: `{json.dumps(results[k])}`")
     with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:

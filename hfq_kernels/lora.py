@@ -43,9 +43,11 @@ def _shrink_kernel(x_ptr, a0, a1, a2, p_ptr, M, K, R, sxm, sa0, sa1, sa2, k_per_
 
 @triton.jit
 def _expand_kernel(p_ptr, b0, b1, b2, y0, y1, y2, s0, s1, s2, n0, n1, n2, sb0, sb1, sb2, sy0, sy1, sy2,
-                   M, R, nb0, nb1, NS: tl.constexpr,
+                   q0, q1, q2, c0, c1, c2, M, R, nb0, nb1, NS: tl.constexpr,
                    IEEE: tl.constexpr, BM: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   QS: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False, PDL: tl.constexpr = False):
+    """y_i += scale_i * t_i B_i^T. QS > 0: y_i is first made from the base linear's split-K partials q_i
+    [QS, M, N_i] (+ bias c_i), summed and cast as nvfp4_matmul's reduce does (its launch folded in here)."""
     pdl_enter(PDL)
     i, blk = group_of(tl.program_id(0), nb0, nb1)
     scale = sel3(i, s0, s1, s2)
@@ -56,7 +58,16 @@ def _expand_kernel(p_ptr, b0, b1, b2, y0, y1, y2, s0, s1, s2, n0, n1, n2, sb0, s
     nm = rn < N
     ym = (rm < M)[:, None] & nm[None, :]
     yp = y_ptr + rm[:, None] * sy + rn[None, :]
-    y = tl.load(yp, mask=ym, other=0.0)
+    if QS > 0:
+        q_ptr = pick3(i, q0, q1, q2)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for sp in tl.static_range(QS):  # split order, as the reduce sums
+            acc += tl.load(q_ptr + (sp * M + rm[:, None]) * N + rn[None, :], mask=ym, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(pick3(i, c0, c1, c2) + rn, mask=nm, other=0.0).to(tl.float32)[None, :]
+        y = acc.to(y_ptr.dtype.element_ty)
+    else:
+        y = tl.load(yp, mask=ym, other=0.0)
     tl.store(yp, _tile_delta(y, t, b_ptr, sb, tl.where(nm, rn, 0), R, scale, IEEE, BR), mask=ym)
 
 
@@ -109,8 +120,12 @@ def shrink_(x, sh: Shrink):
                                         **pdl_meta(x.device))
 
 
-def expand_(sh: Shrink, outs, block_n: int = 64):
-    """outs[i] += scale_i * t_i B_i^T in place, t_i the sum of sh's partials rounded to outs' dtype."""
+def expand_(sh: Shrink, outs, block_n: int = 64, base=None):
+    """outs[i] += scale_i * t_i B_i^T in place, t_i the sum of sh's partials rounded to outs' dtype.
+
+    base = (partials, split, biases): outs[i] is written, not read: first the split-K reduce of the base linear's
+    fp32 partials[i] [split, M, N_i] (contiguous) plus biases[i] (or None), with the reduce kernel's bits, then the
+    update (one launch where reduce + expand take two)."""
     if len(outs) != sh.n:
         raise ValueError(f"lora expand: {sh.n} adapters but {len(outs)} outputs")
     for o, p in zip(outs, sh.plans):
@@ -118,6 +133,23 @@ def expand_(sh: Shrink, outs, block_n: int = 64):
         if o.shape != (sh.M, p[1].shape[0]):
             raise ValueError(f"lora expand: output shape {tuple(o.shape)}, expected {(sh.M, p[1].shape[0])}")
     n = sh.n
+    qs, qp, cp, has_bias = 0, [sh.part] * MAX_GROUP, [sh.part] * MAX_GROUP, False
+    if base is not None:
+        parts, qs, biases = base
+        if len(parts) != n or len(biases) != n or qs < 1:
+            raise ValueError(f"lora expand: base needs {n} partials and biases and a split >= 1, got "
+                             f"{len(parts)}, {len(biases)}, split {qs}")
+        for q, o in zip(parts, outs):
+            if q.shape != (qs, sh.M, o.shape[1]) or q.dtype != torch.float32 or not q.is_contiguous():
+                raise ValueError(f"lora expand: base partials must be contiguous float32 {(qs, sh.M, o.shape[1])}, "
+                                 f"got {q.dtype} {tuple(q.shape)}")
+        has_bias = biases[0] is not None
+        for c, o in zip(biases, outs):
+            if (c is not None) != has_bias or (c is not None and (c.shape != (o.shape[1],) or not c.is_contiguous())):
+                raise ValueError(f"lora expand: biases must be all None or contiguous [N_i], got "
+                                 f"{[None if c is None else tuple(c.shape) for c in biases]}")
+        qp = list(parts) + [parts[0]] * (MAX_GROUP - n)
+        cp = (list(biases) + [biases[0]] * (MAX_GROUP - n)) if has_bias else qp
     b = [p[1] for p in sh.plans] + [sh.plans[0][1]] * (MAX_GROUP - n)
     ys = list(outs) + [outs[0]] * (MAX_GROUP - n)
     sc = [float(p[2]) for p in sh.plans] + [0.0] * (MAX_GROUP - n)
@@ -125,9 +157,10 @@ def expand_(sh: Shrink, outs, block_n: int = 64):
     ns = [o.shape[1] for o in ys]
     _expand_kernel[(sum(nbs),)](sh.part, b[0], b[1], b[2], ys[0], ys[1], ys[2], sc[0], sc[1], sc[2], ns[0], ns[1],
                                 ns[2], b[0].stride(0), b[1].stride(0), b[2].stride(0), ys[0].stride(0),
-                                ys[1].stride(0), ys[2].stride(0), sh.M, sh.R, nbs[0], nbs[1], NS=sh.n_splits,
-                                IEEE=outs[0].dtype == torch.float32, BM=sh.BM, BR=sh.BR, BN=block_n, num_warps=4,
-                                **pdl_meta(outs[0].device))
+                                ys[1].stride(0), ys[2].stride(0), qp[0], qp[1], qp[2], cp[0], cp[1], cp[2],
+                                sh.M, sh.R, nbs[0], nbs[1], NS=sh.n_splits,
+                                IEEE=outs[0].dtype == torch.float32, BM=sh.BM, BR=sh.BR, BN=block_n, QS=qs,
+                                HAS_BIAS=has_bias, num_warps=4, **pdl_meta(outs[0].device))
     return outs
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hfq_kernels import lora as _lora
 from hfq_kernels import nvfp4_gluon as gluon
 from hfq_kernels._autotune import Tuner
 from hfq_kernels._autotune import _capturing as _autotune_capturing
@@ -899,15 +900,18 @@ def _group_plan(m, ns, k, hb, dt, dev):
                        dict(HAS_BIAS=hb, BLOCK=1024, num_warps=4))
     n2 = ns[2] if g == 3 else ns[1]
 
-    def fwd(x2, weights):
+    def fwd(x2, weights, sh=None):
         outs = [torch.empty((m, n), dtype=dt, device=dev) for n in ns]
         members = [(w[0], w[1], w[2], w[3]) for w in weights]
         if split == 1:
             run(x2, members, outs)
-            return outs
+            return outs if sh is None else _lora.expand_(sh, outs)
         part = torch.empty(split * m * total, dtype=torch.float32, device=dev)
         dsts = [part[o * split * m:(o + n) * split * m] for o, n in zip(offs, ns)]
         run(x2, members, dsts)
+        if sh is not None:  # the reduce done by the LoRA expand's launch
+            return _lora.expand_(sh, outs, base=([d.view(split, m, n) for d, n in zip(dsts, ns)], split,
+                                                 [w[3] for w in weights]))
         bs = [w[3] if w[3] is not None else w[2] for w in weights]
         ys = outs + outs[-1:] if g == 2 else outs
         bs = bs + bs[-1:] if g == 2 else bs
@@ -915,6 +919,56 @@ def _group_plan(m, ns, k, hb, dt, dev):
         return outs
 
     return fwd
+
+
+def lora_g4_ok(x2: torch.Tensor, weights) -> bool:
+    """Whether linear_lora_g4 can take x2 with these g4 weights: 2-3 as group_g4_ok; one weight: bf16 x2 [M <= 64,
+    K] with contiguous rows on a GPU that runs the Gluon kernel, bias None or in x2's dtype, tensors of the layout."""
+    if len(weights) != 1:
+        return group_g4_ok(x2, weights)
+    wr, sr, gs, bias, n = weights[0]
+    return (x2.dim() == 2 and 1 <= x2.shape[0] <= 64 and x2.stride(-1) == 1 and gluon.supported(x2)
+            and gs.numel() == 1 and (bias is None or (bias.dtype == x2.dtype and bias.shape == (n,)))
+            and gluon.g4_numel(n, x2.shape[1]) == (wr.numel(), sr.numel()))
+
+
+_LORA_PLANS = LRU(64)  # (M, N, K, bias?, dtype, device, tuner gen) -> (split, launcher) of a single g4 + LoRA
+
+
+def linear_lora_g4(x2: torch.Tensor, weights, sh) -> list:
+    """[x2 @ W_g^T + b_g + scale_g (x2 A_g^T) B_g^T] for 1-3 g4 weights sharing x2 [M <= 64, K] (weights as for
+    linear_group_g4) whose LoRA shrink `sh` (hfq_kernels.lora.Shrink, one adapter per weight) has run: the base
+    products as linear_g4 (one weight: the module's own plan) or linear_group_g4 (2-3) compute them, and their
+    split-K reduce is done by the LoRA expand's launch, with the bits of reduce then expand."""
+    if len(weights) != sh.n:
+        raise ValueError(f"nvfp4 g4 + LoRA: {len(weights)} weights but {sh.n} adapters in the shrink")
+    m, k = x2.shape
+    if len(weights) > 1:
+        if not group_g4_ok(x2, weights):
+            raise ValueError(f"nvfp4 g4 + LoRA: the grouped launch cannot take x {tuple(x2.shape)} {x2.dtype} on "
+                             f"{x2.device} with out_features {[w[4] for w in weights]} (see linear_group_g4)")
+        ns = tuple(w[4] for w in weights)
+        key = (m, ns, k, weights[0][3] is not None, x2.dtype, x2.device)
+        return _GROUP_PLANS.get_or(key, lambda: _group_plan(m, ns, k, key[3], x2.dtype, x2.device))(x2, weights, sh)
+    wr, sr, gs, bias, n = weights[0]
+    check_g4_call(x2, wr, sr, gs, bias, n, k, "nvfp4 g4 + LoRA")
+    if not (m <= 64 and x2.stride(-1) == 1 and gluon.supported(x2)):
+        raise ValueError(f"nvfp4 g4 + LoRA: needs a bf16 x [M in 1..64, {k}] with contiguous rows on an sm_80+ GPU, "
+                         f"got {tuple(x2.shape)} {x2.dtype} on {x2.device}")
+
+    def plan():
+        cfg = gluon_config(m, n, k, x2.device)
+        split, cps = _splits(cdiv(k, 64), cfg.get("split", 1))
+        return split, gluon.launcher(m, n, k, cfg, split, cps, bias is not None)
+
+    split, run = _LORA_PLANS.get_or((m, n, k, bias is not None, x2.dtype, x2.device, LINEAR_TUNER.gen), plan)
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if split == 1:
+        run(x2, wr, sr, _g4_recip(gs), bias, y, n)
+        return _lora.expand_(sh, [y])
+    p = torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+    run(x2, wr, sr, _g4_recip(gs), bias, p, n)
+    return _lora.expand_(sh, [y], base=([p], split, [bias]))
 
 
 def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:

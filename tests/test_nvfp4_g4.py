@@ -645,3 +645,49 @@ def test_rollout_programmatic_dependent_launch_same_tokens(tmp_path, monkeypatch
         assert torch.equal(outs[True].logprobs, outs[False].logprobs), lora
         if lora:
             m.unload()
+
+
+@pytest.mark.skipif(not _GLUON_GPU, reason="the Gluon decode kernel needs an sm_80+ GPU")
+def test_rollout_lora_expand_with_the_reduce_folded_in_same_tokens(tmp_path, monkeypatch):
+    """NVFP4 linears with LoRA in the decode step: their split-K reduce done by the LoRA expand's launch (the
+    default) gives the bits of reduce, then expand (HFQ_ROLLOUT_LORA_REDUCE=0): greedy tokens and log-probs under
+    CUDA graphs and eager, LoRA on all seven projections and on v/up/o only (q/k/v and gate/up groups partly
+    adapted keep the separate path); the fused path is taken for every fully adapted group."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from hfq.nvfp4 import NVFP4Config
+    from hfq.nvfp4.peft_lora import get_peft_model
+    from hfq.rollout import RolloutEngine
+    from hfq.rollout import decoder as D
+
+    from hfq.tiny import save_tiny
+
+    path = save_tiny(tmp_path / "tiny", arch="qwen2", seed=8, hidden=256, intermediate=512)  # q/k/v biases
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config(), dtype=torch.bfloat16,
+                                                 device_map="cuda").eval()
+    calls = []
+    real = D._nv.linear_lora_g4
+    monkeypatch.setattr(D._nv, "linear_lora_g4", lambda x2, ws, sh: calls.append(len(ws)) or real(x2, ws, sh))
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40]]
+    n_layers = model.config.num_hidden_layers
+    all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    for targets, groups in ((all7, [3, 1, 2, 1]), (["v_proj", "up_proj", "o_proj"], [1])):
+        m = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                             target_modules=targets)).to(torch.bfloat16).eval()
+        for graph_mode in ("cuda_graph", "eager"):
+            outs = {}
+            for on in (True, False):
+                monkeypatch.setenv("HFQ_ROLLOUT_LORA_REDUCE", "1" if on else "0")
+                eng = RolloutEngine(m, max_batch=4, max_seq_len=40, kv_block=16, graph_mode=graph_mode)
+                assert eng.adapter.fused and eng.adapter.lora_in_reduce == on
+                calls.clear()
+                outs[on] = eng.generate(prompts, max_new_tokens=8, temperature=0, eos_token_ids=[],
+                                        return_logprobs=True)
+                if on and graph_mode == "eager":  # every decode step of every layer
+                    assert sorted(calls) == sorted(groups * 7 * n_layers), (targets, calls[:8])
+                elif not on:
+                    assert not calls
+            assert torch.equal(outs[True].completion_ids, outs[False].completion_ids), (targets, graph_mode)
+            assert torch.equal(outs[True].logprobs, outs[False].logprobs), (targets, graph_mode)
+        m.unload()

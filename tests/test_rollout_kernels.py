@@ -2,6 +2,7 @@
 against their torch references, and the engine's fused decode path against transformers' generate."""
 import pytest
 import torch
+import triton
 
 from hfq.rollout import RolloutEngine
 from hfq_kernels import lora
@@ -218,6 +219,39 @@ def _plans(g, k, r, ns, dtype):
              0.5 + i) for i, n in enumerate(ns)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,split,widths,bias", [(1, 1, (48,), False), (8, 3, (96, 40, 130), True),
+                                                    (5, 19, (33, 70), False), (13, 2, (200,), True)])
+def test_expand_with_the_split_k_reduce_folded_in_is_bit_identical(rows, split, widths, bias, dtype):
+    """expand_(base=...) writes the base linear's split-K reduce plus the LoRA update in one launch: the same bits
+    as nvfp4_matmul's reduce kernel (per member, or grouped) followed by expand_."""
+    from hfq_kernels import nvfp4_matmul as MM
+
+    g = torch.Generator().manual_seed(rows * 31 + split)
+    k = 96
+    x = torch.randn(rows, k, generator=g).to(DEV, dtype)
+    plans = _plans(g, k, 8, widths, dtype)
+    parts = [torch.randn(split, rows, n, generator=g).to(DEV) for n in widths]
+    biases = [torch.randn(n, generator=g).to(DEV, dtype) if bias else None for n in widths]
+    sh = lora.Shrink(plans, rows, k, DEV, n_splits=2)
+    lora.shrink_(x, sh)
+    want = []
+    for q, b, n in zip(parts, biases, widths):
+        y = torch.empty(rows, n, dtype=dtype, device=DEV)
+        MM._splitk_reduce_kernel[(triton.cdiv(rows * n, 1024),)](q, b if bias else q, y, rows, n, split, n,
+                                                                 HAS_BIAS=bias, BLOCK=1024)
+        want.append(y)
+    lora.expand_(sh, want, block_n=32)
+    got = [torch.full((rows, n), float("nan"), dtype=dtype, device=DEV) for n in widths]
+    lora.expand_(sh, got, block_n=32, base=(parts, split, biases))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="base partials must be contiguous float32"):
+        lora.expand_(sh, got, base=([q[:, :, :-1] for q in parts], split, biases))
+    with pytest.raises(ValueError, match="biases must be all None or contiguous"):
+        lora.expand_(sh, got, base=(parts, split, [torch.zeros(3, device=DEV)] * len(widths)))
+
+
 def test_shrink_bad_input():
     g = torch.Generator().manual_seed(11)
     plans = _plans(g, 64, 4, (32,), torch.float32)
@@ -242,18 +276,21 @@ bf = "*bf16"
 i = "i32"
 f = "fp32"
 sig = dict(p_ptr="*fp32", b0=bf, b1=bf, b2=bf, y0=bf, y1=bf, y2=bf, s0=f, s1=f, s2=f, n0=i, n1=i, n2=i, sb0=i,
-           sb1=i, sb2=i, sy0=i, sy1=i, sy2=i, M=i, R=i, nb0=i, nb1=i)
-k = triton.compile(ASTSource(fn=L._expand_kernel, signature=sig, constexprs=dict(NS=16, IEEE=False, BM=16, BR=32,
-                                                                                  BN=64)),
-                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-print("mma" in k.asm["ptx"] or "wgmma" in k.asm["ptx"])
+           sb1=i, sb2=i, sy0=i, sy1=i, sy2=i, q0="*fp32", q1="*fp32", q2="*fp32", c0=bf, c1=bf, c2=bf, M=i, R=i,
+           nb0=i, nb1=i)
+for qs in (0, 19):  # plain expand; with the base linear's 19-way split-K reduce folded in
+    k = triton.compile(ASTSource(fn=L._expand_kernel, signature=sig, constexprs=dict(NS=16, IEEE=False, BM=16,
+                                                                                      BR=32, BN=64, QS=qs,
+                                                                                      HAS_BIAS=qs > 0)),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    print("mma" in k.asm["ptx"] or "wgmma" in k.asm["ptx"])
 """
 
 
 def test_lora_expand_compiles_for_sm90():
     """The LoRA expand summing 16 K-split partials (unrolled) compiles for an H100 with tensor-core MMAs: the
     interpreter does not check GPU layouts or dot shapes. Compiles only; no GPU needed."""
-    assert compile_for_sm90(_LORA_SM90) == ["True"]
+    assert compile_for_sm90(_LORA_SM90) == ["True", "True"]
 
 
 _PDL_SM90 = """

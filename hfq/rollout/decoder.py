@@ -14,6 +14,8 @@ own module.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -123,6 +125,8 @@ class DecoderAdapter:
         self.fused = bool(fused)
         self.gemm = False  # skinny Triton GEMM for plain BF16/FP16 nn.Linear at <= 16 rows (set by the engine)
         self.group_nvfp4 = True  # q/k/v and gate/up NVFP4 (g4) linears as one grouped launch each (fused path)
+        # NVFP4 (g4) linears with LoRA: their split-K reduce done by the LoRA expand's launch
+        self.lora_in_reduce = os.environ.get("HFQ_ROLLOUT_LORA_REDUCE", "1") != "0"
 
     def _qkv(self, attn, x, cos, sin):
         b, n, _ = x.shape
@@ -226,6 +230,12 @@ class DecoderAdapter:
                 or len({plans[i][0][0].shape[0] for i in grp}) != 1 or plans[grp[0]][0][0].shape[0] > 128):
             grp = []
         base = [m.base_layer if i in grp else m for i, m in enumerate(mods)]
+        if self.lora_in_reduce and grp and len(grp) == len(mods) and (self.group_nvfp4 or len(mods) == 1):
+            ws = self._g4_weights(base, x2)
+            if ws is not None and _nv.lora_g4_ok(x2, ws):
+                sh = _lora.Shrink([p[0] for p in plans], x2.shape[0], x2.shape[1], x2.device)
+                _lora.shrink_(x2, sh)
+                return [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_lora_g4(x2, ws, sh)]
         g4 = self._g4_group(base, x2) if self.group_nvfp4 else None
         if g4 is not None:
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_group_g4(x2, g4, checked=True)]
@@ -246,10 +256,16 @@ class DecoderAdapter:
 
     @staticmethod
     def _g4_group(mods, x2):
-        """[(words, scales, global scale, bias, out_features)] when `mods` are 2-3 hfq NVFP4 linears holding their
-        weights in the g4 layout (no hooks, no compute-dtype cast) that one grouped Gluon launch can serve for x2;
-        else None (each runs as its own module)."""
-        if not 2 <= len(mods) <= 3 or (torch.is_grad_enabled() and x2.requires_grad):
+        """_g4_weights of 2-3 linears that one grouped Gluon launch can serve for x2; else None (each runs as its
+        own module)."""
+        ws = DecoderAdapter._g4_weights(mods, x2) if len(mods) >= 2 else None
+        return ws if ws is not None and _nv.group_g4_ok(x2, ws) else None
+
+    @staticmethod
+    def _g4_weights(mods, x2):
+        """[(words, scales, global scale, bias, out_features)] when `mods` are 1-3 hfq NVFP4 linears holding their
+        weights in the g4 layout (no hooks, no compute-dtype cast) for x2, without autograd; else None."""
+        if not 1 <= len(mods) <= 3 or (torch.is_grad_enabled() and x2.requires_grad):
             return None
         ws = []
         for m in mods:
@@ -260,7 +276,7 @@ class DecoderAdapter:
                 return None
             ws.append((b["weight_g4"], b["weight_g4_scale"], b["weight_global_scale"], m._parameters.get("bias"),
                        m.out_features))
-        return ws if _nv.group_g4_ok(x2, ws) else None
+        return ws
 
     def _mlp(self, mlp, x):
         if (all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
