@@ -374,28 +374,6 @@ def lora_reduce_ab(eng, V, rounds=3):
             "speedup_in_expand": round(med["separate"] / med["in_expand"], 3)}
 
 
-def lora_split_sweep(eng, V, caps=(16, 32, 64), rounds=3):
-    """NVFP4+LoRA: the LoRA shrink's most K splits (hfq_kernels.lora.SPLIT_CAP; 7B shapes: K 3584 takes 14 at
-    any cap, K 18944 down_proj's takes the cap), greedy replay, interleaved over `rounds`."""
-    from hfq_kernels import lora
-
-    keep = lora.SPLIT_CAP
-    ms = {c: [] for c in caps}
-    try:
-        for _ in range(rounds):
-            for c in caps:
-                lora.SPLIT_CAP = c
-                eng.invalidate()
-                t = step_split(eng, V, with_eager=False, greedy_only=True).get("replay_ms_greedy")
-                if t is None:
-                    return {"error": f"no graph captured for cap {c}"}
-                ms[c].append(t)
-    finally:
-        lora.SPLIT_CAP = keep
-        eng.invalidate()
-    return {"replay_ms": {f"cap{c}": sorted(v) for c, v in ms.items()}, "default": keep}
-
-
 def pdl_ab(eng, V, rounds=3):
     """Decode graph captured with programmatic dependent launch of the decode kernels (the default on sm_90+) vs
     without (HFQ_PDL=0), greedy replay, interleaved over `rounds`."""
@@ -552,8 +530,6 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                         if w == "nvfp4+lora":
                             results[f"lorareduce_{w}_b8"] = lora_reduce_ab(eng, V)
                             log(f"split-K reduce in the LoRA expand ({w})", results[f"lorareduce_{w}_b8"])
-                            results[f"lorasplits_{w}_b8"] = lora_split_sweep(eng, V)
-                            log(f"LoRA shrink split cap ({w})", results[f"lorasplits_{w}_b8"])
             except Exception as ex:  # noqa: BLE001 - a failing kernel must not lose the other rows
                 add(engine="hfq", weights=w, batch=b, new_tokens=new, tok_s=None, peak_gb=None,
                     error=f"{type(ex).__name__}: {str(ex)[:200]}")
@@ -579,7 +555,7 @@ def write(results, out_dir):
                      f"{r['new_tokens']} | {r.get('tok_s')} | {r.get('peak_gb')} | {ratio} |")
     if results.get("not_run"):
         lines.append(f"\nNot run (time budget / missing package): {', '.join(results['not_run'])}")
-    for k in [k for k in results if k.startswith(("split_", "group_", "pdl_", "lorareduce_", "lorasplits_"))] + ["quick"]:
+    for k in [k for k in results if k.startswith(("split_", "group_", "pdl_", "lorareduce_"))] + ["quick"]:
         if k in results:
             lines.append(f"\n{k}: `{json.dumps(results[k])}`")
     with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:
