@@ -374,6 +374,39 @@ def lora_reduce_ab(eng, V, rounds=3):
             "speedup_in_expand": round(med["separate"] / med["in_expand"], 3)}
 
 
+def kernel_profile(eng, V, steps=20, top=14):
+    """torch.profiler over `steps` replays of the greedy batch-8 decode graph: per kernel (name cut to 60 chars)
+    GPU us per step and launches per step, the largest first, and the step's summed kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hfq.rollout.sampling import SamplerFlags
+
+    b = 8
+    key = (b, eng._kv_bucket(400), SamplerFlags(greedy=True))
+    if key not in eng._graphs:
+        eng._graphs[key] = eng._capture(key)
+    g = eng._graphs[key]
+    if g is None:
+        return {"error": "no graph captured"}
+    eng.col.fill_(300)
+    eng.step.fill_(1)
+    g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            g.replay()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            r = rows.setdefault(e.name[:60], [0.0, 0])
+            r[0] += e.device_time_total
+            r[1] += 1
+    out = sorted(((k, round(v[0] / steps, 1), round(v[1] / steps, 1)) for k, v in rows.items()), key=lambda t: -t[1])
+    return {"kernel_us_per_step": round(sum(t[1] for t in out), 1),
+            "top": [{"kernel": k, "us": us, "launches": n} for k, us, n in out[:top]]}
+
+
 def pdl_ab(eng, V, rounds=3):
     """Decode graph captured with programmatic dependent launch of the decode kernels (the default on sm_90+) vs
     without (HFQ_PDL=0), greedy replay, interleaved over `rounds`."""
@@ -525,6 +558,8 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                     if eng.adapter.fused:
                         results[f"group_{w}_b8"] = nvfp4_grouping(eng, V)
                         log(f"NVFP4 grouped q/k/v, gate/up ({w})", results[f"group_{w}_b8"])
+                        results[f"prof_{w}_b8"] = kernel_profile(eng, V)
+                        log(f"kernel profile ({w})", results[f"prof_{w}_b8"])
                         results[f"pdl_{w}_b8"] = pdl_ab(eng, V)
                         log(f"programmatic dependent launch ({w})", results[f"pdl_{w}_b8"])
                         if w == "nvfp4+lora":
@@ -555,7 +590,7 @@ def write(results, out_dir):
                      f"{r['new_tokens']} | {r.get('tok_s')} | {r.get('peak_gb')} | {ratio} |")
     if results.get("not_run"):
         lines.append(f"\nNot run (time budget / missing package): {', '.join(results['not_run'])}")
-    for k in [k for k in results if k.startswith(("split_", "group_", "pdl_", "lorareduce_"))] + ["quick"]:
+    for k in [k for k in results if k.startswith(("split_", "group_", "prof_", "pdl_", "lorareduce_"))] + ["quick"]:
         if k in results:
             lines.append(f"\n{k}: `{json.dumps(results[k])}`")
     with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:
