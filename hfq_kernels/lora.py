@@ -123,7 +123,9 @@ def shrink_(x, sh: Shrink):
 
 
 def expand_(sh: Shrink, outs, block_n: int = 64, base=None):
-    """outs[i] += scale_i * t_i B_i^T in place, t_i the sum of sh's partials rounded to outs' dtype.
+    """outs[i] += scale_i * t_i B_i^T in place, t_i the sum of sh's partials rounded to outs' dtype. block_n
+    columns per program (each program sums all partial tiles): on the H100 (7B-shaped NVFP4+LoRA, batch 8) 128 and
+    256 took the decode step from 3.82 ms to 3.89 / 4.15 ms.
 
     base = (partials, split, biases): outs[i] is written, not read: first the split-K reduce of the base linear's
     fp32 partials[i] [split, M, N_i] (contiguous) plus biases[i] (or None), with the reduce kernel's bits, then the
