@@ -7,7 +7,8 @@ model dtype (as PEFT's lora_A output is) and adds scale_i * t_i B_i^T to the bas
 cuBLAS GEMMs per linear). A `Shrink` holds the partials and the geometry both sides share. A and B are read where
 they live, so optimizer steps are seen by captured graphs. They stay separate launches: fusing the shrinks into the
 norm / attention / SiLU*mul kernels and the expands into RoPE / SiLU*mul measured 0.90x of them (H100, 7B-shaped,
-batch 8).
+batch 8). Where the base linear leaves split-K partials (the NVFP4 decode GEMV), the expand writes the base output
+itself from them (`expand_(base=...)`, the reduce kernel's bits): one launch fewer per group, 1.02x that step.
 """
 from __future__ import annotations
 
