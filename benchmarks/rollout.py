@@ -331,47 +331,40 @@ def step_split(eng, V, b=8, with_eager=True, greedy_only=False):
     return out
 
 
-def nvfp4_grouping(eng, V, rounds=3):
-    """Greedy decode-step replay with NVFP4 q/k/v and gate/up as one grouped Gluon launch each (the default) vs one
-    launch (+ split-K reduce) per linear (HFQ_ROLLOUT_NVFP4_GROUP=0), interleaved."""
-    keep = eng.adapter.group_nvfp4
-    ms = {"grouped": [], "per_linear": []}
-    for _ in range(rounds):
-        for name, on in (("grouped", True), ("per_linear", False)):
-            eng.adapter.group_nvfp4 = on
-            eng.invalidate()
-            t = step_split(eng, V, with_eager=False, greedy_only=True).get("replay_ms_greedy")
-            if t is None:
-                eng.adapter.group_nvfp4 = keep
-                return {"error": f"no graph captured for {name}"}
-            ms[name].append(t)
-    eng.adapter.group_nvfp4 = keep
-    eng.invalidate()
-    med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
-    return {"replay_ms": {k: sorted(v) for k, v in ms.items()},
-            "speedup_grouped": round(med["per_linear"] / med["grouped"], 3)}
-
-
-def lora_reduce_ab(eng, V, rounds=3):
-    """NVFP4+LoRA: the base linears' split-K reduce done by the LoRA expand's launch (the default) vs a reduce and
-    an expand launch (HFQ_ROLLOUT_LORA_REDUCE=0), greedy replay, interleaved over `rounds`."""
-    keep = eng.adapter.lora_in_reduce
-    ms = {"in_expand": [], "separate": []}
+def switch_ab(eng, V, set_on, keep, on_name, off_name, rounds=3):
+    """Greedy decode-step replay with a switch on vs off (`set_on(bool)`, graphs recaptured each time),
+    interleaved over `rounds`, the switch set back to `keep` after: {"replay_ms": {on_name: [...], off_name:
+    [...]}, "speedup_<on_name>": median off / median on}."""
+    ms = {on_name: [], off_name: []}
     try:
         for _ in range(rounds):
-            for name, on in (("in_expand", True), ("separate", False)):
-                eng.adapter.lora_in_reduce = on
+            for name, on in ((on_name, True), (off_name, False)):
+                set_on(on)
                 eng.invalidate()
                 t = step_split(eng, V, with_eager=False, greedy_only=True).get("replay_ms_greedy")
                 if t is None:
                     return {"error": f"no graph captured for {name}"}
                 ms[name].append(t)
     finally:
-        eng.adapter.lora_in_reduce = keep
+        set_on(keep)
         eng.invalidate()
     med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
     return {"replay_ms": {k: sorted(v) for k, v in ms.items()},
-            "speedup_in_expand": round(med["separate"] / med["in_expand"], 3)}
+            f"speedup_{on_name}": round(med[off_name] / med[on_name], 3)}
+
+
+def nvfp4_grouping(eng, V, rounds=3):
+    """NVFP4 q/k/v and gate/up as one grouped Gluon launch each (the default) vs one launch (+ split-K reduce) per
+    linear (HFQ_ROLLOUT_NVFP4_GROUP=0)."""
+    return switch_ab(eng, V, lambda on: setattr(eng.adapter, "group_nvfp4", on), eng.adapter.group_nvfp4,
+                     "grouped", "per_linear", rounds)
+
+
+def lora_reduce_ab(eng, V, rounds=3):
+    """NVFP4+LoRA: the base linears' split-K reduce done by the LoRA expand's launch (the default) vs a reduce and
+    an expand launch (HFQ_ROLLOUT_LORA_REDUCE=0)."""
+    return switch_ab(eng, V, lambda on: setattr(eng.adapter, "lora_in_reduce", on), eng.adapter.lora_in_reduce,
+                     "in_expand", "separate", rounds)
 
 
 def kernel_profile(eng, V, steps=20, top=14):
@@ -409,25 +402,10 @@ def kernel_profile(eng, V, steps=20, top=14):
 
 def pdl_ab(eng, V, rounds=3):
     """Decode graph captured with programmatic dependent launch of the decode kernels (the default on sm_90+) vs
-    without (HFQ_PDL=0), greedy replay, interleaved over `rounds`."""
+    without (HFQ_PDL=0)."""
     from hfq_kernels import _triton
 
-    keep = _triton._PDL[0]
-    ms = {"pdl": [], "no_pdl": []}
-    try:
-        for _ in range(rounds):
-            for name, on in (("pdl", True), ("no_pdl", False)):
-                _triton.set_pdl(on)
-                eng.invalidate()
-                t = step_split(eng, V, with_eager=False, greedy_only=True).get("replay_ms_greedy")
-                if t is None:
-                    return {"error": f"no graph captured for {name}"}
-                ms[name].append(t)
-    finally:
-        _triton.set_pdl(keep)
-        eng.invalidate()
-    med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
-    return {"replay_ms": {k: sorted(v) for k, v in ms.items()}, "speedup_pdl": round(med["no_pdl"] / med["pdl"], 3)}
+    return switch_ab(eng, V, _triton.set_pdl, _triton._PDL[0], "pdl", "no_pdl", rounds)
 
 
 # ---------------------------------------------------------------------------------------------- table mode
