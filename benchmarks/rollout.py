@@ -273,6 +273,19 @@ def linear_floor(model, b=8):
 
 
 @torch.no_grad()
+def decode_graph(eng, b, flags):
+    """The engine's captured decode graph for batch b (400 cache columns) and sampler flags, its state pointed at
+    column 300 / step 1; None where capture failed."""
+    key = (b, eng._kv_bucket(400), flags)
+    if key not in eng._graphs:
+        eng._graphs[key] = eng._capture(key)
+    g = eng._graphs[key]
+    if g is not None:
+        eng.col.fill_(300)
+        eng.step.fill_(1)
+    return g
+
+
 def step_split(eng, V, b=8, with_eager=True, greedy_only=False):
     """Per decode step: full graph replay (greedy / sampling), sampler alone in a graph, host loop overhead."""
     from hfq.rollout.sampling import SamplerFlags, sample
@@ -281,15 +294,10 @@ def step_split(eng, V, b=8, with_eager=True, greedy_only=False):
     kinds = (("greedy", SamplerFlags(greedy=True)), ("sample", SamplerFlags()),
              ("sample_topp_topk_lp", SamplerFlags(top_k=True, top_p=True, logprobs=True)))
     for flags_name, flags in kinds[:1] if greedy_only else kinds:
-        key = (b, eng._kv_bucket(400), flags)
-        if key not in eng._graphs:
-            eng._graphs[key] = eng._capture(key)
-        g = eng._graphs[key]
+        g = decode_graph(eng, b, flags)
         if g is None:
             out["graphs"] = False
             break
-        eng.col.fill_(300)
-        eng.step.fill_(1)
         for _ in range(3):
             g.replay()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -306,7 +314,7 @@ def step_split(eng, V, b=8, with_eager=True, greedy_only=False):
             eng.step.fill_(1)
             s.record()
             for _ in range(10):
-                eng._decode_body(b, key[1], flags)
+                eng._decode_body(b, eng._kv_bucket(400), flags)
                 eng.col.fill_(300)
                 eng.step.fill_(1)
             e.record()
@@ -374,15 +382,9 @@ def kernel_profile(eng, V, steps=20, top=14):
 
     from hfq.rollout.sampling import SamplerFlags
 
-    b = 8
-    key = (b, eng._kv_bucket(400), SamplerFlags(greedy=True))
-    if key not in eng._graphs:
-        eng._graphs[key] = eng._capture(key)
-    g = eng._graphs[key]
+    g = decode_graph(eng, 8, SamplerFlags(greedy=True))
     if g is None:
         return {"error": "no graph captured"}
-    eng.col.fill_(300)
-    eng.step.fill_(1)
     g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
