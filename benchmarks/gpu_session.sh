@@ -35,8 +35,6 @@ for part in "$@"; do
           tests/test_kernels_nvfp4.py > "$OUT/g4_tests.txt" 2>&1 ;;
     nvfp4_layout) timeout 200 python benchmarks/nvfp4_layout.py --out "$OUT" > "$OUT/nvfp4_layout.txt" 2>&1 ;;
     nvfp4_oh) timeout 70 python benchmarks/nvfp4_overhead.py --out "$OUT" > "$OUT/nvfp4_oh.txt" 2>&1 ;;
-    # the fused decode-in-GEMM kernel for M >= 128: GPU checks, per-shape tuning, interleaved timings
-    g4mm) timeout 450 python benchmarks/nvfp4_g4mm.py --out "$OUT" > "$OUT/g4mm.txt" 2>&1 ;;
     nvfp4) timeout 400 python benchmarks/nvfp4_matmul.py --out "$OUT" > "$OUT/nvfp4.txt" 2>&1 ;;
     rollout) timeout 580 python benchmarks/rollout.py --out "$OUT" > "$OUT/rollout.txt" 2>&1 ;;
     # NVFP4 and NVFP4+LoRA at batch 8: tok/s, the step split, grouped q/k/v + gate/up launches vs per linear
