@@ -339,6 +339,18 @@ def selftest():
     print("selftest ok")
 
 
+def decode_profile(run) -> str:
+    """The run's batch decode step in its CUDA graph: ms per replay and the kernels taking the most GPU time
+    (benchmarks/rollout.py's step_split and kernel_profile), as one line for the notes."""
+    import rollout as rb
+
+    V = run.model.config.vocab_size
+    split = rb.step_split(run.engine, V, b=run.batch, with_eager=False, greedy_only=True)
+    prof = rb.kernel_profile(run.engine, V)
+    top = ", ".join(f"{t['kernel']} {t['us']} us x{t['launches']}" for t in prof.get("top", [])[:8])
+    return f"step {json.dumps(split)}; kernels {prof.get('kernel_us_per_step')} us per step: {top}"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
@@ -346,6 +358,7 @@ def main():
     ap.add_argument("--new", type=int, default=512, help="completion tokens per sequence (the QeRL paper: 2048)")
     ap.add_argument("--methods", default="qerl,bf16_lora,qlora,qerl_32b")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved reported steps per 7B method (after a warm-up)")
+    ap.add_argument("--repeats-32b", type=int, default=2, help="reported qerl_32b steps (after its warm-up step)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the update (writes qerl_step_gc.*)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (writes qerl_step_compile.*)")
@@ -354,7 +367,7 @@ def main():
     if a.selftest:
         return selftest()
     name = ("qerl_step" + (f"_new{a.new}" if a.new != 512 else "") + ("_gc" if a.grad_ckpt else "")
-            + ("_compile" if a.compile else ""))
+            + ("_compile" if a.compile else "") + ("_32b" if a.methods == "qerl_32b" else ""))
     notes = ["update: 8 micro-batches of 1 sequence (TRL per_device_train_batch_size=1, gradient_accumulation_steps=8);"
              " the log-prob pass runs in the same micro-batches, as TRL's GRPOTrainer does",
              "log-probs: " + ("TRL's fused LM head (trl.trainer.utils.add_fused_lm_head), as GRPOTrainer scores them"
@@ -400,12 +413,15 @@ def main():
     for run in runs.values():
         run.close()
     runs.clear()
-    if "qerl_32b" in methods:  # alone, one cold step as before (no interleaving partner, no spread)
-        notes.append("qerl_32b: built alone after the 7B methods, one step without warm-up (rounds = 1: no spread)")
+    if "qerl_32b" in methods:  # alone (no interleaving partner): a warm-up step, then the reported ones
+        notes.append(f"qerl_32b: built alone after the 7B methods; one warm-up step, then {a.repeats_32b} reported")
         try:
             r32 = Run("qerl_32b", "32b", a.batch, a.prompt, a.new, grad_ckpt=a.grad_ckpt, compile_layers=a.compile)
-            r32.step()
+            r32.step(report=False)
+            for _ in range(a.repeats_32b):
+                r32.step()
             rows.append(r32.row())
+            notes.append("qerl_32b decode step (batch 8, LoRA on, CUDA graph): " + decode_profile(r32))
             r32.close()
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()

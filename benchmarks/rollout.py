@@ -375,6 +375,13 @@ def lora_reduce_ab(eng, V, rounds=3):
                      "in_expand", "separate", rounds)
 
 
+def lora_stream_ab(eng, V, rounds=3):
+    """NVFP4+LoRA: the LoRA shrinks on a side stream, concurrent with the base GEMVs (the default) vs before them on
+    the same stream (HFQ_ROLLOUT_LORA_STREAM=0)."""
+    return switch_ab(eng, V, lambda on: setattr(eng.adapter, "lora_stream", on), eng.adapter.lora_stream,
+                     "side_stream", "same_stream", rounds)
+
+
 def kernel_profile(eng, V, steps=20, top=14):
     """torch.profiler over `steps` replays of the greedy batch-8 decode graph: per kernel (name cut to 60 chars)
     GPU us per step and launches per step, the largest first, and the step's summed kernel time."""
@@ -545,6 +552,8 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
                         if w == "nvfp4+lora":
                             results[f"lorareduce_{w}_b8"] = lora_reduce_ab(eng, V)
                             log(f"split-K reduce in the LoRA expand ({w})", results[f"lorareduce_{w}_b8"])
+                            results[f"lorastream_{w}_b8"] = lora_stream_ab(eng, V)
+                            log(f"LoRA shrink on a side stream ({w})", results[f"lorastream_{w}_b8"])
             except Exception as ex:  # noqa: BLE001 - a failing kernel must not lose the other rows
                 add(engine="hfq", weights=w, batch=b, new_tokens=new, tok_s=None, peak_gb=None,
                     error=f"{type(ex).__name__}: {str(ex)[:200]}")
@@ -570,7 +579,8 @@ def write(results, out_dir):
                      f"{r['new_tokens']} | {r.get('tok_s')} | {r.get('peak_gb')} | {ratio} |")
     if results.get("not_run"):
         lines.append(f"\nNot run (time budget / missing package): {', '.join(results['not_run'])}")
-    for k in [k for k in results if k.startswith(("split_", "group_", "prof_", "pdl_", "lorareduce_"))] + ["quick"]:
+    keys = ("split_", "group_", "prof_", "pdl_", "lorareduce_", "lorastream_")
+    for k in [k for k in results if k.startswith(keys)] + ["quick"]:
         if k in results:
             lines.append(f"\n{k}: `{json.dumps(results[k])}`")
     with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:

@@ -900,15 +900,19 @@ def _group_plan(m, ns, k, hb, dt, dev):
                        dict(HAS_BIAS=hb, BLOCK=1024, num_warps=4))
     n2 = ns[2] if g == 3 else ns[1]
 
-    def fwd(x2, weights, sh=None):
+    def fwd(x2, weights, sh=None, join=None):
         outs = [torch.empty((m, n), dtype=dt, device=dev) for n in ns]
         members = [(w[0], w[1], w[2], w[3]) for w in weights]
         if split == 1:
             run(x2, members, outs)
+            if join is not None:
+                join()
             return outs if sh is None else _lora.expand_(sh, outs)
         part = torch.empty(split * m * total, dtype=torch.float32, device=dev)
         dsts = [part[o * split * m:(o + n) * split * m] for o, n in zip(offs, ns)]
         run(x2, members, dsts)
+        if join is not None:
+            join()
         if sh is not None:  # the reduce done by the LoRA expand's launch
             return _lora.expand_(sh, outs, base=([d.view(split, m, n) for d, n in zip(dsts, ns)], split,
                                                  [w[3] for w in weights]))
@@ -935,11 +939,12 @@ def lora_g4_ok(x2: torch.Tensor, weights) -> bool:
 _LORA_PLANS = LRU(64)  # (M, N, K, bias?, dtype, device, tuner gen) -> (split, launcher) of a single g4 + LoRA
 
 
-def linear_lora_g4(x2: torch.Tensor, weights, sh) -> list:
+def linear_lora_g4(x2: torch.Tensor, weights, sh, join=None) -> list:
     """[x2 @ W_g^T + b_g + scale_g (x2 A_g^T) B_g^T] for 1-3 g4 weights sharing x2 [M <= 64, K] (weights as for
     linear_group_g4) whose LoRA shrink `sh` (hfq_kernels.lora.Shrink, one adapter per weight) has run: the base
     products as linear_g4 (one weight: the module's own plan) or linear_group_g4 (2-3) compute them, and their
-    split-K reduce is done by the LoRA expand's launch, with the bits of reduce then expand."""
+    split-K reduce is done by the LoRA expand's launch, with the bits of reduce then expand. `join()`, if given,
+    is called between the base launch and the expand (e.g. to wait for a shrink running on another stream)."""
     if len(weights) != sh.n:
         raise ValueError(f"nvfp4 g4 + LoRA: {len(weights)} weights but {sh.n} adapters in the shrink")
     m, k = x2.shape
@@ -949,7 +954,8 @@ def linear_lora_g4(x2: torch.Tensor, weights, sh) -> list:
                              f"{x2.device} with out_features {[w[4] for w in weights]} (see linear_group_g4)")
         ns = tuple(w[4] for w in weights)
         key = (m, ns, k, weights[0][3] is not None, x2.dtype, x2.device)
-        return _GROUP_PLANS.get_or(key, lambda: _group_plan(m, ns, k, key[3], x2.dtype, x2.device))(x2, weights, sh)
+        return _GROUP_PLANS.get_or(key, lambda: _group_plan(m, ns, k, key[3], x2.dtype, x2.device))(x2, weights, sh,
+                                                                                                    join)
     wr, sr, gs, bias, n = weights[0]
     check_g4_call(x2, wr, sr, gs, bias, n, k, "nvfp4 g4 + LoRA")
     if not (m <= 64 and x2.stride(-1) == 1 and gluon.supported(x2)):
@@ -965,9 +971,13 @@ def linear_lora_g4(x2: torch.Tensor, weights, sh) -> list:
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     if split == 1:
         run(x2, wr, sr, _g4_recip(gs), bias, y, n)
+        if join is not None:
+            join()
         return _lora.expand_(sh, [y])
     p = torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
     run(x2, wr, sr, _g4_recip(gs), bias, p, n)
+    if join is not None:
+        join()
     return _lora.expand_(sh, [y], base=([p], split, [bias]))
 
 

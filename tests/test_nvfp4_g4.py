@@ -668,7 +668,8 @@ def test_rollout_lora_expand_with_the_reduce_folded_in_same_tokens(tmp_path, mon
                                                  device_map="cuda").eval()
     calls = []
     real = D._nv.linear_lora_g4
-    monkeypatch.setattr(D._nv, "linear_lora_g4", lambda x2, ws, sh: calls.append(len(ws)) or real(x2, ws, sh))
+    monkeypatch.setattr(D._nv, "linear_lora_g4",
+                        lambda x2, ws, sh, join=None: calls.append(len(ws)) or real(x2, ws, sh, join))
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40]]
     n_layers = model.config.num_hidden_layers
     all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -679,6 +680,7 @@ def test_rollout_lora_expand_with_the_reduce_folded_in_same_tokens(tmp_path, mon
             outs = {}
             for on in (True, False):
                 monkeypatch.setenv("HFQ_ROLLOUT_LORA_REDUCE", "1" if on else "0")
+                monkeypatch.setenv("HFQ_ROLLOUT_LORA_STREAM", "0")  # the side stream has its own test
                 eng = RolloutEngine(m, max_batch=4, max_seq_len=40, kv_block=16, graph_mode=graph_mode)
                 assert eng.adapter.fused and eng.adapter.lora_in_reduce == on
                 calls.clear()
@@ -691,3 +693,45 @@ def test_rollout_lora_expand_with_the_reduce_folded_in_same_tokens(tmp_path, mon
             assert torch.equal(outs[True].completion_ids, outs[False].completion_ids), (targets, graph_mode)
             assert torch.equal(outs[True].logprobs, outs[False].logprobs), (targets, graph_mode)
         m.unload()
+
+
+@pytest.mark.skipif(not _GLUON_GPU, reason="the Gluon decode kernel needs an sm_80+ GPU")
+def test_rollout_lora_shrink_on_a_side_stream_same_tokens(tmp_path, monkeypatch):
+    """The LoRA shrinks of NVFP4 + LoRA groups run on a side stream, concurrent with the base GEMV, and are joined
+    before the expand (the default): greedy tokens and log-probs equal those of shrinks on the main stream
+    (HFQ_ROLLOUT_LORA_STREAM=0) under CUDA graphs (fork and join inside the captured step) and eagerly; with it
+    on, every shrink runs on the adapter's side stream, with it off none does."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from hfq.nvfp4 import NVFP4Config
+    from hfq.nvfp4.peft_lora import get_peft_model
+    from hfq.rollout import RolloutEngine
+    from hfq.rollout import decoder as D
+    from hfq.tiny import save_tiny
+
+    path = save_tiny(tmp_path / "tiny", arch="qwen2", seed=9, hidden=256, intermediate=512)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=NVFP4Config(), dtype=torch.bfloat16,
+                                                 device_map="cuda").eval()
+    m = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).to(torch.bfloat16).eval()
+    streams = []
+    real = D._lora.shrink_
+    monkeypatch.setattr(D._lora, "shrink_", lambda x2, sh: streams.append(torch.cuda.current_stream()) or
+                        real(x2, sh))
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40], [7, 7]]
+    for graph_mode in ("cuda_graph", "eager"):
+        outs = {}
+        for on in (True, False):
+            monkeypatch.setenv("HFQ_ROLLOUT_LORA_STREAM", "1" if on else "0")
+            eng = RolloutEngine(m, max_batch=4, max_seq_len=48, kv_block=16, graph_mode=graph_mode)
+            assert eng.adapter.lora_in_reduce and eng.adapter.lora_stream == on
+            streams.clear()
+            outs[on] = eng.generate(prompts, max_new_tokens=10, temperature=0, eos_token_ids=[],
+                                    return_logprobs=True)
+            sides = list(eng.adapter._side.values())
+            assert streams and len(sides) == int(on), (graph_mode, on, len(sides))
+            assert all((s in sides) == on for s in streams), (graph_mode, on)
+        assert torch.equal(outs[True].completion_ids, outs[False].completion_ids), graph_mode
+        assert torch.equal(outs[True].logprobs, outs[False].logprobs), graph_mode
+    m.unload()

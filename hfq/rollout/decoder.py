@@ -127,6 +127,9 @@ class DecoderAdapter:
         self.group_nvfp4 = True  # q/k/v and gate/up NVFP4 (g4) linears as one grouped launch each (fused path)
         # NVFP4 (g4) linears with LoRA: their split-K reduce done by the LoRA expand's launch
         self.lora_in_reduce = os.environ.get("HFQ_ROLLOUT_LORA_REDUCE", "1") != "0"
+        # ... and their LoRA shrink on a side stream, concurrent with the base GEMV (joined before the expand)
+        self.lora_stream = os.environ.get("HFQ_ROLLOUT_LORA_STREAM", "1") != "0"
+        self._side = {}  # device -> the side stream
 
     def _qkv(self, attn, x, cos, sin):
         b, n, _ = x.shape
@@ -234,8 +237,16 @@ class DecoderAdapter:
             ws = self._g4_weights(base, x2)
             if ws is not None and _nv.lora_g4_ok(x2, ws):
                 sh = _lora.Shrink([p[0] for p in plans], x2.shape[0], x2.shape[1], x2.device)
-                _lora.shrink_(x2, sh)
-                return [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_lora_g4(x2, ws, sh)]
+                join = None
+                if self.lora_stream and x2.is_cuda:
+                    cur, side = torch.cuda.current_stream(x2.device), self._side_stream(x2.device)
+                    side.wait_stream(cur)
+                    with torch.cuda.stream(side):
+                        _lora.shrink_(x2, sh)
+                    join = lambda: cur.wait_stream(side)  # noqa: E731 - before the expand reads the partials
+                else:
+                    _lora.shrink_(x2, sh)
+                return [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_lora_g4(x2, ws, sh, join)]
         g4 = self._g4_group(base, x2) if self.group_nvfp4 else None
         if g4 is not None:
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_group_g4(x2, g4, checked=True)]
@@ -253,6 +264,13 @@ class DecoderAdapter:
             return outs
         _lora.lora_add_(x2, [outs[i].view(-1, outs[i].shape[-1]) for i in grp], [plans[i][0] for i in grp])
         return outs
+
+    def _side_stream(self, device) -> torch.cuda.Stream:
+        """The stream the LoRA shrinks run on beside the base GEMVs (one per device, made on first use)."""
+        st = self._side.get(device)
+        if st is None:
+            st = self._side[device] = torch.cuda.Stream(device)
+        return st
 
     @staticmethod
     def _g4_group(mods, x2):
