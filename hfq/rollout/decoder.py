@@ -14,11 +14,13 @@ own module.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 import torch.nn.functional as F
 
+from hfq_kernels import _triton as _T
 from hfq_kernels import lora as _lora
 from hfq_kernels import nvfp4_matmul as _nv
 from hfq_kernels import rollout as K
@@ -127,8 +129,10 @@ class DecoderAdapter:
         self.group_nvfp4 = True  # q/k/v and gate/up NVFP4 (g4) linears as one grouped launch each (fused path)
         # NVFP4 (g4) linears with LoRA: their split-K reduce done by the LoRA expand's launch
         self.lora_in_reduce = os.environ.get("HFQ_ROLLOUT_LORA_REDUCE", "1") != "0"
-        # ... and their LoRA shrink on a side stream, concurrent with the base GEMV (joined before the expand)
-        self.lora_stream = os.environ.get("HFQ_ROLLOUT_LORA_STREAM", "1") != "0"
+        # ... and their LoRA shrink on a side stream, concurrent with the base GEMV, joined before the expand:
+        # 0 = no (shrink, GEMV, expand on one stream), 1 = yes, shrink and expand launched without programmatic
+        # dependent launch (the GEMVs and the other kernels keep it), 2 = yes, all with it
+        self.lora_stream = int(os.environ.get("HFQ_ROLLOUT_LORA_STREAM", "1"))
         self._side = {}  # device -> the side stream
 
     def _qkv(self, attn, x, cos, sin):
@@ -237,16 +241,26 @@ class DecoderAdapter:
             ws = self._g4_weights(base, x2)
             if ws is not None and _nv.lora_g4_ok(x2, ws):
                 sh = _lora.Shrink([p[0] for p in plans], x2.shape[0], x2.shape[1], x2.device)
-                join = None
-                if self.lora_stream and x2.is_cuda:
-                    cur, side = torch.cuda.current_stream(x2.device), self._side_stream(x2.device)
-                    side.wait_stream(cur)
-                    with torch.cuda.stream(side):
-                        _lora.shrink_(x2, sh)
-                    join = lambda: cur.wait_stream(side)  # noqa: E731 - before the expand reads the partials
-                else:
+                if not (self.lora_stream and x2.is_cuda):
                     _lora.shrink_(x2, sh)
-                return [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_lora_g4(x2, ws, sh, join)]
+                    return [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_lora_g4(x2, ws, sh)]
+                cur, side = torch.cuda.current_stream(x2.device), self._side_stream(x2.device)
+                pause = _T.pdl_paused() if self.lora_stream == 1 else contextlib.nullcontext()
+                side.wait_stream(cur)
+                with torch.cuda.stream(side), pause:
+                    _lora.shrink_(x2, sh)
+                joined = []
+
+                def join():  # before the expand reads the partials
+                    cur.wait_stream(side)
+                    joined.append(pause.__enter__())
+
+                try:
+                    outs = _nv.linear_lora_g4(x2, ws, sh, join)
+                finally:
+                    if joined:
+                        pause.__exit__(None, None, None)
+                return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
         g4 = self._g4_group(base, x2) if self.group_nvfp4 else None
         if g4 is not None:
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_group_g4(x2, g4, checked=True)]
