@@ -376,32 +376,13 @@ def lora_reduce_ab(eng, V, rounds=3):
 
 
 def lora_stream_ab(eng, V, rounds=3):
-    """NVFP4+LoRA, where the LoRA shrinks run: on the GEMV's stream (HFQ_ROLLOUT_LORA_STREAM=0), on a side stream
-    with shrink and expand launched without programmatic dependent launch (1), on a side stream all with it (2),
-    and 1 with PDL off everywhere; interleaved greedy decode-step replays, settings restored after."""
-    from hfq_kernels import _triton
+    """NVFP4+LoRA: the LoRA shrinks on a side stream beside the base GEMVs, step captured without PDL (the default)
+    vs on the GEMVs' stream with PDL (HFQ_ROLLOUT_LORA_STREAM=0)."""
+    def set_on(on):
+        eng.adapter.lora_stream = on
+        eng.adapter._side.clear()  # the first warm-up of the recapture finds out again
 
-    variants = {"same_stream": (0, True), "side_stream": (1, True), "side_stream_pdl_lora": (2, True),
-                "side_stream_no_pdl": (1, False)}
-    keep = (eng.adapter.lora_stream, _triton._PDL[0])
-    ms = {k: [] for k in variants}
-    try:
-        for _ in range(rounds):
-            for name, (mode, on) in variants.items():
-                eng.adapter.lora_stream = mode
-                _triton.set_pdl(on)
-                eng.invalidate()
-                t = step_split(eng, V, with_eager=False, greedy_only=True).get("replay_ms_greedy")
-                if t is None:
-                    return {"error": f"no graph captured for {name}"}
-                ms[name].append(t)
-    finally:
-        eng.adapter.lora_stream = keep[0]
-        _triton.set_pdl(keep[1])
-        eng.invalidate()
-    med = {k: sorted(v)[len(v) // 2] for k, v in ms.items()}
-    return {"replay_ms": {k: sorted(v) for k, v in ms.items()},
-            "speedup_vs_same_stream": {k: round(med["same_stream"] / v, 3) for k, v in med.items()}}
+    return switch_ab(eng, V, set_on, eng.adapter.lora_stream, "side_stream", "same_stream", rounds)
 
 
 def kernel_profile(eng, V, steps=20, top=14):

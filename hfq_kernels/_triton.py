@@ -248,19 +248,6 @@ class pdl_launches:
         return False
 
 
-class pdl_paused:
-    """Context manager: kernels launched inside it do not use programmatic dependent launch, even inside
-    pdl_launches() (e.g. launches next to a cross-stream fork or join)."""
-
-    def __enter__(self):
-        self._open, _PDL[1] = _PDL[1], 0
-        return self
-
-    def __exit__(self, *exc):
-        _PDL[1] = self._open
-        return False
-
-
 def pdl(device: torch.device) -> bool:
     """Whether a kernel launched now on `device` uses programmatic dependent launch (enabled, inside
     pdl_launches(), a CUDA sm_90+ device, not the interpreter)."""

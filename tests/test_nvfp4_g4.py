@@ -4,6 +4,7 @@ Checked on CPU (torch reference; Triton dequantize under TRITON_INTERPRET=1) and
 canonical -> g4 -> canonical round trip is bit-exact, every product reads g4 with the canonical values, a layer
 holds one copy, state_dict / save_pretrained / load / PEFT see the canonical compressed-tensors tensors.
 """
+import contextlib
 import subprocess
 import sys
 
@@ -624,6 +625,7 @@ def test_rollout_programmatic_dependent_launch_same_tokens(tmp_path, monkeypatch
     taken = []
     real = T.pdl
     monkeypatch.setattr(T, "pdl", lambda dev: taken.append(real(dev)) or taken[-1])
+    monkeypatch.setenv("HFQ_ROLLOUT_LORA_STREAM", "0")  # LoRA shrinks on the step's stream: PDL kept with LoRA
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40]]
     for lora in (False, True):
         m = model
@@ -700,7 +702,8 @@ def test_rollout_lora_shrink_on_a_side_stream_same_tokens(tmp_path, monkeypatch)
     """The LoRA shrinks of NVFP4 + LoRA groups run on a side stream, concurrent with the base GEMV, and are joined
     before the expand (the default): greedy tokens and log-probs equal those of shrinks on the main stream
     (HFQ_ROLLOUT_LORA_STREAM=0) under CUDA graphs (fork and join inside the captured step) and eagerly; with it
-    on, every shrink runs on the adapter's side stream, with it off none does."""
+    on, every shrink runs on the adapter's side stream (and the step is captured without programmatic dependent
+    launch), with it off none does."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
@@ -731,6 +734,9 @@ def test_rollout_lora_shrink_on_a_side_stream_same_tokens(tmp_path, monkeypatch)
                                     return_logprobs=True)
             sides = list(eng.adapter._side.values())
             assert streams and len(sides) == int(on), (graph_mode, on, len(sides))
+            # a step that forks is captured without programmatic dependent launch
+            assert eng.adapter.side_stream_used() == on
+            assert isinstance(eng._pdl(), contextlib.nullcontext) == on
             assert all((s in sides) == on for s in streams), (graph_mode, on)
         assert torch.equal(outs[True].completion_ids, outs[False].completion_ids), graph_mode
         assert torch.equal(outs[True].logprobs, outs[False].logprobs), graph_mode

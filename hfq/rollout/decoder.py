@@ -14,13 +14,11 @@ own module.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import torch.nn.functional as F
 
-from hfq_kernels import _triton as _T
 from hfq_kernels import lora as _lora
 from hfq_kernels import nvfp4_matmul as _nv
 from hfq_kernels import rollout as K
@@ -129,10 +127,10 @@ class DecoderAdapter:
         self.group_nvfp4 = True  # q/k/v and gate/up NVFP4 (g4) linears as one grouped launch each (fused path)
         # NVFP4 (g4) linears with LoRA: their split-K reduce done by the LoRA expand's launch
         self.lora_in_reduce = os.environ.get("HFQ_ROLLOUT_LORA_REDUCE", "1") != "0"
-        # ... and their LoRA shrink on a side stream, concurrent with the base GEMV, joined before the expand:
-        # 0 = no (shrink, GEMV, expand on one stream), 1 = yes, shrink and expand launched without programmatic
-        # dependent launch (the GEMVs and the other kernels keep it), 2 = yes, all with it
-        self.lora_stream = int(os.environ.get("HFQ_ROLLOUT_LORA_STREAM", "1"))
+        # ... and their LoRA shrink on a side stream, concurrent with the base GEMV, joined before the expand. A step
+        # that forks so is captured without programmatic dependent launch (the engine asks side_stream_used()):
+        # on the H100 the fork/join edges cost more than PDL saves when both are on.
+        self.lora_stream = os.environ.get("HFQ_ROLLOUT_LORA_STREAM", "1") != "0"
         self._side = {}  # device -> the side stream
 
     def _qkv(self, attn, x, cos, sin):
@@ -245,21 +243,10 @@ class DecoderAdapter:
                     _lora.shrink_(x2, sh)
                     return [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_lora_g4(x2, ws, sh)]
                 cur, side = torch.cuda.current_stream(x2.device), self._side_stream(x2.device)
-                pause = _T.pdl_paused() if self.lora_stream == 1 else contextlib.nullcontext()
                 side.wait_stream(cur)
-                with torch.cuda.stream(side), pause:
+                with torch.cuda.stream(side):
                     _lora.shrink_(x2, sh)
-                joined = []
-
-                def join():  # before the expand reads the partials
-                    cur.wait_stream(side)
-                    joined.append(pause.__enter__())
-
-                try:
-                    outs = _nv.linear_lora_g4(x2, ws, sh, join)
-                finally:
-                    if joined:
-                        pause.__exit__(None, None, None)
+                outs = _nv.linear_lora_g4(x2, ws, sh, lambda: cur.wait_stream(side))  # joined before the expand
                 return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
         g4 = self._g4_group(base, x2) if self.group_nvfp4 else None
         if g4 is not None:
@@ -278,6 +265,10 @@ class DecoderAdapter:
             return outs
         _lora.lora_add_(x2, [outs[i].view(-1, outs[i].shape[-1]) for i in grp], [plans[i][0] for i in grp])
         return outs
+
+    def side_stream_used(self) -> bool:
+        """Whether a step run so far forked LoRA shrinks onto the side stream."""
+        return bool(self._side) and self.lora_stream
 
     def _side_stream(self, device) -> torch.cuda.Stream:
         """The stream the LoRA shrinks run on beside the base GEMVs (one per device, made on first use)."""

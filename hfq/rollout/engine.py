@@ -12,6 +12,8 @@ engine notices and re-captures. On CUDA a decode step uses the fused Triton kern
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 import os
 import warnings
@@ -225,6 +227,11 @@ class RolloutEngine:
         self.tokens[:b].copy_(tok)
         self.step += 1
 
+    def _pdl(self):
+        """pdl_launches() for the decode step's warm-up and capture; no PDL once the step has forked LoRA shrinks
+        onto the side stream."""
+        return contextlib.nullcontext() if self.adapter.side_stream_used() else pdl_launches()
+
     def _capture(self, key):
         b, kv_len, flags = key
         if not self.use_graphs:
@@ -235,15 +242,16 @@ class RolloutEngine:
             self.step.zero_()
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
-            # decode kernels launch with programmatic dependent launch (sm_90+) in the warm-up and the graph
-            with torch.cuda.stream(s), pdl_launches():
-                for _ in range(2):  # warm-up: Triton autotuning, cuBLAS handles, lazy inits
+            # decode kernels launch with programmatic dependent launch (sm_90+) in the warm-up and the graph, unless
+            # the step forks LoRA shrinks onto a side stream (see DecoderAdapter.lora_stream)
+            for _ in range(2):  # warm-up: Triton autotuning, cuBLAS handles, lazy inits
+                with torch.cuda.stream(s), self._pdl():
                     self._decode_body(b, kv_len, flags)
             torch.cuda.current_stream(self.device).wait_stream(s)
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool), pdl_launches():
+            with torch.cuda.graph(g, pool=self._pool), self._pdl():
                 self._decode_body(b, kv_len, flags)
             g.replay()  # the first replay uploads the graph; keep that out of generate (it resets the state)
             return g
