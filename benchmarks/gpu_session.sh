@@ -53,7 +53,7 @@ for part in "$@"; do
     # the three methods side by side with gradient checkpointing (held memory, GC peak, step ratios)
     qerl3_gc) timeout 200 python benchmarks/qerl_step.py --methods qerl,bf16_lora,qlora --grad-ckpt --out "$OUT" > "$OUT/qerl3_gc.txt" 2>&1 ;;
     # the 32B-shaped QeRL step alone: a warm-up step, two reported ones, and the decode step's kernel profile
-    qerl32_gc) timeout 420 python benchmarks/qerl_step.py --methods qerl_32b --grad-ckpt --out "$OUT" > "$OUT/qerl32_gc.txt" 2>&1 ;;
+    qerl32_gc) timeout 380 python benchmarks/qerl_step.py --methods qerl_32b --grad-ckpt --out "$OUT" > "$OUT/qerl32_gc.txt" 2>&1 ;;
     lora_gpu) timeout 200 python -m pytest -q -p no:cacheprovider tests/test_nvfp4_g4.py -k "rollout or lora or pdl" \
                 > "$OUT/lora_gpu_tests.txt" 2>&1 ;;
     qerl2_gc) timeout 200 python benchmarks/qerl_step.py --methods qerl,bf16_lora --grad-ckpt --out "$OUT" > "$OUT/qerl2_gc.txt" 2>&1 ;;

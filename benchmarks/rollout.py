@@ -378,11 +378,8 @@ def lora_reduce_ab(eng, V, rounds=3):
 def lora_stream_ab(eng, V, rounds=3):
     """NVFP4+LoRA: the LoRA shrinks on a side stream beside the base GEMVs, step captured without PDL (the default)
     vs on the GEMVs' stream with PDL (HFQ_ROLLOUT_LORA_STREAM=0)."""
-    def set_on(on):
-        eng.adapter.lora_stream = on
-        eng.adapter._side.clear()  # the first warm-up of the recapture finds out again
-
-    return switch_ab(eng, V, set_on, eng.adapter.lora_stream, "side_stream", "same_stream", rounds)
+    return switch_ab(eng, V, lambda on: setattr(eng.adapter, "lora_stream", on), eng.adapter.lora_stream,
+                     "side_stream", "same_stream", rounds)
 
 
 def kernel_profile(eng, V, steps=20, top=14):

@@ -735,7 +735,7 @@ def test_rollout_lora_shrink_on_a_side_stream_same_tokens(tmp_path, monkeypatch)
             sides = list(eng.adapter._side.values())
             assert streams and len(sides) == int(on), (graph_mode, on, len(sides))
             # a step that forks is captured without programmatic dependent launch
-            assert eng.adapter.side_stream_used() == on
+            assert eng.adapter.forked == on
             assert isinstance(eng._pdl(), contextlib.nullcontext) == on
             assert all((s in sides) == on for s in streams), (graph_mode, on)
         assert torch.equal(outs[True].completion_ids, outs[False].completion_ids), graph_mode

@@ -128,10 +128,11 @@ class DecoderAdapter:
         # NVFP4 (g4) linears with LoRA: their split-K reduce done by the LoRA expand's launch
         self.lora_in_reduce = os.environ.get("HFQ_ROLLOUT_LORA_REDUCE", "1") != "0"
         # ... and their LoRA shrink on a side stream, concurrent with the base GEMV, joined before the expand. A step
-        # that forks so is captured without programmatic dependent launch (the engine asks side_stream_used()):
-        # on the H100 the fork/join edges cost more than PDL saves when both are on.
+        # that forks so is captured without programmatic dependent launch (the engine reads `forked` after a
+        # warm-up): on the H100 the fork/join edges cost more than PDL saves when both are on.
         self.lora_stream = os.environ.get("HFQ_ROLLOUT_LORA_STREAM", "1") != "0"
         self._side = {}  # device -> the side stream
+        self.forked = False  # set when a shrink is forked onto the side stream (the engine resets it)
 
     def _qkv(self, attn, x, cos, sin):
         b, n, _ = x.shape
@@ -243,6 +244,7 @@ class DecoderAdapter:
                     _lora.shrink_(x2, sh)
                     return [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_lora_g4(x2, ws, sh)]
                 cur, side = torch.cuda.current_stream(x2.device), self._side_stream(x2.device)
+                self.forked = True
                 side.wait_stream(cur)
                 with torch.cuda.stream(side):
                     _lora.shrink_(x2, sh)
@@ -265,10 +267,6 @@ class DecoderAdapter:
             return outs
         _lora.lora_add_(x2, [outs[i].view(-1, outs[i].shape[-1]) for i in grp], [plans[i][0] for i in grp])
         return outs
-
-    def side_stream_used(self) -> bool:
-        """Whether a step run so far forked LoRA shrinks onto the side stream."""
-        return bool(self._side) and self.lora_stream
 
     def _side_stream(self, device) -> torch.cuda.Stream:
         """The stream the LoRA shrinks run on beside the base GEMVs (one per device, made on first use)."""

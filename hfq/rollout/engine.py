@@ -228,9 +228,9 @@ class RolloutEngine:
         self.step += 1
 
     def _pdl(self):
-        """pdl_launches() for the decode step's warm-up and capture; no PDL once the step has forked LoRA shrinks
-        onto the side stream."""
-        return contextlib.nullcontext() if self.adapter.side_stream_used() else pdl_launches()
+        """pdl_launches() for the decode step's warm-up and capture; none once a warm-up of this capture has forked
+        LoRA shrinks onto the side stream."""
+        return contextlib.nullcontext() if self.adapter.forked else pdl_launches()
 
     def _capture(self, key):
         b, kv_len, flags = key
@@ -244,6 +244,7 @@ class RolloutEngine:
             s.wait_stream(torch.cuda.current_stream(self.device))
             # decode kernels launch with programmatic dependent launch (sm_90+) in the warm-up and the graph, unless
             # the step forks LoRA shrinks onto a side stream (see DecoderAdapter.lora_stream)
+            self.adapter.forked = False
             for _ in range(2):  # warm-up: Triton autotuning, cuBLAS handles, lazy inits
                 with torch.cuda.stream(s), self._pdl():
                     self._decode_body(b, kv_len, flags)
