@@ -344,6 +344,7 @@ def decode_profile(run) -> str:
     (benchmarks/rollout.py's step_split and kernel_profile), as one line for the notes."""
     import rollout as rb
 
+    run.model.eval()  # as in the rollout phase (after a step the model is in train mode: PEFT's own forward)
     V = run.model.config.vocab_size
     split = rb.step_split(run.engine, V, b=run.batch, with_eager=False, greedy_only=True)
     prof = rb.kernel_profile(run.engine, V)
