@@ -35,6 +35,7 @@ SHAPES = [  # (K=in, N=out)
     (5120, 5120), (5120, 1024), (5120, 27648), (27648, 5120),  # Qwen2.5-32B
 ]
 MS = [1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096]
+ROUNDS = 3
 L2_BYTES = 50 * 2**20
 
 
@@ -42,57 +43,64 @@ def rel_err(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def graph_us(call, n_copies: int, reps: int = 20) -> float:
-    """Median us per call of call(i) for i in range(n_copies), captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(min(n_copies, 3)):
-            call(i)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(n_copies):
-            call(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+def capture(call, n_copies: int):
+    """call(i) for i in range(n_copies) captured in one CUDA graph (after a warm-up on a side stream), or None
+    where the call cannot be captured."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for i in range(min(n_copies, 3)):
+                call(i)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(n_copies):
+                call(i)
         g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    del g
-    times.sort()
-    return times[len(times) // 2] * 1000 / n_copies
+        torch.cuda.synchronize()
+        return g
+    except Exception:  # noqa: BLE001 - e.g. a library that cannot be captured: timed eagerly
+        torch.cuda.synchronize()
+        return None
 
 
-def eager_us(call, n_copies: int, reps: int = 5) -> float:
-    for i in range(min(n_copies, 2)):
-        call(i)
-    torch.cuda.synchronize()
+def replay_us(g, call, n_copies: int, reps: int = 10) -> float:
+    """Median us per call over `reps` replays of graph g (or, g None, of the eager loop over the copies)."""
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for i in range(n_copies):
-            call(i)
+        if g is not None:
+            g.replay()
+        else:
+            for i in range(n_copies):
+                call(i)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
     times.sort()
     return times[len(times) // 2] * 1000 / n_copies
+
+
+def interleaved_us(calls: dict, copies: dict, rounds: int = 3) -> dict:
+    """{name: (median us per call over rounds, min, max, "graph" | "eager")}: each call captured once, then
+    replayed round-robin (A B C A B C ...) `rounds` times."""
+    graphs = {k: capture(c, copies[k]) for k, c in calls.items()}
+    per = {k: [] for k in calls}
+    for _ in range(rounds):
+        for k, c in calls.items():
+            per[k].append(replay_us(graphs[k], c, copies[k]))
+    modes = {k: "graph" if g is not None else "eager" for k, g in graphs.items()}
+    del graphs
+    return {k: (sorted(v)[len(v) // 2], min(v), max(v), modes[k]) for k, v in per.items()}
 
 
 def time_us(call, n_copies):
-    try:
-        return graph_us(call, n_copies), "graph"
-    except Exception as e:  # e.g. a library that cannot be captured
-        torch.cuda.synchronize()
-        return eager_us(call, n_copies), f"eager ({type(e).__name__})"
+    """(median us per call, "graph" | "eager") of one captured graph over the copies (the sweep's timing)."""
+    g = capture(call, n_copies)
+    return replay_us(g, call, n_copies, reps=20), "graph" if g is not None else "eager"
 
 
 def n_copies(bytes_per_copy: int) -> int:
@@ -317,7 +325,9 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
         prev_commit = prev.get("commit")
         prev_nf4 = {(r["K"], r["N"], r["M"]): r.get("nf4_us") for r in prev.get("rows", [])}
     for k, n in shapes:
-        copies = make_weights(k, n, n_copies(nvfp4_bytes(0, k, n)), gen)
+        copies = []  # the g4 layout an NVFP4Linear keeps on the GPU (no canonical copy)
+        for p, sc, gs in make_weights(k, n, n_copies(nvfp4_bytes(0, k, n)), gen):
+            copies.append((*gluon.repack(p, sc), gs.float()))
         wb = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
               for _ in range(n_copies(n * k * 2))]
         nf4 = []
@@ -325,29 +335,28 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
             for i in range(n_copies(n * k // 2 + n * k // 64 * 4)):
                 qw, qs = bnbF.quantize_4bit(wb[i % len(wb)], quant_type="nf4", blocksize=64)
                 nf4.append((qw, qs))
-        if gluon.HAS_GLUON:
-            for c in copies:  # the g4 kernel's repacked copies are built lazily; build them outside the graphs
-                gluon.repacked(c[0], c[1])
         for m in MS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            K.linear(x, *copies[0])  # tuned choice (shipped table) / autotune outside the graph
-            ours, mode = time_us(lambda i: K.linear(x, *copies[i]), len(copies))
-            bf, _ = time_us(lambda i: F.linear(x, wb[i]), len(wb))
-            nf, nmode = (float("nan"), "n/a")
+            # NVFP4Linear's route for a g4 weight: the Gluon kernel at M <= 64, else dequantize_g4 + cuBLAS
+            calls = {"ours": lambda i: MM.linear_g4(x, copies[i][0], copies[i][1], copies[i][2], n, k),
+                     "bf16": lambda i: F.linear(x, wb[i])}
+            ncop = {"ours": len(copies), "bf16": len(wb)}
             if nf4:
-                nf, nmode = time_us(lambda i: bnb.matmul_4bit(x, nf4[i][0].t(), quant_state=nf4[i][1]), len(nf4))
-            elif prev_nf4.get((k, n, m)) is not None:
+                calls["nf4"] = lambda i: bnb.matmul_4bit(x, nf4[i][0].t(), quant_state=nf4[i][1])
+                ncop["nf4"] = len(nf4)
+            t = interleaved_us(calls, ncop, ROUNDS)
+            ours, bf = t["ours"][0], t["bf16"][0]
+            nf, nmode = (t["nf4"][0], t["nf4"][3]) if "nf4" in t else (float("nan"), "n/a")
+            if "nf4" not in t and prev_nf4.get((k, n, m)) is not None:
                 nf, nmode = prev_nf4[(k, n, m)], f"reused from commit {prev_commit} (bitsandbytes not installed)"
-            if gluon.supported(x):
-                cfg = MM.gluon_config(m, n, k, dev)
-            else:
-                cfg = MM.LINEAR_TUNER.cache.get(K.Tuner.key(m, n, k, x.dtype, dev), {"default": True})
+            cfg = MM.gluon_config(m, n, k, dev) if gluon.supported(x) else {"kind": "dequant"}
             row = {"M": m, "K": k, "N": n, "ours_us": round(ours, 3), "bf16_us": round(bf, 3),
-                   "nf4_us": round(nf, 3), "ours_gbps": round(nvfp4_bytes(m, k, n) / ours / 1e3, 1),
+                   "nf4_us": round(nf, 3), "spread_us": {kk: [round(v[1], 3), round(v[2], 3)] for kk, v in t.items()},
+                   "ours_gbps": round(nvfp4_bytes(m, k, n) / ours / 1e3, 1),
                    "bf16_gbps": round((n * k * 2 + m * k * 2 + m * n * 2) / bf / 1e3, 1),
                    "x_bf16": round(bf / ours, 3), "x_nf4": round(nf / ours, 3) if nf == nf else None,
                    "pct_copy_bw": round(100 * nvfp4_bytes(m, k, n) / ours / 1e3 / copy_gbps, 1),
-                   "config": cfg, "timing": mode, "nf4_timing": nmode}
+                   "config": cfg, "timing": t["ours"][3], "nf4_timing": nmode}
             rows.append(row)
             print(f"K{k:6d} N{n:6d} M{m:5d} ours {ours:8.2f}us bf16 {bf:8.2f}us nf4 {nf:8.2f}us "
                   f"x{bf / ours:5.2f} (nf4 x{nf / ours:5.2f}) {row['ours_gbps']:6.0f}GB/s {row['pct_copy_bw']:5.1f}%",
@@ -369,11 +378,8 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
            "commit": commit, "torch": torch.__version__, "triton": __import__("triton").__version__,
            "bitsandbytes": getattr(bnb, "__version__", None), "copy_gbps": round(copy_gbps, 1),
            "compile_decode": comp, "rows": rows}
-    res["asm_failed"] = {str(a): e for a, e in MM._ASM_FAILED.items()}
-    res["tuned"] = MM.LINEAR_TUNER.cache
+    res["rounds"] = ROUNDS
     out_json.write_text(json.dumps(res, indent=1))
-    (out_json.parent / "nvfp4_linear_tuned.json").write_text(
-        json.dumps({"nvfp4_linear": MM.LINEAR_TUNER.cache}, indent=1, sort_keys=True))
     out_md.write_text(to_markdown(res))
     print(f"wrote {out_json} {out_md}")
 
@@ -383,13 +389,22 @@ def to_markdown(res) -> str:
              f"device: {res['device']} | date: {res['date']} | commit: `{res['commit']}` | torch {res['torch']} | "
              f"triton {res['triton']} | bitsandbytes {res['bitsandbytes']} | measured copy bandwidth "
              f"{res['copy_gbps']} GB/s", "",
-             "Times are medians per call inside CUDA graphs, weights rotated across copies larger than 3x L2. "
-             "GB/s counts bytes read+written (packed weights, scales, x, y).", "",
+             f"Times: us per call inside CUDA graphs, weights rotated across copies larger than 3x L2; each method's "
+             f"graph captured once, then replayed round-robin over {res.get('rounds', 1)} rounds: median of the "
+             "rounds (min-max). ours = NVFP4Linear's route for its g4 weights: the Gluon kernel at M <= 64, "
+             "dequantize_g4 + cuBLAS above. GB/s counts bytes read+written (packed weights, scales, x, y).", "",
              "| K | N | M | ours us | bf16 us | nf4 us | ours/bf16 speedup | ours/nf4 speedup | ours GB/s | % copy BW |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
-        lines.append(f"| {r['K']} | {r['N']} | {r['M']} | {r['ours_us']} | {r['bf16_us']} | {r['nf4_us']} | "
-                     f"{r['x_bf16']} | {r['x_nf4']} | {r['ours_gbps']} | {r['pct_copy_bw']} |")
+        sp = r.get("spread_us", {})
+
+        def cell(key, name):
+            lo_hi = sp.get(name)
+            return f"{r[key]} ({lo_hi[0]}-{lo_hi[1]})" if lo_hi else f"{r[key]}"
+
+        lines.append(f"| {r['K']} | {r['N']} | {r['M']} | {cell('ours_us', 'ours')} | {cell('bf16_us', 'bf16')} | "
+                     f"{cell('nf4_us', 'nf4')} | {r['x_bf16']} | {r['x_nf4']} | {r['ours_gbps']} | "
+                     f"{r['pct_copy_bw']} |")
     lines += ["", f"torch.compile(fullgraph=True, mode='reduce-overhead') + CUDA-graph decode step of a tiny "
                   f"NVFP4 Qwen2: {res['compile_decode']}", ""]
     return "\n".join(lines)
