@@ -49,7 +49,7 @@ for part in "$@"; do
     qerl_all) timeout 500 python benchmarks/qerl_step.py --out "$OUT" > "$OUT/qerl.txt" 2>&1 ;;
     qerl_gc) timeout 300 python benchmarks/qerl_step.py --methods qerl,bf16_lora --grad-ckpt --out "$OUT" > "$OUT/qerl_gc.txt" 2>&1 ;;
     # the QeRL paper's completion length (2048), with gradient checkpointing; writes qerl_step_new2048_gc.*
-    qerl_2048) timeout 480 python benchmarks/qerl_step.py --methods qerl,bf16_lora --new 2048 --grad-ckpt --out "$OUT" > "$OUT/qerl_2048.txt" 2>&1 ;;
+    qerl_2048) timeout ${QERL_2048_S:-480} python benchmarks/qerl_step.py --methods qerl,bf16_lora --new 2048 --grad-ckpt --out "$OUT" > "$OUT/qerl_2048.txt" 2>&1 ;;
     # the three methods side by side with gradient checkpointing (held memory, GC peak, step ratios)
     qerl3_gc) timeout 200 python benchmarks/qerl_step.py --methods qerl,bf16_lora,qlora --grad-ckpt --out "$OUT" > "$OUT/qerl3_gc.txt" 2>&1 ;;
     # the 32B-shaped QeRL step alone: a warm-up step, two reported ones, and the decode step's kernel profile
