@@ -13,7 +13,6 @@ engine notices and re-captures. On CUDA a decode step uses the fused Triton kern
 from __future__ import annotations
 
 import contextlib
-
 import math
 import os
 import warnings
