@@ -578,7 +578,7 @@ def write(results, out_dir):
         json.dump(results, f, indent=1)
     lines = [f"# Rollout throughput\n", f"device: {results['device']}  date: {results['date']}  commit: {results['commit']}\n",
              "EOS disabled; sampling at temperature 1; tok/s = batch x new_tokens / wall time (prefill included); "
-             "NVFP4 rows: median of 3 generates (min-max).\n",
+             "rows with (min-max): median of 3 generates.\n",
              "| engine | weights | model | batch | prompt | new tokens | tok/s | peak GB | x generate |",
              "|---|---|---|---|---|---|---|---|---|"]
     gen = {r["batch"]: r["tok_s"] for r in results["rows"] if r["engine"] == "generate" and r.get("tok_s")}
