@@ -9,6 +9,7 @@ they live, so optimizer steps are seen by captured graphs. They stay separate la
 norm / attention / SiLU*mul kernels and the expands into RoPE / SiLU*mul measured 0.90x of them (H100, 7B-shaped,
 batch 8). Where the base linear leaves split-K partials (the NVFP4 decode GEMV), the expand writes the base output
 itself from them (`expand_(base=...)`, the reduce kernel's bits): one launch fewer per group, 1.02x that step.
+The rollout decoder runs such a group's shrink on a side stream, concurrent with the base GEMV (hfq.rollout.decoder).
 """
 from __future__ import annotations
 
