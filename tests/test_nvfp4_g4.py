@@ -702,8 +702,8 @@ def test_rollout_lora_shrink_on_a_side_stream_same_tokens(tmp_path, monkeypatch)
     """The LoRA shrinks of NVFP4 + LoRA groups run on a side stream, concurrent with the base GEMV, and are joined
     before the expand (the default): greedy tokens and log-probs equal those of shrinks on the main stream
     (HFQ_ROLLOUT_LORA_STREAM=0) under CUDA graphs (fork and join inside the captured step) and eagerly; with it
-    on, every shrink runs on the adapter's side stream (and the step is captured without programmatic dependent
-    launch), with it off none does."""
+    on, every shrink runs on the adapter's side stream and the adapter reports the fork (so the engine's capture
+    scope has no programmatic dependent launch), with it off neither."""
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
@@ -734,7 +734,7 @@ def test_rollout_lora_shrink_on_a_side_stream_same_tokens(tmp_path, monkeypatch)
                                     return_logprobs=True)
             sides = list(eng.adapter._side.values())
             assert streams and len(sides) == int(on), (graph_mode, on, len(sides))
-            # a step that forks is captured without programmatic dependent launch
+            # a step that forks is captured without programmatic dependent launch (engine._pdl reads the flag)
             assert eng.adapter.forked == on
             assert isinstance(eng._pdl(), contextlib.nullcontext) == on
             assert all((s in sides) == on for s in streams), (graph_mode, on)
