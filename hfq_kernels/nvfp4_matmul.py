@@ -905,17 +905,13 @@ def _group_plan(m, ns, k, hb, dt, dev):
         members = [(w[0], w[1], w[2], w[3]) for w in weights]
         if split == 1:
             run(x2, members, outs)
-            if join is not None:
-                join()
-            return outs if sh is None else _lora.expand_(sh, outs)
+            return outs if sh is None else _expand_after(sh, outs, None, join)
         part = torch.empty(split * m * total, dtype=torch.float32, device=dev)
         dsts = [part[o * split * m:(o + n) * split * m] for o, n in zip(offs, ns)]
         run(x2, members, dsts)
-        if join is not None:
-            join()
         if sh is not None:  # the reduce done by the LoRA expand's launch
-            return _lora.expand_(sh, outs, base=([d.view(split, m, n) for d, n in zip(dsts, ns)], split,
-                                                 [w[3] for w in weights]))
+            return _expand_after(sh, outs, ([d.view(split, m, n) for d, n in zip(dsts, ns)], split,
+                                            [w[3] for w in weights]), join)
         bs = [w[3] if w[3] is not None else w[2] for w in weights]
         ys = outs + outs[-1:] if g == 2 else outs
         bs = bs + bs[-1:] if g == 2 else bs
@@ -971,14 +967,17 @@ def linear_lora_g4(x2: torch.Tensor, weights, sh, join=None) -> list:
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     if split == 1:
         run(x2, wr, sr, _g4_recip(gs), bias, y, n)
-        if join is not None:
-            join()
-        return _lora.expand_(sh, [y])
+        return _expand_after(sh, [y], None, join)
     p = torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
     run(x2, wr, sr, _g4_recip(gs), bias, p, n)
+    return _expand_after(sh, [y], ([p], split, [bias]), join)
+
+
+def _expand_after(sh, outs, base, join):
+    """The LoRA expand of a g4 + LoRA call (with the base's split-K reduce where `base` is given), after `join()`."""
     if join is not None:
         join()
-    return _lora.expand_(sh, [y], base=([p], split, [bias]))
+    return _lora.expand_(sh, outs, base=base)
 
 
 def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:

@@ -240,16 +240,17 @@ class DecoderAdapter:
             ws = self._g4_weights(base, x2)
             if ws is not None and _nv.lora_g4_ok(x2, ws):
                 sh = _lora.Shrink([p[0] for p in plans], x2.shape[0], x2.shape[1], x2.device)
-                if not (self.lora_stream and x2.is_cuda):
+                join = None
+                if self.lora_stream and x2.is_cuda:
+                    cur, side = torch.cuda.current_stream(x2.device), self._side_stream(x2.device)
+                    self.forked = True
+                    side.wait_stream(cur)
+                    with torch.cuda.stream(side):
+                        _lora.shrink_(x2, sh)
+                    join = lambda: cur.wait_stream(side)  # noqa: E731 - before the expand reads the partials
+                else:
                     _lora.shrink_(x2, sh)
-                    return [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_lora_g4(x2, ws, sh)]
-                cur, side = torch.cuda.current_stream(x2.device), self._side_stream(x2.device)
-                self.forked = True
-                side.wait_stream(cur)
-                with torch.cuda.stream(side):
-                    _lora.shrink_(x2, sh)
-                outs = _nv.linear_lora_g4(x2, ws, sh, lambda: cur.wait_stream(side))  # joined before the expand
-                return [y.view(*x.shape[:-1], y.shape[-1]) for y in outs]
+                return [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_lora_g4(x2, ws, sh, join)]
         g4 = self._g4_group(base, x2) if self.group_nvfp4 else None
         if g4 is not None:
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_group_g4(x2, g4, checked=True)]
