@@ -92,28 +92,36 @@ def ratio(base: dict, ours: dict) -> dict:
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return ""
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
 
 
-def markdown(title: str, facts: dict, rows: Sequence[Mapping], columns: Sequence[str] | None = None,
-             notes: str = "") -> str:
-    columns = list(columns or (list(rows[0]) if rows else []))
+def table(rows: Sequence[Mapping], columns: Sequence[str] | Mapping[str, str] | None = None) -> list[str]:
+    """Markdown table lines of `rows`: `columns` are row keys (the header), or {key: header}; missing cells blank."""
+    columns = columns if columns is not None else (list(rows[0]) if rows else [])
+    heads = dict(columns) if isinstance(columns, Mapping) else {c: c for c in columns}
+    lines = ["| " + " | ".join(heads.values()) + " |", "|" + "---|" * len(heads)]
+    return lines + ["| " + " | ".join(_fmt(r.get(c, "")) for c in heads) + " |" for r in rows]
+
+
+def markdown(title: str, facts: dict, rows: Sequence[Mapping], columns=None, notes: str = "") -> str:
+    """`# title`, the run facts, the table of `rows` (see `table`), then `notes` (markdown: text, more tables)."""
     head = ", ".join(f"{k}: {facts[k]}" for k in ("device", "card", "date", "commit") if k in facts)
     lines = [f"# {title}", "", head, ""]
     if rows:
-        lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+        lines += table(rows, columns)
     if notes:
         lines += ["", notes.strip()]
     return "\n".join(lines) + "\n"
 
 
-def write(name: str, rows: Sequence[Mapping], columns: Sequence[str] | None = None, notes: str = "",
+def write(name: str, rows: Sequence[Mapping], columns=None, notes: str = "",
           out_dir: str | None = None, facts: dict | None = None, extra: dict | None = None,
           title: str | None = None) -> tuple[str, str]:
-    """Write `<out_dir>/<name>.json` (facts + rows + extra) and `<name>.md` (a table of `columns`); returns paths.
+    """Write `<out_dir>/<name>.json` (facts + rows + extra) and `<name>.md` (`markdown`); returns the two paths.
     out_dir defaults to $OUT (the device's return folder) when set, else benchmarks/results."""
     out_dir = out_dir or os.environ.get("OUT") or RESULTS
     os.makedirs(out_dir, exist_ok=True)
