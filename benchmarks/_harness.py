@@ -120,8 +120,9 @@ def markdown(title: str, facts: dict, rows: Sequence[Mapping], columns=None, not
 
 def write(name: str, rows: Sequence[Mapping], columns=None, notes: str = "",
           out_dir: str | None = None, facts: dict | None = None, extra: dict | None = None,
-          title: str | None = None) -> tuple[str, str]:
-    """Write `<out_dir>/<name>.json` (facts + rows + extra) and `<name>.md` (`markdown`); returns the two paths.
+          title: str | None = None, md_rows: Sequence[Mapping] | None = None) -> tuple[str, str]:
+    """Write `<out_dir>/<name>.json` (facts + rows + extra) and `<name>.md` (`markdown` of `md_rows`, when the table
+    shows cells made for reading, e.g. "1.17 (1.06-1.26)", else of `rows`); returns the two paths.
     out_dir defaults to $OUT (the device's return folder) when set, else benchmarks/results."""
     out_dir = out_dir or os.environ.get("OUT") or RESULTS
     os.makedirs(out_dir, exist_ok=True)
@@ -131,7 +132,7 @@ def write(name: str, rows: Sequence[Mapping], columns=None, notes: str = "",
     with open(jpath, "w") as f:
         json.dump(payload, f, indent=1, default=str)
     with open(mpath, "w") as f:
-        f.write(markdown(title or name, facts, rows, columns, notes))
+        f.write(markdown(title or name, facts, rows if md_rows is None else md_rows, columns, notes))
     return jpath, mpath
 
 

@@ -9,13 +9,15 @@ state) for each configuration. Writes <out>/eco.json and <out>/eco.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import add_args, interleaved, write  # noqa: E402
 
 from hfq.eco import ECOAdamW
 from hfq_kernels.reference.fp8 import quantize_fp8_row
@@ -28,27 +30,10 @@ def shapes_1b(layers=16, hidden=2048, inter=8192, kv=512):
     return per * layers
 
 
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def time_step(opt, dev, warmup=3, iters=10):
-    for _ in range(warmup):
-        opt.step()
-    _sync(dev)
-    if dev.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            opt.step()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
-    t = time.perf_counter()
-    for _ in range(iters):
-        opt.step()
-    return (time.perf_counter() - t) * 1e3 / iters
+def time_step(opt, rounds, warmup=3, iters=10) -> dict:
+    """ms per optimizer.step(): `rounds` rounds of `iters` back-to-back steps (median, min, max, spread)."""
+    t = interleaved({"step": opt.step}, rounds=rounds, warmup=warmup, inner=iters)["step"]
+    return {k: t[k] * 1e3 if k in ("median", "min", "max") else t[k] for k in ("median", "min", "max", "spread")}
 
 
 def make_params(shapes, dev, kind, seed=0):
@@ -101,8 +86,7 @@ def check_fused_matches_reference(dev):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
+    ap = add_args(argparse.ArgumentParser())
     ap.add_argument("--tiny", action="store_true", help="small shapes (CPU smoke run)")
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
@@ -130,10 +114,12 @@ def main():
     for name, kind, mk in configs:
         params = make_params(shapes, dev, kind)
         opt = mk(params)
-        ms = time_step(opt, dev, warmup=1 if "reference" in name else 3,
-                       iters=max(1, iters // 5) if "reference" in name else iters)
+        t = time_step(opt, args.rounds, warmup=1 if "reference" in name else 3,
+                      iters=max(1, iters // 5) if "reference" in name else iters)
         wb, sb = weight_bytes(params), state_bytes(opt)
-        rows.append({"config": name, "step_ms": round(ms, 3), "weight_bytes_per_param": round(wb / n, 4),
+        rows.append({"config": name, "step_ms": round(t["median"], 3), "step_ms_range":
+                     f"{t['min']:.2f}-{t['max']:.2f}", "spread": round(t["spread"], 3),
+                     "weight_bytes_per_param": round(wb / n, 4),
                      "state_bytes_per_param": round(sb / n, 4), "static_bytes_per_param": round((wb + sb) / n, 4)})
         print(rows[-1], flush=True)
         del params, opt
@@ -142,35 +128,21 @@ def main():
     base = rows[0]["step_ms"]
     for r in rows:
         r["ratio_vs_adamw_bf16_fused"] = round(r["step_ms"] / base, 3)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
-    commit = os.environ.get("HFQ_COMMIT", commit) or "unknown"
-    device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    res = {"device": device, "date": datetime.date.today().isoformat(), "commit": commit,
-           "shapes": "1B-shaped Llama linears: 16 x [q,o 2048x2048; k,v 512x2048; gate,up 8192x2048; "
-                     "down 2048x8192]" if not args.tiny else str(shapes),
-           "n_params": n, "torch": torch.__version__, "rows": rows}
+    shapes_txt = ("1B-shaped Llama linears: 16 x [q,o 2048x2048; k,v 512x2048; gate,up 8192x2048; down 2048x8192]"
+                  if not args.tiny else str(shapes))
+    extra = {"shapes": shapes_txt, "n_params": n}
+    notes = (f"Shapes: {shapes_txt} ({n / 1e9:.3f} B params). Step time = one optimizer.step() over all of them "
+             f"(grads already present): median over {args.rounds} rounds of {iters} back-to-back steps (torch-reference "
+             "rows: a fifth of them), range min-max over the rounds.")
     if dev.type == "cuda":
-        res["correctness_fused_vs_reference_rtn"] = check_fused_matches_reference(dev)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "eco.json"), "w") as f:
-        json.dump(res, f, indent=1)
-    lines = [f"# ECO optimizer step: {res['device']}, {res['date']}, commit {res['commit']}", "",
-             f"Shapes: {res['shapes']} ({n / 1e9:.3f} B params). Step time = one optimizer.step() over all of them "
-             f"(grads already present), CUDA events, mean of {iters} steps.", "",
-             "| configuration | step (ms) | vs AdamW bf16 fused | weights B/param | states B/param | static B/param |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['config']} | {r['step_ms']:.2f} | {r['ratio_vs_adamw_bf16_fused']:.2f}x | "
-                     f"{r['weight_bytes_per_param']:.3f} | {r['state_bytes_per_param']:.3f} | "
-                     f"{r['static_bytes_per_param']:.3f} |")
-    if "correctness_fused_vs_reference_rtn" in res:
-        lines += ["", "Fused vs torch reference (RTN, one step): " + json.dumps(res["correctness_fused_vs_reference_rtn"])]
-    with open(os.path.join(args.out, "eco.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        extra["correctness_fused_vs_reference_rtn"] = check_fused_matches_reference(dev)
+        notes += "\n\nFused vs torch reference (RTN, one step): " + json.dumps(extra["correctness_fused_vs_reference_rtn"])
+    columns = {"config": "configuration", "step_ms": "step (ms)", "step_ms_range": "range",
+               "spread": "spread", "ratio_vs_adamw_bf16_fused": "vs AdamW bf16 fused",
+               "weight_bytes_per_param": "weights B/param", "state_bytes_per_param": "states B/param",
+               "static_bytes_per_param": "static B/param"}
+    _, md = write("eco", rows, columns, notes, out_dir=args.out, title="ECO optimizer step", extra=extra)
+    print(open(md).read())
 
 
 if __name__ == "__main__":

@@ -10,11 +10,9 @@ Bandwidth counts the bytes a call must read/write: packed weights + scales + x +
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +21,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import add_args, spread, write  # noqa: E402
 
 from hfq_kernels.reference import fp4  # noqa: E402
 from hfq_kernels import nvfp4 as K  # noqa: E402
@@ -35,7 +36,6 @@ SHAPES = [  # (K=in, N=out)
     (5120, 5120), (5120, 1024), (5120, 27648), (27648, 5120),  # Qwen2.5-32B
 ]
 MS = [1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096]
-ROUNDS = 3
 L2_BYTES = 50 * 2**20
 
 
@@ -94,7 +94,7 @@ def interleaved_us(calls: dict, copies: dict, rounds: int = 3) -> dict:
             per[k].append(replay_us(graphs[k], c, copies[k]))
     modes = {k: "graph" if g is not None else "eager" for k, g in graphs.items()}
     del graphs
-    return {k: (sorted(v)[len(v) // 2], min(v), max(v), modes[k]) for k, v in per.items()}
+    return {k: (spread(v)["median"], min(v), max(v), modes[k]) for k, v in per.items()}
 
 
 def time_us(call, n_copies):
@@ -124,7 +124,14 @@ def make_weights(k, n, copies, gen):
 def sweep(out_dir: Path, quick: bool):
     dev = torch.device("cuda")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    log = {"device": torch.cuda.get_device_name(), "checks": [], "tuning": [], "quantize": []}
+    log = {"checks": [], "tuning": [], "quantize": []}
+    rows = []
+
+    def save():  # after every shape: a killed sweep keeps what it measured
+        write("nvfp4_matmul_sweep", rows, ["K", "N", "M", "bf16_us", "best_us", "x_bf16", "best"], out_dir=str(out_dir),
+              title="NVFP4 W4A16 config sweep (best config per shape, tuning weights rotated over > 3x L2)",
+              notes=f"checks: {len(log['checks'])}, failures: {fails[:10]}", extra=log)
+
     fails = []
 
     def check(name, ok, **info):
@@ -236,8 +243,10 @@ def sweep(out_dir: Path, quick: bool):
             tuned[K.Tuner.key(m, n, k, torch.float16, dev)] = best
             log["tuning"].append({"M": m, "K": k, "N": n, "bf16_us": bf,
                                   "results": [{"us": u, "cfg": c} for u, c in res]})
+            rows.append({"K": k, "N": n, "M": m, "bf16_us": round(bf, 3), "best_us": round(best_us, 3),
+                         "x_bf16": round(bf / best_us, 3), "best": json.dumps(best, default=str)})
             gbps = nvfp4_bytes(m, k, n) / best_us / 1e3
-            (out_dir / "sweep.json").write_text(json.dumps(log, indent=1, default=str))
+            save()
             print(f"K{k:6d} N{n:6d} M{m:5d} best {best_us:8.2f}us bf16 {bf:8.2f}us x{bf / best_us:5.2f} "
                   f"{gbps:6.0f}GB/s {best}", flush=True)
         del copies, wb
@@ -246,7 +255,7 @@ def sweep(out_dir: Path, quick: bool):
     (out_dir / "nvfp4_linear_tuned.json").write_text(json.dumps({"nvfp4_linear": tuned}, indent=1, sort_keys=True))
     log["fails"] = fails
     log["asm_failed"] = {str(a): b for a, b in MM._ASM_FAILED.items()}
-    (out_dir / "sweep.json").write_text(json.dumps(log, indent=1, default=str))
+    save()
     print(f"SWEEP DONE: {len(log['checks'])} checks, {len(fails)} failures: {fails[:10]}", flush=True)
 
 
@@ -300,7 +309,7 @@ def compile_decode_check() -> dict:
 
 
 # ------------------------------------------------------------------------------------------- benchmark
-def benchmark(out_json: Path, out_md: Path, quick: bool):
+def benchmark(out_dir: str | None, quick: bool, rounds: int):
     dev = torch.device("cuda")
     gen = torch.Generator(device="cuda").manual_seed(1)
     try:
@@ -320,9 +329,10 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
     rows = []
     shapes = SHAPES if not quick else SHAPES[:2]
     prev_nf4, prev_commit = {}, None
-    if bnb is None and out_json.is_file():  # keep the NF4 column: reuse the previous run's numbers (noted per row)
-        prev = json.loads(out_json.read_text())
-        prev_commit = prev.get("commit")
+    prev_path = Path(out_dir or os.environ.get("OUT") or Path(__file__).resolve().parent / "results") / "nvfp4_matmul.json"
+    if bnb is None and prev_path.is_file():  # keep the NF4 column: reuse the previous run's numbers (noted per row)
+        prev = json.loads(prev_path.read_text())
+        prev_commit = prev.get("facts", prev).get("commit")
         prev_nf4 = {(r["K"], r["N"], r["M"]): r.get("nf4_us") for r in prev.get("rows", [])}
     for k, n in shapes:
         copies = []  # the g4 layout an NVFP4Linear keeps on the GPU (no canonical copy)
@@ -344,7 +354,7 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
             if nf4:
                 calls["nf4"] = lambda i: bnb.matmul_4bit(x, nf4[i][0].t(), quant_state=nf4[i][1])
                 ncop["nf4"] = len(nf4)
-            t = interleaved_us(calls, ncop, ROUNDS)
+            t = interleaved_us(calls, ncop, rounds)
             ours, bf = t["ours"][0], t["bf16"][0]
             nf, nmode = (t["nf4"][0], t["nf4"][3]) if "nf4" in t else (float("nan"), "n/a")
             if "nf4" not in t and prev_nf4.get((k, n, m)) is not None:
@@ -352,6 +362,7 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
             cfg = MM.gluon_config(m, n, k, dev) if gluon.supported(x) else {"kind": "dequant"}
             row = {"M": m, "K": k, "N": n, "ours_us": round(ours, 3), "bf16_us": round(bf, 3),
                    "nf4_us": round(nf, 3), "spread_us": {kk: [round(v[1], 3), round(v[2], 3)] for kk, v in t.items()},
+                   **{f"{kk}_range": f"{v[1]:.3f}-{v[2]:.3f}" for kk, v in t.items()},
                    "ours_gbps": round(nvfp4_bytes(m, k, n) / ours / 1e3, 1),
                    "bf16_gbps": round((n * k * 2 + m * k * 2 + m * n * 2) / bf / 1e3, 1),
                    "x_bf16": round(bf / ours, 3), "x_nf4": round(nf / ours, 3) if nf == nf else None,
@@ -368,57 +379,31 @@ def benchmark(out_json: Path, out_md: Path, quick: bool):
     except Exception as e:  # noqa: BLE001
         comp = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
     print("compile/cuda-graph decode:", comp, flush=True)
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                         cwd=Path(__file__).resolve().parents[1]).strip()
-    except Exception:  # noqa: BLE001  (the device copy of the tree has no .git)
-        commit = os.environ.get("HFQ_COMMIT", "unknown")
-    commit = os.environ.get("HFQ_COMMIT", commit)
-    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "commit": commit, "torch": torch.__version__, "triton": __import__("triton").__version__,
-           "bitsandbytes": getattr(bnb, "__version__", None), "copy_gbps": round(copy_gbps, 1),
-           "compile_decode": comp, "rows": rows}
-    res["rounds"] = ROUNDS
-    out_json.write_text(json.dumps(res, indent=1))
-    out_md.write_text(to_markdown(res))
-    print(f"wrote {out_json} {out_md}")
+    import triton
 
-
-def to_markdown(res) -> str:
-    lines = [f"# NVFP4 W4A16 matmul: ours (Triton) vs BF16 cuBLAS vs bitsandbytes NF4", "",
-             f"device: {res['device']} | date: {res['date']} | commit: `{res['commit']}` | torch {res['torch']} | "
-             f"triton {res['triton']} | bitsandbytes {res['bitsandbytes']} | measured copy bandwidth "
-             f"{res['copy_gbps']} GB/s", "",
-             f"Times: us per call inside CUDA graphs, weights rotated across copies larger than 3x L2; each method's "
-             f"graph captured once, then replayed round-robin over {res.get('rounds', 1)} rounds: median of the "
-             "rounds (min-max). ours = NVFP4Linear's route for its g4 weights: the Gluon kernel at M <= 64, "
-             "dequantize_g4 + cuBLAS above. GB/s counts bytes read+written (packed weights, scales, x, y).", "",
-             "| K | N | M | ours us | bf16 us | nf4 us | ours/bf16 speedup | ours/nf4 speedup | ours GB/s | % copy BW |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in res["rows"]:
-        sp = r.get("spread_us", {})
-
-        def cell(key, name):
-            lo_hi = sp.get(name)
-            return f"{r[key]} ({lo_hi[0]}-{lo_hi[1]})" if lo_hi else f"{r[key]}"
-
-        lines.append(f"| {r['K']} | {r['N']} | {r['M']} | {cell('ours_us', 'ours')} | {cell('bf16_us', 'bf16')} | "
-                     f"{cell('nf4_us', 'nf4')} | {r['x_bf16']} | {r['x_nf4']} | {r['ours_gbps']} | "
-                     f"{r['pct_copy_bw']} |")
-    lines += ["", f"torch.compile(fullgraph=True, mode='reduce-overhead') + CUDA-graph decode step of a tiny "
-                  f"NVFP4 Qwen2: {res['compile_decode']}", ""]
-    return "\n".join(lines)
+    notes = (f"triton {triton.__version__}, bitsandbytes {getattr(bnb, '__version__', None)}, measured copy "
+             f"bandwidth {copy_gbps:.1f} GB/s. Times: us per call inside CUDA graphs, weights rotated across copies "
+             f"larger than 3x L2; each method's graph captured once, then replayed round-robin over {rounds} rounds: "
+             "median of the rounds (range min-max). ours = NVFP4Linear's route for its g4 weights: the Gluon kernel "
+             "at M <= 64, dequantize_g4 + cuBLAS above. GB/s counts bytes read+written (packed weights, scales, x, "
+             "y).\n\ntorch.compile(fullgraph=True, mode='reduce-overhead') + CUDA-graph decode step of a tiny NVFP4 "
+             f"Qwen2: {comp}")
+    columns = {"K": "K", "N": "N", "M": "M", "ours_us": "ours us", "ours_range": "range", "bf16_us": "bf16 us",
+               "bf16_range": "range", "nf4_us": "nf4 us", "x_bf16": "ours/bf16 speedup", "x_nf4": "ours/nf4 speedup",
+               "ours_gbps": "ours GB/s", "pct_copy_bw": "% copy BW"}
+    _, md = write("nvfp4_matmul", rows, columns, notes, out_dir=out_dir, extra={"copy_gbps": round(copy_gbps, 1),
+                  "compile_decode": comp, "rounds": rounds, "bitsandbytes": getattr(bnb, "__version__", None)},
+                  title="NVFP4 W4A16 matmul: ours (Triton) vs BF16 cuBLAS vs bitsandbytes NF4")
+    print(f"wrote {md}")
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = add_args(argparse.ArgumentParser())
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("nvfp4_matmul: needs a CUDA GPU")
-    root = Path(__file__).resolve().parents[1]
     if a.sweep:
         out = Path(a.out or os.environ.get("OUT", "."))
         out.mkdir(parents=True, exist_ok=True)
@@ -426,9 +411,7 @@ def main():
         sweep(out, a.quick)
         print(f"sweep took {time.time() - t:.0f}s")
     else:
-        out = Path(a.out) if a.out else root / "benchmarks" / "results"
-        out.mkdir(parents=True, exist_ok=True)
-        benchmark(out / "nvfp4_matmul.json", out / "nvfp4_matmul.md", a.quick)
+        benchmark(a.out, a.quick, a.rounds)
 
 
 if __name__ == "__main__":

@@ -6,21 +6,17 @@
 What is timed is what a model pays per layer call in eager mode, host work included: `calls` back-to-back calls
 (default 200) and one synchronize, divided by `calls`. Forward under no_grad; forward+backward as
 y = layer(x); torch.autograd.grad(y, [x, trainable params], gy) (the base weight frozen on both sides, as in
-LoRA training; the gradient of x is wanted, as for every layer but the first). Each measurement is repeated
-(default 3 times) with ours and the baseline interleaved (ours, bf16, ours, bf16, ...); the report gives the
-median, the spread (min-max over repeats) and the ratio of medians ours/bf16 (with its spread: the min-max of
-the per-repeat ratios). Rows are written to nvfp4_overhead.{json,md} after each one, so a killed run keeps
+LoRA training; the gradient of x is wanted, as for every layer but the first). Each measurement runs --rounds
+rounds (default 3) with ours and the baseline interleaved (ours, bf16, ours, bf16, ...); the report gives the
+median, the range (min-max over rounds) and the ratio of medians ours/bf16 (with its range: worst to best
+pairing of rounds). Rows are written to nvfp4_overhead.{json,md} after each one, so a killed run keeps
 what it measured. The LoRA layers are PEFT's own (get_peft_model, r=32, alpha=64, no dropout), timed as the
 wrapped layer (PEFT's LoRA Linear / hfq's NVFP4LoraLinear), without the PeftModel wrapper around it.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +25,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import add_args, interleaved, ratio, write  # noqa: E402
 
 SHAPES = [(3584, 18944), (18944, 3584), (3584, 3584)]  # (in, out): Qwen2.5-7B gate/up, down, and a square one
 MS = [1, 8, 768, 2048]
@@ -49,17 +48,6 @@ class _Holder(nn.Module):
         return self.proj(x)
 
 
-def _commit() -> str:
-    c = os.environ.get("HFQ_COMMIT")
-    if c:
-        return c
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                       cwd=Path(__file__).resolve().parents[1]).strip()
-    except Exception:  # noqa: BLE001  (the device copy of the tree may have no .git)
-        return "unknown"
-
-
 def _lora(layer: nn.Module, device) -> nn.Module:
     """The PEFT LoRA layer (r=32) wrapping `layer` (hfq's NVFP4LoraLinear for an NVFP4Linear)."""
     import peft
@@ -71,24 +59,9 @@ def _lora(layer: nn.Module, device) -> nn.Module:
     return pm.base_model.model.proj
 
 
-def _time_per_call(fn, calls: int, sync) -> float:
-    """us per call of `calls` back-to-back fn() with one synchronize (the queue drained before the start)."""
-    sync()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    sync()
-    return (time.perf_counter() - t) / calls * 1e6
-
-
-def _stats(v: list[float]) -> dict:
-    return dict(median=round(statistics.median(v), 2), min=round(min(v), 2), max=round(max(v), 2),
-                all=[round(t, 2) for t in v])
-
-
-def measure(ours: nn.Module, base: nn.Module, x: torch.Tensor, mode: str, calls: int, repeats: int, sync,
+def measure(ours: nn.Module, base: nn.Module, x: torch.Tensor, mode: str, calls: int, rounds: int,
             warmup: int = 5) -> dict:
-    """Interleaved repeats of ours / base in one mode ("fwd" or "fwdbwd")."""
+    """ours / base in one mode ("fwd" or "fwdbwd"): interleaved rounds of `calls` back-to-back calls, us per call."""
     fns = {}
     for name, layer in (("ours", ours), ("bf16", base)):
         if mode == "fwd":
@@ -104,17 +77,14 @@ def measure(ours: nn.Module, base: nn.Module, x: torch.Tensor, mode: str, calls:
             def fn(layer=layer, xg=xg, params=params, gy=gy):
                 y = layer(xg)
                 torch.autograd.grad(y, [xg, *params], gy)
-        for _ in range(warmup):  # first calls plan / tune / repack
-            fn()
         fns[name] = fn
-    times = {"ours": [], "bf16": []}
-    for _ in range(repeats):
-        for name in ("ours", "bf16"):
-            times[name].append(_time_per_call(fns[name], calls, sync))
-    ratios = [a / b for a, b in zip(times["ours"], times["bf16"])]
-    o, b = _stats(times["ours"]), _stats(times["bf16"])
-    return dict(ours_us=o, bf16_us=b, ratio=round(o["median"] / b["median"], 3),
-                ratio_spread=[round(min(ratios), 3), round(max(ratios), 3)])
+    t = interleaved(fns, rounds=rounds, warmup=warmup, inner=calls)  # warm-up: first calls plan / tune / repack
+    q = ratio(t["ours"], t["bf16"])  # ours / bf16 time
+    us = {k: {s: round(v[s] * 1e6, 2) for s in ("median", "min", "max")} for k, v in t.items()}
+    return dict(ours_us=us["ours"]["median"], ours_range=f"{us['ours']['min']}-{us['ours']['max']}",
+                bf16_us=us["bf16"]["median"], bf16_range=f"{us['bf16']['min']}-{us['bf16']['max']}",
+                ratio=round(q["ratio"], 3), ratio_range=f"{q['ratio_min']:.3f}-{q['ratio_max']:.3f}",
+                times_us={k: [round(x * 1e6, 2) for x in v["times"]] for k, v in t.items()})
 
 
 def _plan_kind(layer) -> str | None:
@@ -127,61 +97,42 @@ def _plan_kind(layer) -> str | None:
     return cfg["kind"] if cfg else "dense"
 
 
-def write(res: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "nvfp4_overhead.json").write_text(json.dumps(res, indent=1))
-    (out / "nvfp4_overhead.md").write_text(to_markdown(res))
+COLUMNS = {"layer": "layer", "K": "in", "N": "out", "M": "M", "mode": "mode", "ours_us": "ours us",
+           "ours_range": "range", "bf16_us": "bf16 us", "bf16_range": "range", "ratio": "ratio",
+           "ratio_range": "ratio range", "kind": "kind", "error": "error"}
 
 
-def to_markdown(res: dict) -> str:
-    lines = ["# NVFP4Linear vs bf16 nn.Linear: per-call time, host work included", "",
-             f"device: {res['device']} | date: {res['date']} | commit: `{res['commit']}` | torch {res['torch']} | "
-             f"triton {res['triton']} | {res['calls']} back-to-back calls, one sync, {res['repeats']} interleaved "
-             f"repeats", "",
-             "us per call: median (min-max over repeats). ratio = median ours / median bf16 (min-max of the "
-             "per-repeat ratios); < 1 means ours is faster. fwd: no_grad forward; fwdbwd: forward + grad of x "
-             "(+ LoRA A/B), frozen base. kind: the kernel our eager plan chose.", "",
-             "| layer | in | out | M | mode | ours us | bf16 us | ratio | kind |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---|"]
-    for r in res["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['layer']} | {r['K']} | {r['N']} | {r['M']} | {r['mode']} | error: "
-                         f"{r['error'][:120]} | | | |")
-            continue
-        o, b = r["ours_us"], r["bf16_us"]
-        lines.append(f"| {r['layer']} | {r['K']} | {r['N']} | {r['M']} | {r['mode']} | "
-                     f"{o['median']} ({o['min']}-{o['max']}) | {b['median']} ({b['min']}-{b['max']}) | "
-                     f"{r['ratio']} ({r['ratio_spread'][0]}-{r['ratio_spread'][1]}) | {r.get('kind')} |")
-    lines.append("")
-    return "\n".join(lines)
+def save(rows: list, calls: int, rounds: int, out: str | None, extra: dict) -> str:
+    notes = (f"{calls} back-to-back calls, one sync, {rounds} interleaved rounds. us per call: median (range min-max "
+             "over rounds). ratio = median ours / median bf16 (range: worst to best pairing of rounds); < 1 means ours "
+             "is faster. fwd: no_grad forward; fwdbwd: forward + grad of x (+ LoRA A/B), frozen base. kind: the "
+             "kernel our eager plan chose.")
+    return write("nvfp4_overhead", rows, COLUMNS, notes, out_dir=out, extra=extra,
+                 title="NVFP4Linear vs bf16 nn.Linear: per-call time, host work included")[1]
 
 
 def selftest() -> None:
-    """Table writing on made-up numbers (no device work)."""
+    """Rows and the table on made-up layers (CPU, tiny): measure() and save() end to end."""
     import tempfile
 
-    row = dict(layer="linear", K=8, N=16, M=1, mode="fwd", kind="gluon",
-               **{"ours_us": _stats([3.0, 1.0, 2.0]), "bf16_us": _stats([2.0, 2.0, 4.0])})
-    row["ratio"], row["ratio_spread"] = 1.0, [0.5, 1.5]
-    res = dict(device="none", date="-", commit="-", torch="-", triton="-", calls=1, repeats=3,
-               rows=[row, dict(layer="lora", K=8, N=16, M=1, mode="fwd", error="RuntimeError: x")])
+    base = nn.Linear(8, 16, bias=False).requires_grad_(False)
+    row = dict(layer="linear", K=8, N=16, M=1, mode="fwd", **measure(base, base, torch.randn(1, 8), "fwd", 2, 3, 1))
+    assert row["ours_us"] > 0 and len(row["times_us"]["ours"]) == 3
     with tempfile.TemporaryDirectory() as d:
-        write(res, Path(d))
-        md = (Path(d) / "nvfp4_overhead.md").read_text()
-        assert "| linear | 8 | 16 | 1 | fwd | 2.0 (1.0-3.0) | 2.0 (2.0-4.0) | 1.0 (0.5-1.5) | gluon |" in md, md
-        assert json.loads((Path(d) / "nvfp4_overhead.json").read_text())["rows"][0]["ours_us"]["median"] == 2.0
+        md = open(save([row, dict(layer="lora", K=8, N=16, M=1, mode="fwd", error="RuntimeError: x")], 2, 3, d,
+                       {})).read()
+        assert f"| linear | 8 | 16 | 1 | fwd | {row['ours_us']} | {row['ours_range']} |" in md, md
+        assert "| RuntimeError: x |" in md
     print("selftest ok")
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = add_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, few calls (a CPU end-to-end check)")
     ap.add_argument("--calls", type=int, default=None, help="back-to-back calls per measurement (default 200)")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ms", default=None, help="comma-separated M values")
     ap.add_argument("--no-lora", action="store_true")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--selftest", action="store_true")
     a = ap.parse_args()
     if a.selftest:
@@ -194,16 +145,8 @@ def main():
     shapes = QUICK_SHAPES if a.quick else SHAPES
     ms = [int(m) for m in a.ms.split(",")] if a.ms else (QUICK_MS if a.quick else MS)
     calls = a.calls or (20 if a.quick else 200)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    try:
-        import triton
-        tv = triton.__version__
-    except ImportError:
-        tv = None
-    res = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), commit=_commit(),
-               torch=torch.__version__, triton=tv, calls=calls, repeats=a.repeats, shapes=shapes, ms=ms, rows=[])
-    out = Path(a.out)
+    extra = dict(calls=calls, rounds=a.rounds, shapes=shapes, ms=ms)
+    rows = []
     t0 = time.time()
     for k, n in shapes:
         torch.manual_seed(0)
@@ -218,17 +161,17 @@ def main():
                 for mode in ("fwd", "fwdbwd"):
                     row = dict(layer=name, K=k, N=n, M=m, mode=mode)
                     try:
-                        row.update(measure(o, b, x, mode, calls, a.repeats, sync))
+                        row.update(measure(o, b, x, mode, calls, a.rounds))
                         row["kind"] = _plan_kind(o)
                     except Exception as e:  # noqa: BLE001  (keep the other rows)
                         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    res["rows"].append(row)
-                    write(res, out)
+                    rows.append(row)
+                    md = save(rows, calls, a.rounds, a.out, extra)
                     print(f"[{time.time() - t0:6.1f}s] {json.dumps(row)}", flush=True)
         del base, ours, layers
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"wrote {out / 'nvfp4_overhead.json'} {out / 'nvfp4_overhead.md'}")
+    print(f"wrote {md}")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,9 @@ Random-init weights with real Qwen2.5 configs (speed/memory only). Writes benchm
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -24,6 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+
+from _harness import add_args, spread, table, write  # noqa: E402
 
 T0 = time.time()
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -240,7 +239,7 @@ def make_row(method, size, batch, plen, new, rounds, peaks, alloc):
                rounds=len(rounds))
     for k in PHASES:
         v = [r[k] for r in rounds]
-        row[k] = round(statistics.median(v), 3) if v else None
+        row[k] = round(spread(v)["median"], 3) if v else None
         if k in ("step_s", "rollout_s", "update_s"):
             row[f"{k}_spread"] = [round(min(v), 3), round(max(v), 3)] if v else None
     row["step_s_rounds"] = [round(r["step_s"], 3) for r in rounds]
@@ -253,35 +252,26 @@ def make_row(method, size, batch, plen, new, rounds, peaks, alloc):
     return row
 
 
-def write(rows, notes, out_dir, name="qerl_step", device=None):
-    os.makedirs(out_dir, exist_ok=True)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except Exception:  # noqa: BLE001
-        commit = "unknown"
-    commit = os.environ.get("HFQ_COMMIT") or commit
-    device = device or (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
-    res = dict(device=device, date=datetime.date.today().isoformat(), commit=commit or "unknown", rows=rows, notes=notes)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(res, f, indent=1)
+COLUMNS = {"method": "method", "model": "model", "batch": "batch", "prompt_len": "prompt", "completion_len": "completion",
+           "rounds": "rounds", "step_s": "step s", "step_sp": "step spread", "rollout_s": "rollout s",
+           "rollout_sp": "rollout spread", "reward_s": "reward s", "logprob_s": "logprob s", "update_s": "update s",
+           "update_sp": "update spread", "rollout_tok_s": "rollout tok/s", "alloc_after_warmup_gb": "held GB",
+           "peak_gb": "step peak GB", "x_bf16": "step x bf16_lora (spread)", "rollout_x_bf16": "rollout x bf16_lora",
+           "x_qlora": "step x qlora (spread)", "peak_vs_bf16": "step peak / bf16_lora"}
+INTRO = ("Random-init Qwen2.5-shaped models, LoRA r=32 on all decoder linears, hfq RolloutEngine for every method, EOS "
+         "off (every row generates completion_len tokens). The 7B methods are built side by side and their steps "
+         "interleaved (A B C A B C ...) after one warm-up step each; times are medians over the `rounds` reported "
+         "steps, spreads their min-max, `x` ratios of medians with the min-max of per-round ratios. Memory is each "
+         "method's own (what the other live methods hold is subtracted); held = allocated after warm-up, step peak = "
+         "the largest allocation during rollout, log-probs and update (the build's peak, a random-init BF16 model "
+         "quantized here, is in the phase table).")
+
+
+def display(rows):
+    """The md table's cells: spreads as lo-hi, ratios vs bf16_lora / qlora with per-round spreads."""
     base = {r["method"]: r for r in rows}
-    lines = ["# QeRL GRPO step", "", f"device: {res['device']}  date: {res['date']}  commit: {res['commit']}", "",
-             "Random-init Qwen2.5-shaped models, LoRA r=32 on all decoder linears, hfq RolloutEngine for every method,"
-             " EOS off (every row generates completion_len tokens). The 7B methods are built side by side and their "
-             "steps interleaved (A B C A B C ...) after one warm-up step each; times are medians over the `rounds` "
-             "reported steps, spreads their min-max, `x` ratios of medians with the min-max of per-round ratios. "
-             "Memory is each method's own (what the other live methods hold is subtracted); held = allocated after "
-             "warm-up, step peak = the largest allocation during rollout, log-probs and update (the build's peak, "
-             "a random-init BF16 model quantized here, is in the phase table).", "",
-             "| method | model | batch | prompt | completion | rounds | step s | step spread | rollout s | rollout spread |"
-             " reward s | logprob s | update s | update spread | rollout tok/s | held GB | step peak GB |"
-             " step x bf16_lora (spread) | rollout x bf16_lora | step x qlora (spread) | step peak / bf16_lora |",
-             "|" + "---|" * 21]
     b, q = base.get("bf16_lora"), base.get("qlora")
-
-    def sp(v):
-        return f"{v[0]}-{v[1]}" if v else ""
-
+    out = []
     for r in rows:
         def ratio(x, key, inv=False):
             if x is None or r.get(key) in (None, 0) or x.get(key) in (None, 0):
@@ -294,24 +284,23 @@ def write(rows, notes, out_dir, name="qerl_step", device=None):
             v = [a / c for a, c in zip(x["step_s_rounds"], r["step_s_rounds"]) if c]
             return f"{ratio(x, 'step_s')} ({min(v):.2f}-{max(v):.2f})" if v else ratio(x, "step_s")
 
-        lines.append(f"| {r['method']} | {r['model']} | {r['batch']} | {r['prompt_len']} | {r['completion_len']} | "
-                     f"{r.get('rounds', '')} | {r.get('step_s')} | {sp(r.get('step_s_spread'))} | {r.get('rollout_s')} | "
-                     f"{sp(r.get('rollout_s_spread'))} | {r.get('reward_s')} | {r.get('logprob_s')} | "
-                     f"{r.get('update_s')} | {sp(r.get('update_s_spread'))} | {r.get('rollout_tok_s')} | "
-                     f"{r.get('alloc_after_warmup_gb', '')} | {r.get('peak_gb')} | {ratio_sp(b)} | {ratio(b, 'rollout_s')} | {ratio_sp(q)} | "
-                     f"{ratio(b, 'peak_gb', inv=True)} |")
+        sp = {f"{k}_sp": f"{r[f'{k}_s_spread'][0]}-{r[f'{k}_s_spread'][1]}" if r.get(f"{k}_s_spread") else ""
+              for k in ("step", "rollout", "update")}
+        out.append(dict(r, **sp, x_bf16=ratio_sp(b), rollout_x_bf16=ratio(b, "rollout_s"), x_qlora=ratio_sp(q),
+                        peak_vs_bf16=ratio(b, "peak_gb", inv=True)))
+    return out
+
+
+def save(rows, notes, out_dir, name="qerl_step", facts=None):
+    """rows -> <name>.json (rows as measured) and <name>.md (the table, memory by phase, notes)."""
     ph = [k for k in ("built", "after_warmup") if any(f"alloc_{k}_gb" in r for r in rows)]
-    pk = ["build_and_warmup", "rollout", "logprob", "update"]
-    lines += ["", "## Memory by phase (GB, each method's own; allocated = held at that point, peak = max allocated "
-                  "during the phase)", "",
-              "| method | " + " | ".join(f"allocated {k}" for k in ph) + " | " + " | ".join(f"peak {k}" for k in pk) + " |",
-              "|" + "---|" * (1 + len(ph) + len(pk))]
-    for r in rows:
-        lines.append(f"| {r['method']} | " + " | ".join(str(r.get(f"alloc_{k}_gb", "")) for k in ph) + " | "
-                     + " | ".join(str(r.get(f"peak_{k}_gb", "")) for k in pk) + " |")
-    lines += ["", "## Notes"] + [f"- {n}" for n in notes]
-    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    mem = {"method": "method", **{f"alloc_{k}_gb": f"allocated {k}" for k in ph},
+           **{f"peak_{k}_gb": f"peak {k}" for k in ("build_and_warmup", "rollout", "logprob", "update")}}
+    md_notes = "\n".join(["## Memory by phase (GB, each method's own; allocated = held at that point, peak = max "
+                          "allocated during the phase)", ""] + table(rows, mem)
+                         + ["", "## Notes"] + [f"- {n}" for n in notes])
+    return write(name, rows, COLUMNS, INTRO + "\n\n" + md_notes, out_dir=out_dir, facts=facts, extra={"notes": notes},
+                 title="QeRL GRPO step", md_rows=display(rows))
 
 
 def failed_row(m, size, a):
@@ -330,11 +319,11 @@ def selftest():
                      {"alloc_built_gb": 5.6}) for m, ts in rounds.items()]
     assert rows[0]["step_s"] == 5.2 and rows[0]["step_s_spread"] == [5.0, 5.4] and rows[0]["rounds"] == 3
     with tempfile.TemporaryDirectory() as d:
-        write(rows + [dict(method="qlora", model="qwen2.5-7b-shaped", batch=8, prompt_len=256, completion_len=2048,
-                           rounds=0, step_s=None)], ["a note"], d, "qerl_step_new2048_gc", device="none")
+        save(rows + [dict(method="qlora", model="qwen2.5-7b-shaped", batch=8, prompt_len=256, completion_len=2048,
+                          rounds=0, step_s=None)], ["a note"], d, "qerl_step_new2048_gc", facts={"device": "none"})
         md = open(os.path.join(d, "qerl_step_new2048_gc.md")).read()
         print(md)
-        assert "| qerl | qwen2.5-7b-shaped | 8 | 256 | 2048 | 3 | 5.2 | 5.0-5.4 |" in md
+        assert "| qerl | qwen2.5-7b-shaped | 8 | 256 | 2048 | 3 | 5.2 | 5.0-5.4 |" in md, md
         assert "| 1.15 (1.07-1.20) |" in md  # bf16 6.0 / 5.2; per round 6/5, 5.8/5.4, 6.2/5.2
     print("selftest ok")
 
@@ -353,14 +342,12 @@ def decode_profile(run) -> str:
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = add_args(argparse.ArgumentParser())
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=512, help="completion tokens per sequence (the QeRL paper: 2048)")
     ap.add_argument("--methods", default="qerl,bf16_lora,qlora,qerl_32b")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved reported steps per 7B method (after a warm-up)")
     ap.add_argument("--repeats-32b", type=int, default=2, help="reported qerl_32b steps (after its warm-up step)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing in the update (writes qerl_step_gc.*)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (writes qerl_step_compile.*)")
     ap.add_argument("--selftest", action="store_true", help="table writing on made-up numbers (no GPU)")
@@ -397,8 +384,8 @@ def main():
         return [runs[m].row() if m in runs else done[m] for m in order]
 
     rows = rows_now()
-    write(rows, notes, a.out, name)
-    for rnd in range(a.repeats):  # A B C A B C ...
+    save(rows, notes, a.out, name)
+    for rnd in range(a.rounds):  # A B C A B C ...
         for m in list(runs):
             try:
                 runs[m].step()
@@ -410,7 +397,7 @@ def main():
                 done[m] = run.row()
                 run.close()
         rows = rows_now()
-        write(rows, notes, a.out, name)
+        save(rows, notes, a.out, name)
     for run in runs.values():
         run.close()
     runs.clear()
@@ -428,7 +415,7 @@ def main():
             traceback.print_exc()
             notes.append(f"qerl_32b: failed: {type(e).__name__}: {str(e)[:300]}")
             rows.append(failed_row("qerl_32b", "32b", a))
-        write(rows, notes, a.out, name)
+        save(rows, notes, a.out, name)
     log("done")
 
 

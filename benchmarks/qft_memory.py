@@ -18,7 +18,7 @@ backward, optimizer.step) after a warm-up step. A row whose model states cannot 
 or an OOM) is measured at --fallback-layers (default 2 and 4) and extrapolated linearly to --layers (marked).
 
 Step time: each method against bf16_adamw at --time-layers (default 8, same layer shapes; both models resident),
-steps interleaved baseline/method over --repeats (>= 3) after one warm-up step each; median, spread
+steps interleaved baseline/method over --rounds (>= 3) after one warm-up step each; median, spread
 ((max - min) / median) and ratio of medians.
 
   python benchmarks/qft_memory.py --out benchmarks/results                  # device: about 5-7 min on an H100
@@ -32,12 +32,8 @@ peak: weights / gradients / states come from tensor sizes only and peak / activa
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -45,6 +41,9 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _harness import add_args, run_facts, spread, table, write  # noqa: E402
 
 T0 = time.time()
 GIB = 2 ** 30
@@ -307,7 +306,7 @@ def timing_pairs(methods, a, dev, write_cb):
                 run = Run(m, cfg, dev, a)
                 run.step()
                 tb, tm = [], []
-                for i in range(a.repeats):
+                for i in range(a.rounds):
                     order = ((base, tb), (run, tm)) if i % 2 == 0 else ((run, tm), (base, tb))
                     for r, out in order:
                         sync(dev)
@@ -315,7 +314,7 @@ def timing_pairs(methods, a, dev, write_cb):
                         r.step()
                         sync(dev)
                         out.append(time.perf_counter() - t)
-                mb, mm = statistics.median(tb), statistics.median(tm)
+                mb, mm = spread(tb)["median"], spread(tm)["median"]
                 rows.append(dict(method=m, status="measured", layers=a.time_layers, step_s_median=mm,
                                  step_s_spread=(max(tm) - min(tm)) / mm, step_s=tm, bf16_adamw_s_median=mb,
                                  bf16_adamw_s_spread=(max(tb) - min(tb)) / mb, bf16_adamw_s=tb,
@@ -341,45 +340,44 @@ def _f(x, nd=2, suffix=""):
     return "" if x is None else f"{x:.{nd}f}{suffix}"
 
 
-def write(res, out_dir):
-    os.makedirs(out_dir, exist_ok=True)
-    name = res["config"].get("name", "qft_memory")
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump(res, f, indent=1)
+MEMORY = {"method": "method", "params_b": "params (B)", "weights_gib": "weights", "grads_gib": "gradients",
+          "optimizer_gib": "optimizer states", "states_gib": "model states", "states_bytes_per_param": "B/param",
+          "activations_gib": "activations", "peak_gib": "peak", "step_s": "step s (1 run)",
+          "x_bf16": "x bf16_adamw (1 run)", "status": "status"}
+TIMING = {"method": "method", "step_s_median": "median s", "step_s_spread": "spread",
+          "bf16_adamw_s_median": "bf16 AdamW median s (same pairing)", "bf16_adamw_s_spread": "spread",
+          "ratio_vs_bf16_adamw": "ratio", "status": "status"}
+
+
+def save(res, out_dir):
+    """res -> <name>.json (the memory rows; config, timing rows, notes beside) and <name>.md (both tables)."""
     c = res["config"]
-    lines = [f"# QFT Table 1: training memory, LLaMA-2-7B-shaped ({res['device']}, {res['date']}, commit "
-             f"{res['commit']})", "",
-             f"Random-init Llama: hidden {c['hidden']}, intermediate {c['intermediate']}, {c['layers']} layers, "
-             f"{c['heads']} heads, vocab {c['vocab']}; seq {c['seq']}, batch 1, gradient checkpointing "
-             f"{'on (non-reentrant)' if c['grad_ckpt'] else 'off'}. GiB = 2^30 B.", "",
-             "| method | params (B) | weights | gradients | optimizer states | model states | B/param | activations | "
-             "peak | step s (1 run) | x bf16_adamw (1 run) | status |", "|" + "---|" * 12]
     b = next((r for r in res["memory"] if r["method"] == "bf16_adamw" and r.get("step_s")), None)
+    mem = []
     for r in res["memory"]:
         x = r["step_s"] / b["step_s"] if b and r.get("step_s") and r.get("status") == b.get("status") == "measured" \
             else None
-        lines.append(f"| {r['method']} | {_f(r.get('params_b'), 3)} | {_f(r.get('weights_gib'))} | "
-                     f"{_f(r.get('grads_gib'))} | {_f(r.get('optimizer_gib'))} | {_f(r.get('states_gib'))} | "
-                     f"{_f(r.get('states_bytes_per_param'))} | {_f(r.get('activations_gib'))} | "
-                     f"{_f(r.get('peak_gib'))} | {_f(r.get('step_s'))} | {_f(x, 2, 'x')} | {r.get('status', '')} |")
-    if res["timing"]:
-        lines += ["", f"## Step time vs bf16 AdamW ({res['timing'][0].get('layers', c['time_layers'])} layers, same "
-                      f"shapes; interleaved, {c['repeats']} repeats after 1 warm-up step each)", "",
-                  "| method | median s | spread | bf16 AdamW median s (same pairing) | spread | ratio | status |",
-                  "|" + "---|" * 7]
-        for r in res["timing"]:
-            lines.append(f"| {r['method']} | {_f(r.get('step_s_median'), 3)} | "
-                         f"{_f(None if r.get('step_s_spread') is None else 100 * r['step_s_spread'], 1, '%')} | "
-                         f"{_f(r.get('bf16_adamw_s_median'), 3)} | "
-                         f"{_f(None if r.get('bf16_adamw_s_spread') is None else 100 * r['bf16_adamw_s_spread'], 1, '%')}"
-                         f" | {_f(r.get('ratio_vs_bf16_adamw'), 2, 'x')} | {r.get('status', '')} |")
-    lines += ["", "## Notes"] + [f"- {n}" for n in res["notes"]]
-    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        mem.append(dict(r, x_bf16=_f(x, 2, "x"), params_b=_f(r.get("params_b"), 3),
+                        **{k: _f(r.get(k)) for k in list(MEMORY)[2:10]}))
+    pct = lambda v: _f(None if v is None else 100 * v, 1, "%")  # noqa: E731
+    tim = [dict(r, step_s_median=_f(r.get("step_s_median"), 3), step_s_spread=pct(r.get("step_s_spread")),
+                bf16_adamw_s_median=_f(r.get("bf16_adamw_s_median"), 3),
+                bf16_adamw_s_spread=pct(r.get("bf16_adamw_s_spread")),
+                ratio_vs_bf16_adamw=_f(r.get("ratio_vs_bf16_adamw"), 2, "x")) for r in res["timing"]]
+    notes = [f"Random-init Llama: hidden {c['hidden']}, intermediate {c['intermediate']}, {c['layers']} layers, "
+             f"{c['heads']} heads, vocab {c['vocab']}; seq {c['seq']}, batch 1, gradient checkpointing "
+             f"{'on (non-reentrant)' if c['grad_ckpt'] else 'off'}. GiB = 2^30 B."]
+    if tim:
+        notes += ["", f"## Step time vs bf16 AdamW ({res['timing'][0].get('layers', c['time_layers'])} layers, same "
+                      f"shapes; interleaved, {c['rounds']} rounds after 1 warm-up step each)", ""] + table(tim, TIMING)
+    notes += ["", "## Notes"] + [f"- {n}" for n in res["notes"]]
+    write(c.get("name", "qft_memory"), res["memory"], MEMORY, "\n".join(notes), out_dir=out_dir, facts=res["facts"],
+          extra={k: v for k, v in res.items() if k not in ("facts", "memory")}, md_rows=mem,
+          title="QFT Table 1: training memory, LLaMA-2-7B-shaped")
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = add_args(argparse.ArgumentParser())
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=4096)
@@ -388,7 +386,6 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--methods", default=",".join(ALL))
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--time-layers", type=int, default=8, help="layers of the step-time comparison (0: skip it)")
     ap.add_argument("--fallback-layers", default="2,4")
     ap.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false")
@@ -396,15 +393,14 @@ def main():
     ap.add_argument("--mem-limit-gib", type=float, default=None,
                     help="device memory assumed for the fits-or-extrapolate decision (default: the GPU's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--name", default="qft_memory", help="basename of the .json/.md written to --out")
     a = ap.parse_args()
     methods = [m for m in a.methods.split(",") if m]
     bad = [m for m in methods if m not in ALL]
     if bad:
         ap.error(f"unknown methods {bad}; allowed {ALL}")
-    if a.repeats < 3:
-        ap.error("--repeats must be >= 3")
+    if a.rounds < 3:
+        ap.error("--rounds must be >= 3")
     a.fallback_layers = tuple(int(x) for x in a.fallback_layers.split(","))
     a.time_layers = min(a.time_layers, a.layers)
     dev = torch.device(a.device)
@@ -412,11 +408,6 @@ def main():
     total_mem = torch.cuda.get_device_properties(dev).total_memory if cuda else 0
     if a.mem_limit_gib:
         total_mem = int(a.mem_limit_gib * GIB)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except Exception:  # noqa: BLE001
-        commit = ""
     import transformers
     notes = [
         "weights / gradients / optimizer states: bytes of the tensors held (hfq.qft.state_bytes: QParam codes, "
@@ -440,20 +431,18 @@ def main():
     if not cuda:
         notes.append("CPU run: no allocator peak; weights / gradients / states from tensor sizes only, peak and "
                      "activations empty; step times are CPU times.")
-    res = dict(device=torch.cuda.get_device_name(dev) if cuda else "cpu",
-               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-               commit=os.environ.get("HFQ_COMMIT") or commit or "unknown", torch=torch.__version__,
-               transformers=transformers.__version__, total_memory_gib=total_mem / GIB if total_mem else None,
+    res = dict(facts=dict(run_facts(), transformers=transformers.__version__),
+               total_memory_gib=total_mem / GIB if total_mem else None,
                config=dict(hidden=a.hidden, intermediate=a.intermediate, layers=a.layers, heads=a.heads,
                            kv_heads=a.kv_heads or a.heads, vocab=a.vocab, seq=a.seq, batch=1, grad_ckpt=a.grad_ckpt,
-                           repeats=a.repeats, time_layers=a.time_layers, fallback_layers=list(a.fallback_layers),
+                           rounds=a.rounds, time_layers=a.time_layers, fallback_layers=list(a.fallback_layers),
                            methods=methods, name=a.name),
                memory=[], timing=[], notes=notes)
-    write(res, a.out)
+    save(res, a.out)
     for m in methods:
         if time.time() - T0 > a.budget_s:
             res["memory"].append(dict(method=m, status="skipped: time budget"))
-            write(res, a.out)
+            save(res, a.out)
             continue
         log(f"memory {m}")
         try:
@@ -465,18 +454,18 @@ def main():
         res["memory"].append(r)
         log(f"memory {m}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                         for k, v in r.items() if k != "measured"))
-        write(res, a.out)
+        save(res, a.out)
     if a.time_layers > 0 and "bf16_adamw" in methods and len(methods) > 1:
         def cb(rows):
             res["timing"] = rows
-            write(res, a.out)
+            save(res, a.out)
         log(f"step time at {a.time_layers} layers")
         try:
             timing_pairs(methods, a, dev, cb)
         except Exception as e:  # noqa: BLE001 - the baseline itself failed
             traceback.print_exc()
             res["notes"].append(f"step-time comparison failed: {type(e).__name__}: {str(e)[:300]}")
-        write(res, a.out)
+        save(res, a.out)
     log("done")
 
 

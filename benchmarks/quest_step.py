@@ -9,15 +9,16 @@ Targets: QuEST step <= 1.25x BF16 step; HT kernel >= 70% of copy bandwidth.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import statistics
-import subprocess
+import sys
 import time
 
 import torch
 import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import add_args, spread, table, write  # noqa: E402
 
 from hfq_kernels.reference.hadamard import fwht
 from hfq.quest import QuESTConfig, QuESTLinear, quantize_model
@@ -166,7 +167,7 @@ def step_times(batch: int, seq: int, n_steps: int = 4, repeats: int = 3, device:
                 peak = (torch.cuda.max_memory_allocated() - (before - held[g])) / 2**30
                 st[name]["peak"] = max(st[name]["peak"] or 0.0, peak)
             held[g] += alloc() - before  # what this round left allocated (optimizer state on the first one)
-            st[name]["round_ms"].append(statistics.median(times))
+            st[name]["round_ms"].append(spread(times)["median"])
             st[name]["all_ms"] += times
             print(name, [round(t, 2) for t in times], flush=True)
     return summarize(st, batch, seq, n_params)
@@ -181,23 +182,25 @@ def summarize(st: dict, batch: int, seq: int, n_params: int) -> list[dict]:
         r = s["round_ms"]
         ratios = [a / b for a, b in zip(r, base)]
         rows.append({"variant": name, "batch": batch, "seq": seq, "tokens": batch * seq, "params": n_params,
-                     "rounds": len(r), "step_ms_median": round(statistics.median(r), 2),
+                     "rounds": len(r), "step_ms_median": round(spread(r)["median"], 2),
                      "step_ms_spread": [round(min(r), 2), round(max(r), 2)], "step_ms_min": round(min(s["all_ms"]), 2),
                      "round_ms": [round(t, 2) for t in r],
                      "peak_mem_GB": None if s["peak"] is None else round(s["peak"], 2),
                      "loss_first": round(s["losses"][0], 4), "loss_last": round(s["losses"][-1], 4),
-                     "x_bf16": round(statistics.median(r) / statistics.median(base), 3),
+                     "x_bf16": round(spread(r)["median"] / spread(base)["median"], 3),
                      "x_bf16_spread": [round(min(ratios), 3), round(max(ratios), 3)]})
     return rows
 
 
-def step_table(steps: list[dict]) -> list[str]:
-    md = ["| variant | step ms (median of rounds) | spread (min-max) | x BF16 (spread) | peak GB | loss first -> last |",
-          "|---|---|---|---|---|---|"]
-    md += [f"| {r['variant']} | {r['step_ms_median']} | {r['step_ms_spread'][0]}-{r['step_ms_spread'][1]} | "
-           f"{r['x_bf16']} ({r['x_bf16_spread'][0]}-{r['x_bf16_spread'][1]}) | {r['peak_mem_GB']} | "
-           f"{r['loss_first']} -> {r['loss_last']} |" for r in steps]
-    return md
+STEP_COLUMNS = {"variant": "variant", "step_ms_median": "step ms (median of rounds)", "spread": "spread (min-max)",
+                "x": "x BF16 (spread)", "peak_mem_GB": "peak GB", "loss": "loss first -> last"}
+
+
+def step_cells(steps: list[dict]) -> list[dict]:
+    """The step table's cells for reading: spreads as lo-hi, x BF16 with its per-round spread."""
+    return [dict(r, spread=f"{r['step_ms_spread'][0]}-{r['step_ms_spread'][1]}",
+                 x=f"{r['x_bf16']} ({r['x_bf16_spread'][0]}-{r['x_bf16_spread'][1]})",
+                 loss=f"{r['loss_first']} -> {r['loss_last']}") for r in steps]
 
 
 def selftest() -> None:
@@ -208,16 +211,14 @@ def selftest() -> None:
     assert [r["variant"] for r in steps] == [v for v, _ in VARIANTS] and all(r["rounds"] == 3 for r in steps)
     assert steps[0]["x_bf16"] == 1.0 and all(r["step_ms_spread"][0] <= r["step_ms_median"] <= r["step_ms_spread"][1]
                                              for r in steps)
-    print("\n".join(step_table(steps)))
+    print("\n".join(table(step_cells(steps), STEP_COLUMNS)))
     print("selftest ok")
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap = add_args(argparse.ArgumentParser())
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the variants")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per variant per round (after one untimed)")
     ap.add_argument("--selftest", action="store_true", help="CPU: tiny model through the rounds, table writing")
     args = ap.parse_args()
@@ -225,41 +226,30 @@ def main():
         return selftest()
     if not torch.cuda.is_available():
         raise SystemExit("quest_step: needs a CUDA device")
-    commit = os.environ.get("HFQ_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                            text=True).stdout.strip() or "unknown"
     chk = checks()
     print(json.dumps(chk, indent=1), flush=True)
     bw = bandwidth()
     for r in bw:
         print(r, flush=True)
-    steps = step_times(args.batch, args.seq, n_steps=args.steps, repeats=args.repeats)
-    doc = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "commit": commit, "torch": torch.__version__, "triton": triton.__version__, "checks": chk,
-           "bandwidth": bw, "rows": steps}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "quest_step.json"), "w") as f:
-        json.dump(doc, f, indent=1)
+    steps = step_times(args.batch, args.seq, n_steps=args.steps, repeats=args.rounds)
     ht = next(r for r in bw if r["kernel"] == "hadamard B=128")
     q = next(r for r in steps if r["variant"] == "QuEST W4A4")
-    md = [f"# QuEST training step and kernels", "",
-          f"device {doc['device']}; date {doc['date'][:19]}; commit {commit[:12]}; torch {torch.__version__}, "
-          f"triton {triton.__version__}", "",
-          f"## Training step: Llama 16 blocks x hidden 2048 (intermediate 5632, vocab 32000, "
-          f"{steps[0]['params'] / 1e6:.0f}M params), bf16 weights, fused AdamW, batch {args.batch} x {args.seq}", "",
-          f"{args.repeats} interleaved rounds (BF16, W4A4, no HT, W1A1, BF16, ...), each one untimed step then "
-          f"{args.steps} timed; a round's time is the median of its steps. Spread: min-max over rounds; x BF16: "
-          f"ratio of medians (min-max of the per-round ratios). Peak GB: the variant's own (the other model's "
-          f"memory subtracted).", ""] + step_table(steps)
-    md += ["", f"Target QuEST W4A4 <= 1.25x BF16: **{q['x_bf16']}x** ({'met' if q['x_bf16'] <= 1.25 else 'missed'})",
-           "", "## Kernel bandwidth (bf16, bytes = each input read + each output written once)", "",
-           "| kernel | shape | ms | GB/s | % of copy |", "|---|---|---|---|---|"]
-    md += [f"| {r['kernel']} | {r['shape'][0]}x{r['shape'][1]} | {r['ms']} | {r['GBps']} | {r['pct_copy']} |" for r in bw]
-    md += ["", f"Target HT >= 70% of copy: **{ht['pct_copy']}%** ({'met' if ht['pct_copy'] >= 70 else 'missed'})",
-           "", "## Correctness on the device (vs torch references)", "", "| check | value |", "|---|---|"]
-    md += [f"| {k} | {v:.3g} |" for k, v in chk.items()]
-    with open(os.path.join(args.out, "quest_step.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
-    print("\n".join(md))
+    bw_rows = [dict(r, shape=f"{r['shape'][0]}x{r['shape'][1]}") for r in bw]
+    notes = [f"Training step: Llama 16 blocks x hidden 2048 (intermediate 5632, vocab 32000, "
+             f"{steps[0]['params'] / 1e6:.0f}M params), bf16 weights, fused AdamW, batch {args.batch} x {args.seq}. "
+             f"{args.rounds} interleaved rounds (BF16, W4A4, no HT, W1A1, BF16, ...), each one untimed step then "
+             f"{args.steps} timed; a round's time is the median of its steps. Spread: min-max over rounds; x BF16: "
+             "ratio of medians (min-max of the per-round ratios). Peak GB: the variant's own (the other model's "
+             "memory subtracted).", "",
+             f"Target QuEST W4A4 <= 1.25x BF16: **{q['x_bf16']}x** ({'met' if q['x_bf16'] <= 1.25 else 'missed'})",
+             "", "## Kernel bandwidth (bf16, bytes = each input read + each output written once)", ""]
+    notes += table(bw_rows, {"kernel": "kernel", "shape": "shape", "ms": "ms", "GBps": "GB/s", "pct_copy": "% of copy"})
+    notes += ["", f"Target HT >= 70% of copy: **{ht['pct_copy']}%** ({'met' if ht['pct_copy'] >= 70 else 'missed'})",
+              "", "## Correctness on the device (vs torch references)", ""]
+    notes += table([{"check": k, "value": f"{v:.3g}"} for k, v in chk.items()])
+    _, md = write("quest_step", steps, STEP_COLUMNS, "\n".join(notes), out_dir=args.out, md_rows=step_cells(steps),
+                  title="QuEST training step and kernels", extra={"checks": chk, "bandwidth": bw})
+    print(open(md).read())
 
 
 if __name__ == "__main__":

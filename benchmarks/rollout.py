@@ -3,7 +3,7 @@
     python benchmarks/rollout.py --check            # GPU correctness (graphs on) + quick batch-8 timing
     python benchmarks/rollout.py                    # the table: Qwen2.5-7B-shaped random init, prompt 256
 
-Writes benchmarks/results/rollout.json (device, date, commit, rows) and rollout.md (or --out DIR, --name NAME).
+Writes benchmarks/results/rollout.json (run facts, rows) and rollout.md (or --out DIR, --name NAME).
 Rows: engine (generate|generate_static_compiled|transformers_cb|hfq), weights (bf16|nvfp4|nvfp4+lora|nf4),
 model, batch, prompt_len, new_tokens, tok_s, peak_gb; EOS is disabled so every row makes new_tokens tokens.
 Baselines that would take minutes at 2048 tokens run fewer tokens (their row says how many): their
@@ -12,16 +12,17 @@ per-token cost does not depend on the length much (they are launch-bound).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _harness import add_args, run_facts, write  # noqa: E402
 
 from hfq.rollout import RolloutEngine  # noqa: E402
 
@@ -233,7 +234,7 @@ def quick_timings(results, layers):
         tok_s, dt = run_hfq(eng, 8, 256, 256, V, sample=sample)
         rows.append(dict(engine="hfq", weights="bf16", batch=8, new_tokens=256, sampling=sample, tok_s=round(tok_s, 1)))
         log(f"hfq bf16 b8 256 new sampling={sample}: {tok_s:.1f} tok/s")
-        write(results, OUT_DIR)
+        save(results, OUT_DIR)
     split = step_split(eng, V)
     split.update(linear_floor(model))
     results["split_bf16_b8"] = split
@@ -241,7 +242,7 @@ def quick_timings(results, layers):
     tok_s, dt = run_generate(model, 8, 256, 64, V)
     rows.append(dict(engine="generate", weights="bf16", batch=8, new_tokens=64, tok_s=round(tok_s, 1)))
     log(f"generate bf16 b8 64 new: {tok_s:.1f} tok/s")
-    write(results, OUT_DIR)
+    save(results, OUT_DIR)
     try:
         t = time.time()
         run_generate(model, 8, 256, 8, V, cache_implementation="static")  # compiles (reduce-overhead)
@@ -437,7 +438,7 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
         r.update(model=name, prompt_len=plen)
         rows.append(r)
         log(r)
-        write(results, OUT_DIR)
+        save(results, OUT_DIR)
 
     def left():
         return budget_s - (time.time() - T0)
@@ -572,34 +573,33 @@ def bench(results, batches, new, plen, budget_s, layers, weights_list):
         torch.cuda.empty_cache()
 
 
-def write(results, out_dir):
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{NAME}.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    lines = [f"# Rollout throughput\n", f"device: {results['device']}  date: {results['date']}  commit: {results['commit']}\n",
-             "EOS disabled; sampling at temperature 1; tok/s = batch x new_tokens / wall time (prefill included); "
-             "rows with (min-max): median of 3 generates.\n",
-             "| engine | weights | model | batch | prompt | new tokens | tok/s | peak GB | x generate |",
-             "|---|---|---|---|---|---|---|---|---|"]
+COLUMNS = {"engine": "engine", "weights": "weights", "model": "model", "batch": "batch", "prompt_len": "prompt",
+           "new_tokens": "new tokens", "tok": "tok/s", "peak_gb": "peak GB", "x_generate": "x generate"}
+
+
+def save(results, out_dir):
+    """results -> NAME.json (facts, rows, the splits / profiles / A-B dicts beside) and NAME.md."""
     gen = {r["batch"]: r["tok_s"] for r in results["rows"] if r["engine"] == "generate" and r.get("tok_s")}
+    cells = []
     for r in results["rows"]:
-        ratio = f"{r['tok_s'] / gen[r['batch']]:.1f}" if r.get("tok_s") and r["batch"] in gen else ""
         runs = r.get("tok_s_runs")
-        tok = f"{r.get('tok_s')} ({min(runs)}-{max(runs)})" if runs else f"{r.get('tok_s')}"
-        lines.append(f"| {r['engine']} | {r['weights']} | {r['model']} | {r['batch']} | {r['prompt_len']} | "
-                     f"{r['new_tokens']} | {tok} | {r.get('peak_gb')} | {ratio} |")
+        cells.append(dict(r, x_generate=f"{r['tok_s'] / gen[r['batch']]:.1f}" if r.get("tok_s") and r["batch"] in gen
+                          else "", tok=f"{r.get('tok_s')} ({min(runs)}-{max(runs)})" if runs else f"{r.get('tok_s')}"))
+    notes = ["EOS disabled; sampling at temperature 1; tok/s = batch x new_tokens / wall time (prefill included); "
+             "rows with (min-max): median of 3 generates."]
     if results.get("not_run"):
-        lines.append(f"\nNot run (time budget / missing package): {', '.join(results['not_run'])}")
+        notes.append(f"\nNot run (time budget / missing package): {', '.join(results['not_run'])}")
     keys = ("split_", "group_", "prof_", "pdl_", "lorareduce_", "lorastream_")
     for k in [k for k in results if k.startswith(keys)] + ["quick"]:
         if k in results:
-            lines.append(f"\n{k}: `{json.dumps(results[k])}`")
-    with open(os.path.join(out_dir, f"{NAME}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+            notes.append(f"\n{k}: `{json.dumps(results[k])}`")
+    write(NAME, results["rows"], COLUMNS, "\n".join(notes), out_dir=out_dir, facts=results["facts"],
+          extra={k: v for k, v in results.items() if k not in ("facts", "rows")}, md_rows=cells,
+          title="Rollout throughput")
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = add_args(argparse.ArgumentParser())
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true", help="with --check: the table instead of the quick timings")
     ap.add_argument("--batches", default="8,1,32")
@@ -608,23 +608,15 @@ def main():
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--budget-s", type=float, default=540)
     ap.add_argument("--what", default="bf16,generate,cb,nvfp4,nvfp4+lora,nf4")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--name", default="rollout", help="results file stem (rollout.json / rollout.md)")
     a = ap.parse_args()
     global OUT_DIR, NAME
     OUT_DIR, NAME = a.out, a.name
-    commit = os.environ.get("HFQ_COMMIT")  # set it on the device: its copy's git may not be this checkout's
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-        except Exception:  # noqa: BLE001 - the device copy may have no .git
-            commit = "unknown"
-    results = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit,
-                   torch=torch.__version__, rows=[])
+    results = dict(facts=run_facts(), rows=[])
     try:
         if a.check:
             check(results)
-            write(results, a.out)
+            save(results, a.out)
             if a.bench:
                 bench(results, [int(x) for x in a.batches.split(",")], a.new_tokens, a.prompt_len, a.budget_s,
                       a.layers, a.what.split(","))
@@ -634,7 +626,7 @@ def main():
             bench(results, [int(x) for x in a.batches.split(",")], a.new_tokens, a.prompt_len, a.budget_s, a.layers,
                   a.what.split(","))
     finally:
-        write(results, a.out)
+        save(results, a.out)
         log("done", json.dumps({k: v for k, v in results.items() if k != "rows"})[:3000])
 
 
