@@ -44,10 +44,10 @@ SHAPES = {  # Qwen2.5 shapes (random init); the tiny ones stand in for them on C
                      num_key_value_heads=2, vocab_size=256),
 }
 TINY = {"qwen2.5-7b": "tiny", "qwen2.5-32b": "tiny-big"}
-# (method, strategy, world, shape): world-1 rows are each method's one-GPU baseline
+# (method, strategy, world, shape): the world-1 rows (one process, no wrapper) are each method's one-GPU baseline,
+# for FSDP2 as well (FSDP2 on one GPU shards nothing)
 JOBS = [(m, "ddp", w, "qwen2.5-7b") for w in (1, 2) for m in ("qerl", "eco", "qft", "quest")] + \
-       [(m, "fsdp2", w, "qwen2.5-7b") for w in (1, 2) for m in ("eco", "qft")] + \
-       [("qft", "fsdp2", 2, "qwen2.5-32b")]
+       [(m, "fsdp2", 2, "qwen2.5-7b") for m in ("eco", "qft")] + [("qft", "fsdp2", 2, "qwen2.5-32b")]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GIB = 2 ** 30
 
@@ -104,8 +104,6 @@ def convert_layer(method: str, layer) -> None:
 
 def finish_model(method: str, model, dtype):
     """What needs the whole model: QuEST's conversion, QFT's layer names and DDP-ignore list, QeRL's LoRA."""
-    import torch
-
     if method == "quest":
         from hfq.quest import QuESTConfig, quantize_model
 
@@ -211,8 +209,10 @@ class Dist:
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
     def wrap(self, model):
+        """DDP: accelerate's prepare (with one process: the model as it is, the one-GPU baseline; accelerate would
+        wrap it on CPU). FSDP2: `shard_`."""
         if self.strategy == "ddp":
-            return self.acc.prepare(model)
+            return self.acc.prepare(model) if self.world > 1 else model
         shard_(model)
         return model
 
@@ -331,7 +331,8 @@ def worker(a) -> None:
             step()
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
-        if cuda:
+        if cuda:  # build and warm-up (the 32B's unsharded layers, autotuning) apart from the timed steps
+            part["build_warmup_peak_gb"] = round(d.max(torch.cuda.max_memory_allocated() / GIB), 2)
             torch.cuda.reset_peak_memory_stats()
         times, tokens = [], 0
         for _ in range(a.rounds):
@@ -349,6 +350,7 @@ def worker(a) -> None:
                     tokens_per_step=tokens // a.steps, s_per_token=s, status="ok")
         if cuda:
             part["peak_gb_per_gpu"] = round(d.max(torch.cuda.max_memory_allocated() / GIB), 2)
+            part["peak_reserved_gb_per_gpu"] = round(d.max(torch.cuda.max_memory_reserved() / GIB), 2)
     except Exception as e:  # noqa: BLE001 - the row says why; the driver goes on with the next job
         traceback.print_exc()
         part.update(status=f"failed: {type(e).__name__}: {str(e)[:400]}")
@@ -393,7 +395,7 @@ def command(job, a, cuda: bool) -> list[str]:
     model = TINY[shape] if a.tiny else shape
     args = [os.path.abspath(__file__), "--worker", "--job", job_id(*job), "--method", method, "--strategy", strategy,
             "--model", model, "--parts", a.parts, "--rounds", str(a.rounds), "--warmup", str(a.warmup_steps),
-            "--steps", str(a.qerl_steps if method == "qerl" else a.train_steps), "--batch",
+            "--steps", str(a.qerl_steps if method == "qerl" else 1 if "32b" in shape else a.train_steps), "--batch",
             str(a.qerl_batch if method == "qerl" else a.batch), "--seq", str(a.seq), "--prompt", str(a.prompt),
             "--new", str(a.new)] + (["--layers", str(a.layers)] if a.layers else [])
     port = str(_free_port())
@@ -429,6 +431,9 @@ def run_jobs(jobs, a, cuda: bool, gpus: int) -> list[dict]:
         for r in list(running):
             job, p, slot, t0, lp, lf = r
             cap = a.job_cap_32b_s if "32b" in job[3] else a.job_cap_s
+            done = [f for f in os.listdir(a.parts) if f.startswith(job_id(*job) + ".") and f.endswith(".json")]
+            if done and p.poll() is None:  # a rank wrote its part (done or failed): the others get 10 s to finish
+                cap = min(cap, os.path.getmtime(os.path.join(a.parts, done[0])) - t0 + 10)
             if p.poll() is None and time.time() - t0 < cap:
                 continue
             rc = p.poll()
@@ -501,10 +506,29 @@ def notes(a, gpus: int) -> str:
         "Optimizers: eco ECOAdamW (FP8 row weights, bf16 states, SR), qft QLion (INT8 dense+sparse weights, INT8 "
         "gradients and momentum), quest QuEST W4A4 + AdamW (master weights in the model dtype: bf16 on GPU), qerl AdamW on LoRA r=32.",
         "x_world1: tokens/s over the world-1 row of the same method and model (range: worst to best window "
-        "pairing). peak_gb_per_gpu: max over ranks of torch.cuda.max_memory_allocated in the timed windows (GiB).",
+        "pairing). peak_gb_per_gpu: max over ranks of torch.cuda.max_memory_allocated in the timed windows (GiB; "
+        "peak_reserved_gb_per_gpu and build_warmup_peak_gb in the json).",
         "qerl under DDP: every rank holds the whole NVFP4 policy and rolls out its own prompts; FSDP2 is refused "
         "by QeRLGRPOTrainer.",
     ])
+
+
+def merge(name: str, rows: list, out: str | None) -> tuple[list, list]:
+    """The earlier call's rows (from <out or benchmarks/results>/<name>.json) with this call's replacing those of
+    the same method, strategy, world and model; each earlier row keeps the facts of its call."""
+    from _harness import RESULTS
+
+    path = os.path.join(out or RESULTS, f"{name}.json")
+    if not os.path.exists(path):
+        path = os.path.join(RESULTS, f"{name}.json")
+    if not os.path.exists(path):
+        raise SystemExit(f"--append: no earlier {name}.json in {out or RESULTS} or {RESULTS}")
+    with open(path) as f:
+        old = json.load(f)
+    key = lambda r: (r["method"], r["strategy"], r["world"], r["model"])  # noqa: E731
+    new = {key(r) for r in rows}
+    kept = [dict(r, call=r.get("call", old["facts"]["date"])) for r in old["rows"] if key(r) not in new]
+    return kept + rows, old.get("earlier_calls", []) + [old["facts"]]
 
 
 def driver(a) -> None:
@@ -521,11 +545,14 @@ def driver(a) -> None:
             and (cuda and gpus >= j[2] or not cuda)]
     log(f"{len(jobs)} jobs on {'%d GPUs' % gpus if cuda else 'CPU'}; parts in {a.parts}")
     rows = run_jobs(jobs, a, cuda, gpus)
+    name, facts = "scaleout" + ("_tiny" if a.tiny else ""), run_facts()
+    extra = dict(settings={k: v for k, v in vars(a).items() if k in DRIVER_SETTINGS})
+    if a.append:
+        rows, extra["earlier_calls"] = merge(name, rows, a.out)
     add_scaling(rows)
-    facts = run_facts()
-    write("scaleout" + ("_tiny" if a.tiny else ""), rows, COLUMNS, notes(a, gpus), out_dir=a.out, facts=facts,
-          title="Scaling: tokens/s and peak memory per GPU, 1 and 2 GPUs, DDP and FSDP2",
-          extra=dict(settings={k: v for k, v in vars(a).items() if k in DRIVER_SETTINGS}))
+    write(name, rows, COLUMNS, notes(a, gpus) + ("\nRows from earlier device calls: see earlier_calls in the json."
+                                                  if a.append else ""), out_dir=a.out, facts=facts, extra=extra,
+          title="Scaling: tokens/s and peak memory per GPU, 1 and 2 GPUs, DDP and FSDP2")
     for r in rows:
         log({k: r.get(k) for k in COLUMNS})
 
@@ -534,6 +561,8 @@ def main():
     ap = add_args(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--tiny", action="store_true", help="CPU: tiny shapes and lengths, 2 gloo processes")
     ap.add_argument("--only", default=None, help="comma-separated methods (qerl,eco,qft,quest)")
+    ap.add_argument("--append", action="store_true", help="merge the rows into the existing scaleout.json (a second "
+                    "device call: rows of the same method, strategy, world and model are replaced)")
     ap.add_argument("--jobs", default=None, help="rows instead of the table's, e.g. quest:fsdp2:2,qft:fsdp2:2:qwen2.5-32b")
     ap.add_argument("--no-32b", dest="with_32b", action="store_false", help="leave out the 32B FSDP2 row")
     ap.add_argument("--budget-s", type=float, default=540, help="start no job after this many seconds")
@@ -541,7 +570,8 @@ def main():
     ap.add_argument("--job-cap-32b-s", type=float, default=200)
     ap.add_argument("--parts", default=None, help="where jobs write their parts and logs (default OUT/scaleout_parts)")
     ap.add_argument("--warmup-steps", type=int, default=2)
-    ap.add_argument("--train-steps", type=int, default=3, help="optimizer steps per timed window (eco/qft/quest)")
+    ap.add_argument("--train-steps", type=int, default=2,
+                    help="optimizer steps per timed window (eco/qft/quest; 32B rows: 1)")
     ap.add_argument("--qerl-steps", type=int, default=1, help="GRPO steps per timed window")
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank per optimizer step (eco/qft/quest)")
     ap.add_argument("--seq", type=int, default=2048)
