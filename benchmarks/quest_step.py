@@ -1,7 +1,7 @@
 """QuEST on the GPU: kernel correctness, Hadamard/fused-kernel bandwidth vs a measured copy, and the
 training step of an 800M-shaped Llama (paper App. B.1: 16 blocks, hidden 2048) at W4A4 vs BF16.
 
-  python benchmarks/quest_step.py [--out DIR] [--batch 8 --seq 1024 --repeats 3 --steps 4]
+  python benchmarks/quest_step.py [--out DIR] [--batch 8 --seq 1024 --rounds 3 --steps 4]
   python benchmarks/quest_step.py --selftest     # CPU: the interleaved rounds on a tiny model, table writing
 Writes DIR/quest_step.json and DIR/quest_step.md (default benchmarks/results/).
 Targets: QuEST step <= 1.25x BF16 step; HT kernel >= 70% of copy bandwidth.

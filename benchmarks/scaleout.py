@@ -351,6 +351,9 @@ def worker(a) -> None:
         if cuda:
             part["peak_gb_per_gpu"] = round(d.max(torch.cuda.max_memory_allocated() / GIB), 2)
             part["peak_reserved_gb_per_gpu"] = round(d.max(torch.cuda.max_memory_reserved() / GIB), 2)
+            if a.strategy == "ddp":  # every rank holds the whole model: the size one GPU's memory would hold
+                total = torch.cuda.get_device_properties(d.device).total_memory / GIB
+                part["ddp_fits_up_to_b"] = round(n_params / 1e9 * total / part["peak_reserved_gb_per_gpu"], 1)
     except Exception as e:  # noqa: BLE001 - the row says why; the driver goes on with the next job
         traceback.print_exc()
         part.update(status=f"failed: {type(e).__name__}: {str(e)[:400]}")
@@ -490,7 +493,7 @@ def add_scaling(rows) -> None:
 DRIVER_SETTINGS = ("tiny", "rounds", "warmup_steps", "train_steps", "qerl_steps", "batch", "seq", "qerl_batch",
                    "prompt", "new", "layers", "budget_s", "job_cap_s", "job_cap_32b_s")
 COLUMNS = ["method", "strategy", "world", "model", "params_b", "tokens_per_s", "spread", "tokens_per_s_min",
-           "tokens_per_s_max", "x_world1", "x_world1_range", "peak_gb_per_gpu", "step_s", "status"]
+           "tokens_per_s_max", "x_world1", "x_world1_range", "peak_gb_per_gpu", "ddp_fits_up_to_b", "step_s", "status"]
 
 
 def notes(a, gpus: int) -> str:
@@ -508,6 +511,9 @@ def notes(a, gpus: int) -> str:
         "x_world1: tokens/s over the world-1 row of the same method and model (range: worst to best window "
         "pairing). peak_gb_per_gpu: max over ranks of torch.cuda.max_memory_allocated in the timed windows (GiB; "
         "peak_reserved_gb_per_gpu and build_warmup_peak_gb in the json).",
+        "ddp_fits_up_to_b: under DDP every rank holds the whole model, so the parameter count (B) whose run would "
+        "fill one GPU, extrapolated linearly from the row's reserved peak (embeddings, KV cache and activations do "
+        "not scale exactly with it: a guide, measure the size itself with --jobs ...:qwen2.5-32b --append).",
         "qerl under DDP: every rank holds the whole NVFP4 policy and rolls out its own prompts; FSDP2 is refused "
         "by QeRLGRPOTrainer.",
     ])
