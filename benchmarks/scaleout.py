@@ -9,6 +9,7 @@ windows of steps; tokens/s is the median over windows, the spread their min-max.
 
   python benchmarks/scaleout.py                                  # the whole table, one device call on 2 GPUs
   python benchmarks/scaleout.py --only qft,eco --budget-s 300    # some methods
+  python benchmarks/scaleout.py --append --jobs qerl:ddp:1:qwen2.5-32b,qerl:ddp:2:qwen2.5-32b   # a second call
   python benchmarks/scaleout.py --tiny --out /tmp/so             # CPU: tiny shapes, gloo, 2 processes
 On CPU accelerate runs DDP but not FSDP, so --tiny starts FSDP2 jobs with torchrun; the sharding is the same
 `fully_shard` per decoder layer and the root that fsdp2.yaml's TRANSFORMER_BASED_WRAP applies.
@@ -19,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -306,6 +308,7 @@ def worker(a) -> None:
     """One row: build, wrap, warm up, time `a.rounds` windows of `a.steps` steps; rank 0 writes the part."""
     import torch
 
+    open(os.path.join(a.parts, f"{a.job}.pid.{os.getpid()}"), "w").close()  # torchrun's workers: own sessions
     d = Dist(a.strategy)
     cuda = d.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -397,7 +400,8 @@ def command(job, a, cuda: bool) -> list[str]:
     method, strategy, world, shape = job
     model = TINY[shape] if a.tiny else shape
     args = [os.path.abspath(__file__), "--worker", "--job", job_id(*job), "--method", method, "--strategy", strategy,
-            "--model", model, "--parts", a.parts, "--rounds", str(a.rounds), "--warmup", str(a.warmup_steps),
+            "--model", model, "--parts", a.parts, "--rounds", str(a.rounds),
+            "--warmup", str(a.qerl_warmup_steps if method == "qerl" else a.warmup_steps),
             "--steps", str(a.qerl_steps if method == "qerl" else 1 if "32b" in shape else a.train_steps), "--batch",
             str(a.qerl_batch if method == "qerl" else a.batch), "--seq", str(a.seq), "--prompt", str(a.prompt),
             "--new", str(a.new)] + (["--layers", str(a.layers)] if a.layers else [])
@@ -419,13 +423,31 @@ def collect(job, rc, log_path, a) -> dict:
                 return json.load(f)
     with open(log_path, errors="replace") as f:
         tail = f.read()[-600:].replace("\n", " | ")
-    why = "timed out" if rc is None else f"exit {rc}"
+    why = "stopped at its cap or the budget's end" if rc is None else f"exit {rc}"
     return dict(method=job[0], strategy=job[1], world=job[2], model=TINY[job[3]] if a.tiny else job[3],
                 status=f"failed: {why}: {tail}")
 
 
+def stop(p, job, a) -> None:
+    """End a job: SIGTERM to the launcher's process group (torchrun passes it on), SIGKILL after 10 s, then SIGKILL
+    to every worker that wrote its pid (torchrun starts workers in sessions of their own)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, sig)
+        try:
+            p.wait(timeout=10)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    for f in os.listdir(a.parts):
+        if f.startswith(job_id(*job) + ".pid."):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(f.rsplit(".", 1)[1]), signal.SIGKILL)
+
+
 def run_jobs(jobs, a, cuda: bool, gpus: int) -> list[dict]:
-    """World-1 jobs `gpus` at a time (one GPU each), then the others one at a time; each killed after its cap."""
+    """World-1 jobs `gpus` at a time (one GPU each), then the others one at a time; each stopped after its cap or at
+    the end of the budget, whichever comes first (its row then says so)."""
     rows, t_start = {}, time.time()
     slots = [str(i) for i in range(gpus)] if cuda and gpus > 1 else [None]
     queue = [j for j in jobs if j[2] == 1] + [j for j in jobs if j[2] > 1]
@@ -437,21 +459,21 @@ def run_jobs(jobs, a, cuda: bool, gpus: int) -> list[dict]:
             done = [f for f in os.listdir(a.parts) if f.startswith(job_id(*job) + ".") and f.endswith(".json")]
             if done and p.poll() is None:  # a rank wrote its part (done or failed): the others get 10 s to finish
                 cap = min(cap, os.path.getmtime(os.path.join(a.parts, done[0])) - t0 + 10)
+            cap = min(cap, t_start + a.budget_s - t0)  # the driver's budget ends every job with it
             if p.poll() is None and time.time() - t0 < cap:
                 continue
             rc = p.poll()
             if rc is None:
-                os.killpg(p.pid, 9)
-                p.wait()
+                stop(p, job, a)
             lf.close()
             rows[job] = collect(job, rc, lp, a)
             log(job_id(*job), f"{time.time() - t0:.0f}s", rows[job].get("status"), rows[job].get("tokens_per_s"))
             running.remove(r)
         free = [s for s in slots if s not in {r[2] for r in running}]
-        if queue and time.time() - t_start > a.budget_s:
+        if queue and time.time() - t_start > a.budget_s - 30:
             job = queue.pop(0)
             rows[job] = dict(method=job[0], strategy=job[1], world=job[2], model=job[3],
-                             status=f"skipped: the driver's budget ({a.budget_s:.0f} s) was spent")
+                             status=f"skipped: the driver's budget ({a.budget_s:.0f} s) was (nearly) spent")
             continue
         if queue and (not running if queue[0][2] > 1 else free):
             job = queue.pop(0)
@@ -490,7 +512,7 @@ def add_scaling(rows) -> None:
                      x_world1_of=f"{base['strategy']} w1")
 
 
-DRIVER_SETTINGS = ("tiny", "rounds", "warmup_steps", "train_steps", "qerl_steps", "batch", "seq", "qerl_batch",
+DRIVER_SETTINGS = ("tiny", "rounds", "warmup_steps", "qerl_warmup_steps", "train_steps", "qerl_steps", "batch", "seq", "qerl_batch",
                    "prompt", "new", "layers", "budget_s", "job_cap_s", "job_cap_32b_s")
 COLUMNS = ["method", "strategy", "world", "model", "params_b", "tokens_per_s", "spread", "tokens_per_s_min",
            "tokens_per_s_max", "x_world1", "x_world1_range", "peak_gb_per_gpu", "ddp_fits_up_to_b", "step_s", "status"]
@@ -503,7 +525,8 @@ def notes(a, gpus: int) -> str:
         f"tokens x {a.new} new per rank, AQN on, hfq RolloutEngine; the step also scores and trains them in "
         "micro-batches of one sequence). Median over windows, spread = (max - min) / median over the windows.",
         f"Each row: its own `accelerate launch` ({'NCCL' if gpus else 'gloo, CPU; FSDP2 rows under torchrun'}), "
-        f"{a.warmup_steps} untimed warm-up steps (autotuning, optimizer states, rollout CUDA graphs), then "
+        f"{a.warmup_steps} untimed warm-up steps (qerl: {a.qerl_warmup_steps}, after the rollout engine's CUDA "
+        "graph capture; autotuning, optimizer states), then "
         f"{a.rounds} timed windows of {a.train_steps} steps (qerl: {a.qerl_steps})"
         + ("; gradient checkpointing on; world-1 rows ran side by side, one per GPU." if gpus else "."),
         "Optimizers: eco ECOAdamW (FP8 row weights, bf16 states, SR), qft QLion (INT8 dense+sparse weights, INT8 "
@@ -571,19 +594,23 @@ def main():
                     "device call: rows of the same method, strategy, world and model are replaced)")
     ap.add_argument("--jobs", default=None, help="rows instead of the table's, e.g. quest:fsdp2:2,qft:fsdp2:2:qwen2.5-32b")
     ap.add_argument("--no-32b", dest="with_32b", action="store_false", help="leave out the 32B FSDP2 row")
-    ap.add_argument("--budget-s", type=float, default=540, help="start no job after this many seconds")
-    ap.add_argument("--job-cap-s", type=float, default=150, help="a 7B job is killed after this many seconds")
-    ap.add_argument("--job-cap-32b-s", type=float, default=200)
+    ap.add_argument("--budget-s", type=float, default=None, help="the whole run's limit (default 520 s, --tiny 1800): "
+                    "no job starts in its last 30 s, running ones are stopped at its end")
+    ap.add_argument("--job-cap-s", type=float, default=None, help="a 7B job is stopped after this many seconds "
+                    "(default 180, --tiny 240)")
+    ap.add_argument("--job-cap-32b-s", type=float, default=None, help="the same for a 32B job (default 240)")
     ap.add_argument("--parts", default=None, help="where jobs write their parts and logs (default OUT/scaleout_parts)")
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--train-steps", type=int, default=2,
                     help="optimizer steps per timed window (eco/qft/quest; 32B rows: 1)")
     ap.add_argument("--qerl-steps", type=int, default=1, help="GRPO steps per timed window")
+    ap.add_argument("--qerl-warmup-steps", type=int, default=1,
+                    help="untimed GRPO steps (the rollout engine's CUDA graphs are captured before them)")
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank per optimizer step (eco/qft/quest)")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--qerl-batch", type=int, default=8, help="prompts per rank per GRPO step")
     ap.add_argument("--prompt", type=int, default=256)
-    ap.add_argument("--new", type=int, default=512)
+    ap.add_argument("--new", type=int, default=256, help="completion tokens per prompt (qerl)")
     ap.add_argument("--layers", type=int, default=None, help="override every shape's decoder layer count")
     # worker side (set by the driver)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -596,7 +623,9 @@ def main():
     a = ap.parse_args()
     if a.tiny and not a.worker:
         a.seq, a.prompt, a.new, a.qerl_batch, a.batch = 32, 8, 8, 2, 2
-        a.job_cap_s = a.job_cap_32b_s = max(a.job_cap_s, 240)
+    for k, gpu, cpu in (("budget_s", 520, 1800), ("job_cap_s", 180, 240), ("job_cap_32b_s", 240, 240)):
+        if getattr(a, k) is None:
+            setattr(a, k, cpu if a.tiny else gpu)
     if a.worker:
         return worker(a)
     return driver(a)
