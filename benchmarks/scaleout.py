@@ -27,6 +27,9 @@ import sys
 import time
 import traceback
 
+import torch
+import torch.distributed as dist
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
@@ -69,15 +72,8 @@ def qwen_config(shape: str, layers: int | None):
                        pad_token_id=0, bos_token_id=1, eos_token_id=2, **dims)
 
 
-@contextlib.contextmanager
-def _no_grad():
-    import torch
-    with torch.no_grad():
-        yield
-
-
 def _init_(mod, gen):
-    with _no_grad():
+    with torch.no_grad():
         for n, p in mod.named_parameters():
             if n.endswith("norm.weight"):
                 p.fill_(1.0)
@@ -137,7 +133,6 @@ def finish_model(method: str, model, dtype):
 def build(method: str, shape: str, layers: int | None, dev, dtype):
     """The random-init model on `dev`, built from the meta device one decoder layer at a time (the BF16 model never
     exists whole beside its converted copy). Returns (model, parameter count of the BF16 model)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     cfg = qwen_config(shape, layers)
@@ -170,7 +165,6 @@ def shard_(model) -> None:
 
 
 def make_optimizer(method: str, model, cuda: bool):
-    import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
     if method == "eco":  # bf16 states: fp32 ones (8 B/param) would not leave room for a 7B's gradients on 80 GB
@@ -188,9 +182,6 @@ class Dist:
     DistributedDataParallel. FSDP2: the process group from the launcher's environment and `shard_`."""
 
     def __init__(self, strategy: str):
-        import torch
-        import torch.distributed as dist
-
         self.strategy, self.acc = strategy, None
         cuda = torch.cuda.is_available()
         if strategy == "ddp":
@@ -228,9 +219,6 @@ class Dist:
         return contextlib.nullcontext()
 
     def max(self, x: float) -> float:
-        import torch
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()) or self.world == 1:
             return x
         t = torch.tensor([x], dtype=torch.float64, device=self.device)
@@ -238,16 +226,13 @@ class Dist:
         return float(t)
 
     def close(self):
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
 
 
-def train_step_fn(method, model, opt, d: Dist, a, vocab):
+def train_step_fn(model, opt, d: Dist, a, vocab):
     """One optimizer step on `a.batch` sequences of `a.seq` tokens per rank; returns the tokens it trained per rank."""
-    import torch
 
     g = torch.Generator().manual_seed(1000 + d.rank)
     ids = torch.randint(3, vocab, (a.batch, a.seq), generator=g).to(d.device)
@@ -266,7 +251,6 @@ def qerl_step_fn(model, inner, opt, d: Dist, a, vocab):
     """One GRPO step as benchmarks/qerl_step.py times it: AQN on, rollout of `a.batch` x `a.new` tokens by hfq's
     engine on this rank's own prompts, rewards, old log-probs, then the update in micro-batches of one sequence
     (DDP all-reduces the LoRA gradients once, on the last). Returns the completion tokens generated per rank."""
-    import torch
 
     from hfq.qerl.aqn import AQNSchedule, AdaptiveQuantizationNoise
     from hfq.qerl.rewards import accuracy_reward, format_reward
@@ -306,7 +290,6 @@ def qerl_step_fn(model, inner, opt, d: Dist, a, vocab):
 
 def worker(a) -> None:
     """One row: build, wrap, warm up, time `a.rounds` windows of `a.steps` steps; rank 0 writes the part."""
-    import torch
 
     open(os.path.join(a.parts, f"{a.job}.pid.{os.getpid()}"), "w").close()  # torchrun's workers: own sessions
     d = Dist(a.strategy)
@@ -329,7 +312,7 @@ def worker(a) -> None:
         opt = make_optimizer(a.method, model, cuda)
         vocab = inner.config.vocab_size
         step = (qerl_step_fn(model, inner, opt, d, a, vocab) if a.method == "qerl" else
-                train_step_fn(a.method, model, opt, d, a, vocab))
+                train_step_fn(model, opt, d, a, vocab))
         for _ in range(a.warmup):
             step()
         sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -561,8 +544,6 @@ def merge(name: str, rows: list, out: str | None) -> tuple[list, list]:
 
 
 def driver(a) -> None:
-    import torch
-
     cuda = torch.cuda.is_available()
     gpus = torch.cuda.device_count() if cuda else 0
     a.out = a.out or os.environ.get("OUT")
