@@ -249,7 +249,7 @@ def update(res, method):
 def main():
     res = dict(tag=A.tag, compile=A.compile, device=torch.cuda.get_device_name(0), date=datetime.date.today().isoformat(),
                commit=os.environ.get("HFQ_COMMIT", "unknown"), kernels_file=K.__file__,
-               eager_fast=hasattr(K, "linear_eager"), torch=torch.__version__)
+               eager_fast=hasattr(K, "plain_eager"), torch=torch.__version__)
     log(res)
     os.makedirs(A.out, exist_ok=True)
     path = os.path.join(A.out, f"update_profile_{A.tag}.json")
