@@ -43,7 +43,21 @@ def unwrap_causal_lm(model):
     return m
 
 
-_RMSNORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm")
+def _rmsnorms() -> tuple:
+    """transformers' RMSNorm classes of the supported architectures (weight * normalize(x), HF numerics)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    return Qwen2RMSNorm, Qwen3RMSNorm, LlamaRMSNorm, MistralRMSNorm
+
+
+def _silus() -> tuple:
+    """The SiLU activation modules the fused SiLU*mul kernel stands in for."""
+    import transformers.activations as acts
+
+    return (torch.nn.SiLU,) + ((acts.SiLUActivation,) if hasattr(acts, "SiLUActivation") else ())
 
 
 def _has_hooks(mod) -> bool:
@@ -152,6 +166,7 @@ class DecoderAdapter:
         self.fused = can_fuse and (fused_kernels is True or (fused_kernels == "auto" and self.device.type == "cuda"))
         self.gemm = bool(skinny_gemm) and self.fused and self.device.type == "cuda"
         self.fusions = fusions if fusions is not None else DecodeFusions()
+        self._norm_types, self._silu_types = _rmsnorms(), _silus()  # exact types: subclasses may compute otherwise
         # a step that forks LoRA shrinks onto the side stream is captured without programmatic dependent launch (the
         # engine reads `forked` after a warm-up): on the H100 the fork/join edges cost more than PDL saves there
         self._side = {}  # device -> the side stream
@@ -221,10 +236,9 @@ class DecoderAdapter:
         return self.norm(h[:, 0])
 
     # ------------------------------------------------------------------ fused decode
-    @staticmethod
-    def _plain_norm(mod, x):
+    def _plain_norm(self, mod, x):
         """mod is an HF RMSNorm (weight * normalize(x), weight in x's dtype) with no hooks."""
-        return (type(mod).__name__ in _RMSNORMS and isinstance(getattr(mod, "weight", None), torch.Tensor)
+        return (type(mod) in self._norm_types and isinstance(getattr(mod, "weight", None), torch.Tensor)
                 and mod.weight.dim() == 1 and mod.weight.dtype == x.dtype and not _has_hooks(mod)
                 and hasattr(mod, "variance_epsilon"))
 
@@ -328,7 +342,7 @@ class DecoderAdapter:
 
     def _mlp(self, mlp, x):
         if (all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
-                and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+                and type(getattr(mlp, "act_fn", None)) in self._silu_types
                 and not _has_hooks(mlp) and not _has_hooks(mlp.act_fn)):
             g, u = self._linear_group([mlp.gate_proj, mlp.up_proj], x)
             if g.is_contiguous() and u.is_contiguous() and g.dtype == u.dtype:
