@@ -30,9 +30,9 @@ from hfq_kernels.nvfp4_quant import check_packed, dequantize, quantize
 from hfq_kernels.reference import fp4
 
 # ----------------------------------------------------------------------------------------------- eager autograd
-# The registered ops' autograd costs ~0.1-0.2 ms of host time per call (the custom-op autograd wrapper, two Python
-# dispatches, then the grad-input op again in backward): at M = 768 that is more than the GPU time of the smaller
-# projections. In plain eager (plain_eager(x)) NVFP4Linear therefore runs its kept plan through _PlanFn instead.
+# The registered ops' autograd adds host time to every call (the custom-op autograd wrapper, two Python dispatches,
+# then the grad-input op again in backward), and the op makes its plan per call. In plain eager (plain_eager(x))
+# NVFP4Linear therefore runs the plan it keeps for x's shape through _PlanFn instead.
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 
