@@ -28,7 +28,8 @@ from _harness import add_args, spread, write  # noqa: E402
 from hfq_kernels.reference import fp4  # noqa: E402
 from hfq_kernels import nvfp4 as K  # noqa: E402
 from hfq_kernels import nvfp4_gluon as gluon  # noqa: E402
-from hfq_kernels import nvfp4_matmul as MM  # noqa: E402
+from hfq_kernels import nvfp4_configs as CF  # noqa: E402
+from hfq_kernels import nvfp4_plan as PL  # noqa: E402
 from hfq_kernels._triton import sm_count  # noqa: E402
 
 SHAPES = [  # (K=in, N=out)
@@ -188,31 +189,29 @@ def sweep(out_dir: Path, quick: bool):
         for m in (1, 3, 16, 17, 128, 1000):
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
             ref = x.double() @ wf.T
-            dflt = MM.default_config(m, n, k, sm_count(dev))
+            dflt = CF.default_config(m, n, k, sm_count(dev))
             cfgs = [dflt] + ([dict(dflt, asm=False)] if m in (1, 128) else [])
             if m <= 16:
                 cfgs.append(dict(dflt, split=1))
             for cfg in cfgs:
-                out = torch.full((m, n), float("nan"), device=dev, dtype=torch.bfloat16)
                 try:
-                    y = K.linear(x, p, s, r, config=cfg, out=out)
+                    y = K.plan_linear(x, p, s, r, config=cfg).forward(x, None)
                 except Exception as ex:  # noqa: BLE001
                     check(f"linear K{k} N{n} M{m} {cfg}", False, error=f"{type(ex).__name__}: {str(ex)[:800]}")
                     continue
                 e = rel_err(y, ref)
                 check(f"linear K{k} N{n} M{m} {cfg}", e <= 1e-2 and torch.isfinite(y).all().item(), err=e,
-                      asm_failed=len(MM._ASM_FAILED))
+                      asm_failed=len(PL._ASM_FAILED))
             if m in (3, 128):
-                yb = K.linear(x, p, s, r, bias, config=dflt)
+                yb = K.plan_linear(x, p, s, r, bias, config=dflt).forward(x, bias)
                 e = rel_err(yb, ref + bias.double())
                 check(f"linear+bias K{k} N{n} M{m}", e <= 1e-2, err=e)
-                yh = K.linear(x.half(), p, s, r, config=dflt)
+                yh = K.plan_linear(x.half(), p, s, r, config=dflt).forward(x.half(), None)
                 e = rel_err(yh, x.half().double() @ wf.T)
                 check(f"linear fp16 K{k} N{n} M{m}", e <= 1e-2, err=e)
             if m in (17, 1000):
                 g = torch.randn(m, n, device=dev, dtype=torch.bfloat16, generator=gen)
-                out = torch.full((m, k), float("nan"), device=dev, dtype=torch.bfloat16)
-                gi = K.grad_input(g, p, s, r, out=out)
+                gi = K.grad_input(g, p, s, r)
                 e = rel_err(gi, g.double() @ wf)
                 check(f"grad_input K{k} N{n} M{m}", e <= 1e-2 and torch.isfinite(gi).all().item(), err=e)
         print(f"checked K{k} N{n}: {len(fails)} failures so far", flush=True)
@@ -227,11 +226,12 @@ def sweep(out_dir: Path, quick: bool):
         for m in MS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
             res = []
-            cands = MM.candidates(m, n, k, sm_count(dev))
+            cands = CF.candidates(m, n, k, sm_count(dev))
             cands += [dict(c, asm=False) for c in cands[:2] if c["kind"] == "tile"]
             for cfg in cands:
                 try:
-                    us, _ = time_us(lambda i: K.linear(x, *copies[i], config=cfg), len(copies))
+                    plans = [K.plan_linear(x, *c, config=cfg) for c in copies]
+                    us, _ = time_us(lambda i: plans[i].forward(x, None), len(copies))
                 except Exception as e:
                     us = float("inf")
                     cfg = dict(cfg, error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -254,7 +254,7 @@ def sweep(out_dir: Path, quick: bool):
 
     (out_dir / "nvfp4_linear_tuned.json").write_text(json.dumps({"nvfp4_linear": tuned}, indent=1, sort_keys=True))
     log["fails"] = fails
-    log["asm_failed"] = {str(a): b for a, b in MM._ASM_FAILED.items()}
+    log["asm_failed"] = {str(a): b for a, b in PL._ASM_FAILED.items()}
     save()
     print(f"SWEEP DONE: {len(log['checks'])} checks, {len(fails)} failures: {fails[:10]}", flush=True)
 
@@ -348,7 +348,8 @@ def benchmark(out_dir: str | None, quick: bool, rounds: int):
         for m in MS:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
             # NVFP4Linear's route for a g4 weight: the Gluon kernel at M <= 64, else dequantize_g4 + cuBLAS
-            calls = {"ours": lambda i: MM.linear_g4(x, copies[i][0], copies[i][1], copies[i][2], n, k),
+            plans = [K.plan_linear_g4(x, c[0], c[1], c[2], None, n, k) for c in copies]
+            calls = {"ours": lambda i: plans[i].forward(x, None),
                      "bf16": lambda i: F.linear(x, wb[i])}
             ncop = {"ours": len(copies), "bf16": len(wb)}
             if nf4:
@@ -359,7 +360,7 @@ def benchmark(out_dir: str | None, quick: bool, rounds: int):
             nf, nmode = (t["nf4"][0], t["nf4"][3]) if "nf4" in t else (float("nan"), "n/a")
             if "nf4" not in t and prev_nf4.get((k, n, m)) is not None:
                 nf, nmode = prev_nf4[(k, n, m)], f"reused from commit {prev_commit} (bitsandbytes not installed)"
-            cfg = MM.gluon_config(m, n, k, dev) if gluon.supported(x) else {"kind": "dequant"}
+            cfg = CF.gluon_config(m, n, k, dev) if gluon.supported(x) else {"kind": "dequant"}
             row = {"M": m, "K": k, "N": n, "ours_us": round(ours, 3), "bf16_us": round(bf, 3),
                    "nf4_us": round(nf, 3), "spread_us": {kk: [round(v[1], 3), round(v[2], 3)] for kk, v in t.items()},
                    **{f"{kk}_range": f"{v[1]:.3f}-{v[2]:.3f}" for kk, v in t.items()},

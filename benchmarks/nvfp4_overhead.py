@@ -1,6 +1,6 @@
 """Per-call cost of NVFP4Linear vs a bf16 nn.Linear (and of their PEFT LoRA r=32 layers), at 7B MLP shapes.
 
-    python benchmarks/nvfp4_overhead.py [--out DIR]        # device: 3 shapes x M in 1, 8, 768, 2048
+    python benchmarks/nvfp4_overhead.py [--out DIR]        # device: 3 shapes x M in 1, 8, 16, 256, 2048
     python benchmarks/nvfp4_overhead.py --device cpu --quick --out /tmp/oh   # end-to-end check on CPU, tiny shapes
 
 What is timed is what a model pays per layer call in eager mode, host work included: `calls` back-to-back calls
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import add_args, interleaved, ratio, write  # noqa: E402
 
 SHAPES = [(3584, 18944), (18944, 3584), (3584, 3584)]  # (in, out): Qwen2.5-7B gate/up, down, and a square one
-MS = [1, 8, 768, 2048]
+MS = [1, 8, 16, 256, 2048]  # the training-speed target's ranges: M <= 16 and M >= 256
 QUICK_SHAPES = [(64, 192), (192, 64)]
 QUICK_MS = [1, 8, 40]
 

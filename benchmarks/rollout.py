@@ -371,22 +371,25 @@ def switch_ab(eng, V, set_on, keep, on_name, off_name, rounds=3):
 
 def nvfp4_grouping(eng, V, rounds=3):
     """NVFP4 q/k/v and gate/up as one grouped Gluon launch each (the default) vs one launch (+ split-K reduce) per
-    linear (HFQ_ROLLOUT_NVFP4_GROUP=0)."""
-    return switch_ab(eng, V, lambda on: setattr(eng.adapter, "group_nvfp4", on), eng.adapter.group_nvfp4,
+    linear (DecodeFusions.group_nvfp4 off)."""
+    fz = eng.adapter.fusions
+    return switch_ab(eng, V, lambda on: setattr(fz, "group_nvfp4", on), fz.group_nvfp4,
                      "grouped", "per_linear", rounds)
 
 
 def lora_reduce_ab(eng, V, rounds=3):
     """NVFP4+LoRA: the base linears' split-K reduce done by the LoRA expand's launch (the default) vs a reduce and
-    an expand launch (HFQ_ROLLOUT_LORA_REDUCE=0)."""
-    return switch_ab(eng, V, lambda on: setattr(eng.adapter, "lora_in_reduce", on), eng.adapter.lora_in_reduce,
+    an expand launch (DecodeFusions.lora_in_reduce off)."""
+    fz = eng.adapter.fusions
+    return switch_ab(eng, V, lambda on: setattr(fz, "lora_in_reduce", on), fz.lora_in_reduce,
                      "in_expand", "separate", rounds)
 
 
 def lora_stream_ab(eng, V, rounds=3):
     """NVFP4+LoRA: the LoRA shrinks on a side stream beside the base GEMVs, step captured without PDL (the default)
-    vs on the GEMVs' stream with PDL (HFQ_ROLLOUT_LORA_STREAM=0)."""
-    return switch_ab(eng, V, lambda on: setattr(eng.adapter, "lora_stream", on), eng.adapter.lora_stream,
+    vs on the GEMVs' stream with PDL (DecodeFusions.lora_stream off)."""
+    fz = eng.adapter.fusions
+    return switch_ab(eng, V, lambda on: setattr(fz, "lora_stream", on), fz.lora_stream,
                      "side_stream", "same_stream", rounds)
 
 
@@ -419,10 +422,9 @@ def kernel_profile(eng, V, steps=20, top=14):
 
 def pdl_ab(eng, V, rounds=3):
     """Decode graph captured with programmatic dependent launch of the decode kernels (the default on sm_90+) vs
-    without (HFQ_PDL=0)."""
-    from hfq_kernels import _triton
-
-    return switch_ab(eng, V, _triton.set_pdl, _triton._PDL[0], "pdl", "no_pdl", rounds)
+    without (DecodeFusions.pdl off)."""
+    fz = eng.adapter.fusions
+    return switch_ab(eng, V, lambda on: setattr(fz, "pdl", on), fz.pdl, "pdl", "no_pdl", rounds)
 
 
 # ---------------------------------------------------------------------------------------------- table mode

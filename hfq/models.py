@@ -12,14 +12,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from hfq._settings import SETTINGS
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion below changes, so stale caches are not reused.
 _SMOLLM2_DIR = "smollm2-135m-instruct-bf16-v1"
 
 
 def cache_dir() -> Path:
-    """Where converted models live: $HFQ_CACHE, default ~/.cache/hfq."""
-    return Path(os.environ.get("HFQ_CACHE") or Path.home() / ".cache" / "hfq")
+    """Where converted models live: $HFQ_CACHE, default ~/.cache/hfq (hfq settings' cache_dir)."""
+    return SETTINGS.cache_dir
 
 
 def smollm2_135m_instruct(cache: str | os.PathLike | None = None) -> Path:

@@ -8,12 +8,13 @@ machine) live beside this file as `<op>_tuned.json`; `HFQ_AUTOTUNE_CACHE=<path>`
 from __future__ import annotations
 
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from hfq_kernels._settings import SETTINGS
 
 _LOCK = threading.Lock()
 _HERE = Path(__file__).resolve().parent
@@ -48,7 +49,7 @@ def _capturing() -> bool:
 
 def enabled() -> bool:
     """Whether a miss may be timed now (not during graph capture / compile, and HFQ_AUTOTUNE != 0)."""
-    return not _capturing() and os.environ.get("HFQ_AUTOTUNE", "1") != "0"
+    return not _capturing() and SETTINGS.autotune
 
 
 def bench_ms(fn: Callable[[], Any], warmup: int = 3, rep: int = 15) -> float:
@@ -71,7 +72,7 @@ def bench_ms(fn: Callable[[], Any], warmup: int = 3, rep: int = 15) -> float:
 
 class _Table(dict):
     """A Tuner's cache: a dict that bumps its owner's `gen` on every change, so callers that keep a decision
-    (hfq_kernels.nvfp4_matmul's per-shape plans) can tell with one integer compare whether it may be stale."""
+    (hfq_kernels.nvfp4_plan.s per-shape plans) can tell with one integer compare whether it may be stale."""
 
     def __init__(self, owner: "Tuner", *a, **kw):
         super().__init__(*a, **kw)
@@ -104,7 +105,7 @@ class Tuner:
         self.log: list[dict] = []  # every tuning run's timings, for reports
         self._memo: dict = {}  # (m bucket, n, k, dtype, device type, index) -> (key, cache entry); see cached()
         shipped = _HERE / f"{op}_tuned.json"
-        for path in (shipped, os.environ.get("HFQ_AUTOTUNE_CACHE")):
+        for path in (shipped, SETTINGS.autotune_cache):
             if path and Path(path).is_file():
                 try:
                     self.cache.update(json.loads(Path(path).read_text()).get(op, {}))
@@ -166,7 +167,7 @@ class Tuner:
         return best
 
     def _persist(self) -> None:
-        path = os.environ.get("HFQ_AUTOTUNE_CACHE")
+        path = SETTINGS.autotune_cache
         if not path:
             return
         p = Path(path)

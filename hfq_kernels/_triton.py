@@ -6,10 +6,11 @@ references and `import hfq_kernels.*` works on CPU-only installs.
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 
 import torch
+
+from hfq_kernels._settings import SETTINGS
 
 try:
     import triton
@@ -19,7 +20,7 @@ try:
 except ImportError:  # CPU installs without triton keep the torch references
     HAS_TRITON = False
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = SETTINGS.interpret
 
 # CPU tensors (the interpreter) plan launches as for this many SMs, an H100's count, so tests on CPU exercise
 # the same split-K / split-KV paths as the GPU.
@@ -226,32 +227,27 @@ def checkpointing() -> bool:
 # while the kernel before it still runs; it waits (griddepcontrol.wait) before it touches memory an earlier kernel
 # reads or writes, then lets the next kernel launch. That hides the launch gap between the many small kernels of a
 # decode step; the NVFP4 GEMV also loads its first weight chunk before the wait (weights do not change inside a
-# captured step). Outside the scope nothing changes. HFQ_PDL=0 or set_pdl(False) turns it off.
-_PDL = [os.environ.get("HFQ_PDL", "1") != "0", 0]  # [enabled, open pdl_launches() scopes]
+# captured step). Outside the scope nothing changes (the engine opens none when told not to use PDL).
+_PDL = [0]  # open pdl_launches() scopes
 _PDL_CAP: dict = {}
-
-
-def set_pdl(on: bool) -> None:
-    """Turn programmatic dependent launch of the decode kernels on/off (for launches made from now on)."""
-    _PDL[0] = bool(on)
 
 
 class pdl_launches:
     """Context manager: kernels launched inside it (on sm_90+ GPUs) use programmatic dependent launch."""
 
     def __enter__(self):
-        _PDL[1] += 1
+        _PDL[0] += 1
         return self
 
     def __exit__(self, *exc):
-        _PDL[1] -= 1
+        _PDL[0] -= 1
         return False
 
 
 def pdl(device: torch.device) -> bool:
-    """Whether a kernel launched now on `device` uses programmatic dependent launch (enabled, inside
-    pdl_launches(), a CUDA sm_90+ device, not the interpreter)."""
-    if not (_PDL[0] and _PDL[1]) or INTERPRET or not HAS_TRITON or device.type != "cuda":
+    """Whether a kernel launched now on `device` uses programmatic dependent launch (inside pdl_launches(), a CUDA
+    sm_90+ device, not the interpreter)."""
+    if not _PDL[0] or INTERPRET or not HAS_TRITON or device.type != "cuda":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _PDL_CAP.get(idx)
@@ -297,17 +293,14 @@ else:
         """Stand-in (no triton): kernels raise when launched."""
 
 
-_BIND = os.environ.get("HFQ_TRITON_BIND", "1") != "0"
-
-
 class BoundLaunch:
     """`kernel[grid](*args, **meta)` for a launch whose grid and meta-parameters are fixed (a per-shape plan's).
     The first call goes through Triton's JIT (compile or cache lookup) and keeps the compiled kernel; later calls
     launch it directly on the current stream, skipping the JIT's per-call binding, specialization, cache-key and
     launch-metadata work (tens of microseconds of host time per launch). A later call must match what Triton
     specialized on: the same scalar arguments, tensor dtypes and 16-byte alignment, and the same current device;
-    one that does not, a CPU call (the interpreter), or `HFQ_TRITON_BIND=0` takes the JIT path. Launch hooks
-    (profilers) are honoured: while one is installed the compiled kernel's own launcher is used."""
+    one that does not, a CPU call (the interpreter), or SETTINGS.bind off (HFQ_TRITON_BIND=0) takes the JIT path.
+    Launch hooks (profilers) are honoured: while one is installed the compiled kernel's own launcher is used."""
 
     __slots__ = ("kernel", "grid", "meta", "ck", "tail", "tensors", "scalars", "dev", "raw")
 
@@ -329,7 +322,7 @@ class BoundLaunch:
                 ck[self.grid](*args, *self.tail, stream=stream)
             return
         out = self.kernel[self.grid](*args, **self.meta)
-        if ck is None and _BIND and not INTERPRET and out is not None and hasattr(out, "__getitem__"):
+        if ck is None and SETTINGS.bind and not INTERPRET and out is not None and hasattr(out, "__getitem__"):
             self._bind(out, args)
 
     def _matches(self, args) -> bool:

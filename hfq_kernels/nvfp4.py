@@ -1,7 +1,8 @@
 """NVFP4 torch.library ops and their autograd: quantize, dequantize, W4A16 linear (+ its grad-input product).
 
 CPU runs the torch reference (hfq_kernels.reference.fp4); CUDA runs the Triton kernels of nvfp4_quant.py
-(quantize / dequantize) and nvfp4_matmul.py (matmul kernels and the per-shape choice between them).
+(quantize / dequantize) and, for the products, a per-call LinearPlan (nvfp4_plan.py: the route NVFP4Linear's
+eager calls take too, with plans kept per input shape).
 Interface (the layouts are the canonical compressed-tensors ones, read directly by the kernels):
   hfq::nvfp4_quantize(w[out,in]) -> (packed u8[out,in/2], scale f8e4m3[out,in/16], global_recip f32[1])
   hfq::nvfp4_dequantize(packed, scale, global_recip, dtype) -> [out,in]
@@ -15,70 +16,25 @@ the weight's [out, in]); CPU runs the torch reference (unrepack + fp4), CUDA the
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from hfq_kernels._autotune import Tuner, m_bucket
-from hfq_kernels._triton import HAS_TRITON, checkpointing, on_gpu
+from hfq_kernels._settings import SETTINGS
+from hfq_kernels._triton import HAS_TRITON, on_gpu
 from hfq_kernels import nvfp4_gluon as g4
-from hfq_kernels.nvfp4_matmul import (KINDS, LINEAR_TUNER, LinearPlan, check_bias, check_g4_call, grad_input,
-                                      grad_input_g4, grad_input_impl, linear, linear_g4, linear_impl, plan_linear,
-                                      plan_linear_g4)
+from hfq_kernels.nvfp4_configs import KINDS, LINEAR_TUNER
+from hfq_kernels.nvfp4_plan import (LinearPlan, check_g4_call, check_linear, grad_input, grad_input_g4, plan_linear,
+                                    plan_linear_g4)
 from hfq_kernels.nvfp4_quant import check_packed, dequantize, quantize
 from hfq_kernels.reference import fp4
 
-# ----------------------------------------------------------------------------------------------- autograd
-# torch.ops.hfq.nvfp4_linear costs ~0.1-0.2 ms of host time per call with autograd (the custom-op autograd
-# wrapper, two Python dispatches, then the grad-input op again in backward): at M = 768 that is more than the
-# GPU time of the smaller projections. In plain eager CUDA (no torch.compile, no dispatch mode, no functorch
-# transform, a plain tensor) NVFP4Linear therefore calls the same host code through _LinearFn; everything else
-# (compile, export, fake tensors, direct callers) goes through the registered ops. Both share _setup/_backward.
-# HFQ_NVFP4_EAGER_FAST=0 turns the shortcut off. NVFP4Linear goes one step further: it keeps a LinearPlan per
-# input shape (hfq_kernels.nvfp4_matmul.plan_linear: validation and kernel choice done once) and calls it
-# through _PlanFn. EAGER_ON_CPU=True lets CPU tensors take the same shortcut (Triton's interpreter must be on,
-# TRITON_INTERPRET=1): tests use it to run the CUDA host path on CPU; it is off otherwise (the torch reference
-# is much faster there).
-_EAGER_FAST = os.environ.get("HFQ_NVFP4_EAGER_FAST", "1") != "0"
-EAGER_ON_CPU = False
-# Under activation checkpointing, keep each recomputed layer's dense weights until its backward (grad-input then
-# needs no dequantize: 2 per linear and step instead of 3) at the cost of one decoder layer's weights in bf16
-# (~0.47 GB for a 7B layer) on top of the step's peak. Off by default: the ~1% step time it saves on a 7B GRPO
-# step is not worth 6% of its peak memory (benchmarks/results/qerl_step_gc.md).
-REUSE_DENSE = os.environ.get("HFQ_NVFP4_REUSE_DENSE", "0") == "1"
+# ----------------------------------------------------------------------------------------------- eager autograd
+# The registered ops' autograd adds host time to every call (the custom-op autograd wrapper, two Python dispatches,
+# then the grad-input op again in backward), and the op makes its plan per call. In plain eager (plain_eager(x))
+# NVFP4Linear therefore runs the plan it keeps for x's shape through _PlanFn instead.
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-
-
-def _setup(ctx, inputs, output, eager: bool = False):
-    x, packed, scale, global_scale, bias = inputs
-    ctx.save_for_backward(packed, scale, global_scale)
-    ctx.has_bias = bias is not None
-    ctx.eager = eager
-
-
-def _backward(ctx, grad):
-    """Grads of x (grad @ dequant(W)) and bias; the eager path calls the host code, the op path the op."""
-    packed, scale, global_scale = ctx.saved_tensors
-    gx = gb = None
-    if ctx.needs_input_grad[0]:
-        fn = grad_input_impl if ctx.eager else torch.ops.hfq.nvfp4_linear_grad_input
-        gx = fn(grad, packed, scale, global_scale)
-    if ctx.has_bias and ctx.needs_input_grad[4]:
-        gb = grad.reshape(-1, grad.shape[-1]).sum(0)
-    return gx, None, None, None, gb
-
-
-class _LinearFn(torch.autograd.Function):
-    """hfq::nvfp4_linear's autograd without the custom-op machinery (eager CUDA fast path)."""
-
-    @staticmethod
-    def forward(ctx, x, packed, scale, global_scale, bias):
-        _setup(ctx, (x, packed, scale, global_scale, bias), None, eager=True)
-        return linear_impl(x, packed, scale, global_scale, bias)
-
-    backward = staticmethod(_backward)
 
 
 class _PlanFn(torch.autograd.Function):
@@ -99,39 +55,20 @@ class _PlanFn(torch.autograd.Function):
 
 
 def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
-    """plan.forward(x, bias), through _PlanFn when a gradient is wanted (x or bias requires one).
-
-    With REUSE_DENSE, under activation checkpointing a dequantize + cuBLAS plan runs as F.linear on its dense
-    weight instead: the weight F.linear saves for backward is dropped after the forward and kept from the recompute
-    to this layer's backward (one layer's weights at a time), so grad-input needs no second dequantize."""
+    """plan.forward(x, bias), through _PlanFn when a gradient is wanted (x or bias requires one)."""
     if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        if (REUSE_DENSE and plan.dequant is not None
-                and (plan.config is None or plan.config.get("kind") == "dequant") and checkpointing()):
-            return F.linear(x, plan.dequant(x.dtype), bias)
         return _PlanFn.apply(x, bias, plan)
     return plan.forward(x, bias)
 
 
-def eager_fast_ok(x: torch.Tensor) -> bool:
-    """True where linear_eager may replace torch.ops.hfq.nvfp4_linear for input x."""
-    return (_EAGER_FAST and HAS_TRITON and type(x) is torch.Tensor and (x.is_cuda or (EAGER_ON_CPU and x.is_cpu))
+def plain_eager(x: torch.Tensor) -> bool:
+    """True where a caller may run its kept plan (plan_apply) instead of the registered op for input x: a plain
+    tensor on CUDA (or on CPU with SETTINGS.plan_on_cpu: tests, under the interpreter), no torch.compile, dispatch
+    mode or functorch transform."""
+    return (HAS_TRITON and type(x) is torch.Tensor and (x.is_cuda or (SETTINGS.plan_on_cpu and x.is_cpu))
             and not torch.compiler.is_compiling()
             and _dispatch_modes is not None and _dispatch_modes() == 0
             and not (_functorch_active is not None and _functorch_active()))
-
-
-def linear_eager(x, packed, scale, global_scale, bias=None, checked: bool = False):
-    """torch.ops.hfq.nvfp4_linear(x, packed, scale, global_scale, bias): same values and gradients, with the
-    eager shortcut where eager_fast_ok(x). checked=True: the caller has already validated packed/scale/global_scale
-    (NVFP4Linear does once per buffer set); x's width and the bias shape are always checked."""
-    if not eager_fast_ok(x):
-        return torch.ops.hfq.nvfp4_linear(x, packed, scale, global_scale, bias)
-    if not checked:
-        check_packed(packed, scale, global_scale)
-    check_bias(bias, packed.shape[0])
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return _LinearFn.apply(x, packed, scale, global_scale, bias)
-    return linear_impl(x, packed, scale, global_scale, bias)
 
 
 # ----------------------------------------------------------------------------------------------- ops
@@ -172,11 +109,7 @@ def _(packed, scale, global_scale, dtype):
 
 
 def _linear_ref(x, packed, scale, global_scale, bias):
-    check_packed(packed, scale, global_scale)
-    k = packed.shape[1] * 2
-    if x.shape[-1] != k:
-        raise ValueError(f"nvfp4_linear: x has in_features={x.shape[-1]} but the weight has {k}")
-    check_bias(bias, packed.shape[0])
+    check_linear(x, packed, scale, global_scale, bias)
     return F.linear(x, fp4.nvfp4_dequantize(packed, scale, global_scale, x.dtype), bias)
 
 
@@ -189,7 +122,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glo
 @nvfp4_linear.register_kernel("cuda")
 def _(x, packed, scale, global_scale, bias=None):
     if on_gpu(x):
-        return linear(x, packed, scale, global_scale, bias)
+        return plan_linear(x, packed, scale, global_scale, bias).forward(x, bias)
     return _linear_ref(x, packed, scale, global_scale, bias)
 
 
@@ -214,6 +147,22 @@ def _(grad, packed, scale, global_scale):
 @nvfp4_linear_grad_input.register_fake
 def _(grad, packed, scale, global_scale):
     return grad.new_empty((*grad.shape[:-1], packed.shape[1] * 2))
+
+
+def _setup(ctx, inputs, output):
+    x, packed, scale, global_scale, bias = inputs
+    ctx.save_for_backward(packed, scale, global_scale)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    packed, scale, global_scale = ctx.saved_tensors
+    gx = gb = None
+    if ctx.needs_input_grad[0]:
+        gx = torch.ops.hfq.nvfp4_linear_grad_input(grad, packed, scale, global_scale)
+    if ctx.has_bias and ctx.needs_input_grad[4]:
+        gb = grad.reshape(-1, grad.shape[-1]).sum(0)
+    return gx, None, None, None, gb
 
 
 nvfp4_linear.register_autograd(_backward, setup_context=_setup)
@@ -254,7 +203,7 @@ def nvfp4_g4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
 @nvfp4_g4_linear.register_kernel("cuda")
 def _(x, words, scales, global_scale, n, k, bias=None):
     if on_gpu(x):
-        return linear_g4(x, words, scales, global_scale, n, k, bias)
+        return plan_linear_g4(x, words, scales, global_scale, bias, n, k).forward(x, bias)
     return _g4_linear_ref(x, words, scales, global_scale, n, k, bias)
 
 
@@ -301,6 +250,6 @@ def _g4_backward(ctx, grad):
 nvfp4_g4_linear.register_autograd(_g4_backward, setup_context=_g4_setup)
 
 __all__ = ["nvfp4_quantize", "nvfp4_dequantize", "nvfp4_linear", "nvfp4_linear_grad_input", "quantize",
-           "dequantize", "linear", "grad_input", "linear_eager", "eager_fast_ok", "check_packed", "m_bucket",
-           "Tuner", "LINEAR_TUNER", "KINDS", "LinearPlan", "plan_linear", "plan_apply", "nvfp4_g4_dequantize",
-           "nvfp4_g4_linear", "nvfp4_g4_linear_grad_input", "plan_linear_g4"]
+           "dequantize", "grad_input", "plain_eager", "check_packed", "m_bucket", "Tuner", "LINEAR_TUNER", "KINDS",
+           "LinearPlan", "plan_linear", "plan_apply", "nvfp4_g4_dequantize", "nvfp4_g4_linear",
+           "nvfp4_g4_linear_grad_input", "plan_linear_g4"]

@@ -23,13 +23,14 @@ trip canonical -> g4 -> canonical is bit-exact except for a scale of -0.0 (writt
 """
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 
+from hfq_kernels._settings import SETTINGS
 from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, BoundLaunch, cdiv, e2m1_to_f32, f32_to_bf16_rne,
                                  pdl_bound, tl, triton)
+from hfq_kernels.nvfp4_quant import recip
 
 _G4_SM = (0, 3, -3, 6)
 _G4_SS = (0, 3, 1, 2)
@@ -446,13 +447,13 @@ def dequantize_g4(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16, ou
     callers validate once (check_g4). kernel: "auto" (word-wise after its first-use check), "words", "gather"."""
     if out is None:
         out = torch.empty((n, k), dtype=dtype, device=wr.device)
-    recip = global_scale if global_scale.dtype == torch.float32 else global_scale.float()
+    rcp = recip(global_scale)
     if kernel == "auto":
-        kernel = "words" if _fast_ok(wr, sr, recip, out, n, k) else "gather"
+        kernel = "words" if _fast_ok(wr, sr, rcp, out, n, k) else "gather"
     kern = _g4_dequant_kernel if kernel == "words" else _g4_dequant_gather_kernel
     bound = _BOUND.get_or((kernel, n, k, out.dtype, out.device),
                           lambda: BoundLaunch(kern, (cdiv(n, 16), cdiv(k, 256)), dict(BC=256, num_warps=4)))
-    bound(wr, sr, recip, out, n, k, cdiv(k, 64))
+    bound(wr, sr, rcp, out, n, k, cdiv(k, 64))
     return out
 
 
@@ -518,15 +519,15 @@ def _sm80(device: torch.device) -> bool:
 
 def device_ok(device: torch.device) -> bool:
     """Whether the Gluon kernel runs on `device` (CUDA sm_80+, gluon available, no interpreter,
-    HFQ_NVFP4_GLUON != 0): there NVFP4Linear keeps its weight in the g4 layout."""
-    return (HAS_GLUON and not INTERPRET and device.type == "cuda" and os.environ.get("HFQ_NVFP4_GLUON", "1") != "0"
+    SETTINGS.gluon): there NVFP4Linear keeps its weight in the g4 layout."""
+    return (HAS_GLUON and not INTERPRET and device.type == "cuda" and SETTINGS.gluon
             and _sm80(device))
 
 
 def supported(x2: torch.Tensor) -> bool:
-    """Whether the Gluon kernel can take x2 (bf16, M <= 64, CUDA sm_80+, gluon available, HFQ_NVFP4_GLUON != 0)."""
+    """Whether the Gluon kernel can take x2 (bf16, M <= 64, CUDA sm_80+, gluon available, SETTINGS.gluon)."""
     return (HAS_GLUON and not INTERPRET and x2.is_cuda and x2.dtype == torch.bfloat16 and x2.shape[0] <= 64
-            and os.environ.get("HFQ_NVFP4_GLUON", "1") != "0" and _sm80(x2.device))
+            and SETTINGS.gluon and _sm80(x2.device))
 
 
 def default_config(m: int, n: int, k: int, sms: int) -> dict:
@@ -586,12 +587,10 @@ def group_launcher(m: int, ns: tuple, k: int, cfg: dict, split: int, cps: int, h
     return run
 
 
-_LAUNCHERS = LRU(512)  # (M, N, K, config, split, cps, bias?) -> launcher(): the unplanned calls' bound launches
+_LAUNCHERS = LRU(512)  # (M, N, K, config, split, cps, bias?) -> launcher(), shared by the plans of one shape
 
 
-def launch(x2, wr, sr, recip, bias, dst, y_stride, n, cfg, split, cps):
-    """One launch of _g4_kernel on the repacked (wr, sr); split > 1 writes fp32 partials [split, M, N] to dst."""
-    m, k = x2.shape
-    key = (m, n, k, tuple(sorted(cfg.items())), split, cps, bias is not None)
-    run = _LAUNCHERS.get_or(key, lambda: launcher(m, n, k, cfg, split, cps, bias is not None))
-    run(x2, wr, sr, recip, bias, dst, y_stride)
+def bound_launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool):
+    """launcher() of this shape and config, made once and kept (plans made per call, e.g. the ops', share it)."""
+    key = (m, n, k, tuple(sorted(cfg.items())), split, cps, has_bias)
+    return _LAUNCHERS.get_or(key, lambda: launcher(m, n, k, cfg, split, cps, has_bias))

@@ -75,6 +75,11 @@ def _dequantize_kernel(packed_ptr, scale_ptr, recip_ptr, out_ptr, R, C,
     tl.store(out_ptr + rr[:, None].to(tl.int64) * C + rc[None, :], v, mask=rmask & (rc < C)[None, :])
 
 
+def recip(global_scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 global-scale reciprocal the kernels read, from weight_global_scale of any float dtype."""
+    return global_scale if global_scale.dtype == torch.float32 else global_scale.float()
+
+
 def check_packed(packed, scale, global_scale, name="nvfp4"):
     """Raise ValueError unless (packed, scale, global_scale) form one canonical NVFP4 weight."""
     if packed.dim() != 2 or packed.dtype != torch.uint8:
@@ -116,8 +121,6 @@ def dequant_raw(packed, scale, global_scale, dtype, out=None):
     r, c = packed.shape[0], packed.shape[1] * 2
     if out is None:
         out = torch.empty((r, c), dtype=dtype, device=packed.device)
-    if global_scale.dtype != torch.float32:  # the kernel reads one fp32 (any shape with one element)
-        global_scale = global_scale.float()
-    _dequantize_kernel[(cdiv(r, 16), cdiv(c, 256))](packed, scale.view(torch.uint8), global_scale, out, r, c,
+    _dequantize_kernel[(cdiv(r, 16), cdiv(c, 256))](packed, scale.view(torch.uint8), recip(global_scale), out, r, c,
                                                     BR=16, BC=256, num_warps=4)
     return out

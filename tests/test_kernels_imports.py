@@ -63,3 +63,18 @@ print("OPS", tuple(y.shape), tuple(h.shape))
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "OPS (2, 8) (4, 32)" in r.stdout, r.stdout
+
+
+def test_settings_read_from_the_environment_once():
+    """hfq_kernels' settings object parses each variable (0/1 switches, a path) and refuses other switch values,
+    naming the variable; unset variables give the documented defaults (docs/settings.md)."""
+    from hfq_kernels._settings import KernelSettings
+
+    s = KernelSettings.from_env({"TRITON_INTERPRET": "1", "HFQ_NVFP4_GLUON": "0", "HFQ_AUTOTUNE": "0",
+                                 "HFQ_AUTOTUNE_CACHE": "/tmp/t.json", "HFQ_TRITON_BIND": "0"})
+    assert (s.interpret, s.gluon, s.autotune, s.autotune_cache, s.bind, s.plan_on_cpu) == (
+        True, False, False, "/tmp/t.json", False, False)
+    d = KernelSettings.from_env({})
+    assert (d.interpret, d.gluon, d.autotune, d.autotune_cache, d.bind) == (False, True, True, None, True)
+    with pytest.raises(ValueError, match="HFQ_AUTOTUNE='off': allowed values are 0"):
+        KernelSettings.from_env({"HFQ_AUTOTUNE": "off"})

@@ -10,9 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from hfq_kernels.reference import fp4
+from hfq_kernels import lora_nvfp4 as LN
 from hfq_kernels import nvfp4 as K
+from hfq_kernels import nvfp4_configs as CF
 from hfq_kernels import nvfp4_gluon as gluon
 from hfq_kernels import nvfp4_matmul as MM
+from hfq_kernels import nvfp4_plan as P
 
 from _hfq_test_utils import compile_for_sm90
 
@@ -31,6 +34,11 @@ def _weight(n, k, dtype=torch.float32, seed=0):
 
 def _rel(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def _linear(x, p, s, r, b=None, config=None):
+    """y through a plan made for this call: what hfq::nvfp4_linear's CUDA kernel runs (config forced or chosen)."""
+    return K.plan_linear(x, p, s, r, b, config=config).forward(x, b)
 
 
 @pytest.mark.parametrize("n,k", [(37, 160), (16, 48), (5, 272)])
@@ -94,8 +102,7 @@ def test_linear_kernel_matches_float64(m, k, n, cfg, bias):
     ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
     if bias:
         ref = ref + b.double()
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEV)
-    y = K.linear(x, p, s, r, b, config=cfg, out=out)
+    y = _linear(x, p, s, r, b, config=cfg)
     assert torch.isfinite(y).all()
     assert _rel(y, ref) <= 1e-2
 
@@ -107,7 +114,7 @@ def test_words_kernel_wide_x_range_and_fp16():
     cfg = dict(kind="words", BN=32, BM=16, BK=128, split=2, prefetch=True)
     for dt, hi in ((torch.bfloat16, 3.0), (torch.float16, 1.0)):
         x = (torch.randn(5, 256) * torch.logspace(-4, hi, 5)[:, None]).to(dt).to(DEV)
-        y = K.linear(x, p, s, r, config=cfg)
+        y = _linear(x, p, s, r, config=cfg)
         ref = x.double() @ wf.T
         for i in range(5):  # every row accurate on its own, not only the large ones
             assert _rel(y[i], ref[i]) <= 1e-2
@@ -116,7 +123,7 @@ def test_words_kernel_wide_x_range_and_fp16():
 def test_linear_fp16_and_batch_dims():
     p, s, r = K.quantize(_weight(24, 64, seed=5))
     x = torch.randn(2, 3, 64).to(torch.float16).to(DEV)
-    y = K.linear(x, p, s, r, config=dict(kind="tile", BN=16, BM=16, BK=32, split=2, warps=4, stages=2))
+    y = _linear(x, p, s, r, config=dict(kind="tile", BN=16, BM=16, BK=32, split=2, warps=4, stages=2))
     ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
     assert y.shape == (2, 3, 24) and y.dtype == torch.float16
     assert _rel(y, ref) <= 1e-2
@@ -126,11 +133,10 @@ def test_linear_fp16_and_batch_dims():
 def test_grad_input_matches_float64(m, n, k):
     p, s, r = K.quantize(_weight(n, k, seed=n))
     gy = torch.randn(m, n).to(torch.bfloat16).to(DEV)
-    out = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device=DEV)
-    gx = K.grad_input(gy, p, s, r, out=out)
+    gx = K.grad_input(gy, p, s, r)
     ref = gy.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double()
-    assert gx.data_ptr() == out.data_ptr()
-    assert torch.isfinite(gx).all() and _rel(gx, ref) <= 1e-2
+    assert gx.shape == (m, k) and torch.isfinite(gx).all() and _rel(gx, ref) <= 1e-2
+    assert torch.equal(K.plan_linear(torch.zeros(3, k, device=DEV), p, s, r).grad(gy), gx)
     assert _rel(K.grad_input(gy.view(1, m, n), p, s, r), ref) <= 1e-2
 
 
@@ -147,27 +153,28 @@ PLAN_CASES = [  # (x shape, dtype, table entry for this shape; None: the M > 64 
 @pytest.mark.parametrize("shape,dtype,cfg", PLAN_CASES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_plan_matches_linear_and_grad_input(monkeypatch, shape, dtype, cfg, bias):
-    """A LinearPlan (NVFP4Linear's per-shape eager path) computes what linear() / grad_input() compute with the
-    same config, bit for bit; a change of the tuned table marks it stale."""
+    """A LinearPlan kept for a shape (NVFP4Linear's eager path) computes what a plan made per call with the same
+    config (the op's path) and grad_input() compute, bit for bit; a change of the tuned table marks it stale."""
     p, s, r = K.quantize(_weight(40, 64, seed=3))
     x = torch.randn(*shape).to(dtype).to(DEV)
     b = torch.randn(40).to(dtype).to(DEV) if bias else None
     m = x.numel() // 64
     if cfg is not None and not gluon.supported(x.reshape(-1, 64)):
-        monkeypatch.setitem(MM.LINEAR_TUNER.cache, K.Tuner.key(m, 40, 64, dtype, x.device), cfg)
+        monkeypatch.setitem(CF.LINEAR_TUNER.cache, K.Tuner.key(m, 40, 64, dtype, x.device), cfg)
     plan = K.plan_linear(x, p, s, r, b)
-    assert plan.final and plan.gen == MM.LINEAR_TUNER.gen
+    assert plan.final and plan.gen == CF.LINEAR_TUNER.gen
     want = cfg if cfg is not None and plan.config is not None and plan.config["kind"] != "gluon" else plan.config
     assert plan.config == want
     y = plan.forward(x, b)
-    ref = K.linear(x, p, s, r, b, config=plan.config) if plan.config else F.linear(x, K.dequantize(p, s, r, dtype), b)
+    ref = (_linear(x, p, s, r, b, config=plan.config) if plan.config
+           else F.linear(x, K.dequantize(p, s, r, dtype), b))
     assert y.shape == (*shape[:-1], 40) and y.dtype == dtype
     assert torch.equal(y, ref)
     assert torch.equal(plan.forward(x, b), ref)  # reusable
     gy = torch.randn_like(y)
     assert torch.equal(plan.grad(gy), K.grad_input(gy, p, s, r))
-    monkeypatch.setitem(MM.LINEAR_TUNER.cache, "hfq-test-entry", {"kind": "dequant"})
-    assert plan.gen != MM.LINEAR_TUNER.gen
+    monkeypatch.setitem(CF.LINEAR_TUNER.cache, "hfq-test-entry", {"kind": "dequant"})
+    assert plan.gen != CF.LINEAR_TUNER.gen
 
 
 def test_plan_validates_once_with_linears_errors():
@@ -196,13 +203,13 @@ def test_unknown_config_kind_raises():
     p, s, r = K.quantize(_weight(16, 32))
     x = torch.randn(2, 32).to(torch.bfloat16).to(DEV)
     with pytest.raises(ValueError, match="unknown kind"):
-        K.linear(x, p, s, r, config=dict(kind="t"))
+        _linear(x, p, s, r, config=dict(kind="t"))
 
 
 def test_shipped_tables_name_known_kinds():
-    """Every shipped tuned entry names a kind that linear() can run."""
-    for key, cfg in MM.LINEAR_TUNER.cache.items():
-        assert cfg["kind"] in MM.KINDS, (key, cfg)
+    """Every shipped tuned entry names a kind that a plan can run."""
+    for key, cfg in CF.LINEAR_TUNER.cache.items():
+        assert cfg["kind"] in CF.KINDS, (key, cfg)
 
 
 def test_op_autograd_x_and_bias():
@@ -232,9 +239,9 @@ def test_op_bias_without_grad_and_x_without_grad():
 def test_bad_inputs_raise_value_error():
     p, s, r = K.quantize(_weight(16, 32))
     with pytest.raises(ValueError, match="in_features"):
-        K.linear(torch.randn(2, 48, device=DEV, dtype=torch.bfloat16), p, s, r)
+        _linear(torch.randn(2, 48, device=DEV, dtype=torch.bfloat16), p, s, r)
     with pytest.raises(ValueError, match="weight_scale"):
-        K.linear(torch.randn(2, 32, device=DEV, dtype=torch.bfloat16), p, s[:, :1], r)
+        _linear(torch.randn(2, 32, device=DEV, dtype=torch.bfloat16), p, s[:, :1], r)
     with pytest.raises(ValueError, match="NaN"):
         K.quantize(torch.full((4, 16), float("nan"), device=DEV))
     with pytest.raises(ValueError, match="multiple of the block size"):
@@ -406,11 +413,17 @@ def test_autotune_rejects_a_config_that_miscomputes(monkeypatch):
     """The tuner's runner checks each candidate against dequantize + F.linear before timing it."""
     p, s, r = K.quantize(_weight(48, 128, seed=4))
     x = torch.randn(3, 128).to(torch.bfloat16).to(DEV)
-    runner = MM.checked_runner(x, p, s, r, None)
+    runner = P.checked_runner(x, p, s, r, None)
     assert callable(runner(dict(kind="dequant")))
-    real = MM.linear
-    monkeypatch.setattr(MM, "linear", lambda *a, config=None, **kw: real(*a, config=config, **kw) * 1.5
-                        if config.get("bad") else real(*a, config=config, **kw))
+    real = P.plan_linear
+
+    def wrong_when_bad(*a, config=None, **kw):
+        plan = real(*a, config=config, **kw)
+        if config.get("bad"):
+            plan.forward = (lambda fwd: lambda x, b: fwd(x, b) * 1.5)(plan.forward)
+        return plan
+
+    monkeypatch.setattr(P, "plan_linear", wrong_when_bad)
     with pytest.raises(ValueError, match="relative error"):
         runner(dict(kind="dequant", bad=True))
 
@@ -429,11 +442,11 @@ def test_grouped_splitk_reduce_matches_torch(m, ns, split, bias, dtype):
     outs = [torch.full((m, n), float("nan"), dtype=dtype, device=DEV) for n in ns]
     three = (bs + bs[-1:], outs + outs[-1:]) if len(ns) == 2 else (bs, outs)
     n2 = ns[2] if len(ns) == 3 else ns[1]
-    MM._splitk_reduce_group_kernel[(MM.cdiv(m * max(ns), 1024), len(ns))](
+    MM._splitk_reduce_group_kernel[(CF.cdiv(m * max(ns), 1024), len(ns))](
         flat, *three[0], *three[1], m, ns[0], ns[1], n2, split, HAS_BIAS=bias, BLOCK=1024)
     for p, b, y in zip(parts, bs, outs):
         single = torch.full_like(y, float("nan"))
-        MM._splitk_reduce_kernel[(MM.cdiv(m * p.shape[2], 1024),)](p.contiguous().to(DEV), b, single, m, p.shape[2],
+        MM._splitk_reduce_kernel[(CF.cdiv(m * p.shape[2], 1024),)](p.contiguous().to(DEV), b, single, m, p.shape[2],
                                                                    split, p.shape[2], HAS_BIAS=bias, BLOCK=1024)
         assert torch.equal(y, single)
         ref = torch.zeros(m, p.shape[2])
@@ -452,8 +465,8 @@ def test_grouped_linear_refuses_what_the_gluon_kernel_cannot_take():
     wr, sr = gluon.repack(p, s)
     w = (wr.to(DEV), sr.to(DEV), r.to(DEV), None, 32)
     x = torch.randn(2, 64, device=DEV)
-    assert not MM.group_g4_ok(x, [w, w])
+    assert not LN.group_g4_ok(x, [w, w])
     with pytest.raises(ValueError, match=r"nvfp4 grouped linear: .*x \(2, 64\) torch.float32"):
-        MM.linear_group_g4(x, [w, w])
+        LN.linear_group_g4(x, [w, w])
     with pytest.raises(ValueError, match="2-3 g4 weights"):
-        MM.linear_group_g4(x.to(torch.bfloat16), [w])
+        LN.linear_group_g4(x.to(torch.bfloat16), [w])

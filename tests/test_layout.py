@@ -54,3 +54,31 @@ def test_kernel_and_model_code_functions_are_short():
                 if n > MAX_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
     assert not long, long
+
+
+def test_environment_read_only_in_the_settings_modules():
+    """Every environment variable of hfq and hfq_kernels is read once, in their settings module."""
+    allowed = {"hfq/_settings.py", "hfq_kernels/_settings.py"}
+    bad = [str(p.relative_to(ROOT)) for p in _py("hfq/**/*.py", "hfq_kernels/**/*.py")
+           if str(p.relative_to(ROOT)) not in allowed
+           and any(s in p.read_text() for s in ("os.environ", "getenv(", "from os import environ"))]
+    assert not bad, f"environment read outside the settings modules: {bad}"
+
+
+def test_rollout_reaches_nvfp4_only_through_its_public_interface():
+    """hfq.rollout hands NVFP4 linears to the fused decode kernels through their public decode_operands(): it names
+    no hfq.nvfp4 class, reads no module's private buffers and tells modules apart by type, not by class name."""
+    bad = []
+    for path in _py("hfq/rollout/*.py"):
+        text = path.read_text()
+        bad += [f"{path.relative_to(ROOT)}: {s}" for s in ("NVFP4Linear", "_buffers", "weight_g4", "__name__ in",
+                                                              "__name__ ==", "__name__ !=") if s in text]
+    assert not bad, bad
+
+
+def test_nvfp4_wing_files_stay_readable():
+    """The NVFP4 compute wing (kernels, layer, rollout decoder) keeps every file under 700 lines."""
+    files = _py("hfq_kernels/nvfp4*.py", "hfq_kernels/lora*.py", "hfq_kernels/_triton.py", "hfq/nvfp4/*.py",
+                "hfq/rollout/*.py")
+    long = [f"{p.relative_to(ROOT)} ({n} lines)" for p in files if (n := len(p.read_text().splitlines())) > 700]
+    assert not long, long

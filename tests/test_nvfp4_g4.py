@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hfq_kernels import nvfp4 as K
+from hfq_kernels import nvfp4  # noqa: F401 (registers torch.ops.hfq.*)
+from hfq_kernels._settings import SETTINGS
 from hfq_kernels import nvfp4_gluon as G4
 from hfq_kernels.reference import fp4
 
@@ -220,7 +221,7 @@ def test_set_weight_keeps_the_layout_and_moves_stay_one_copy():
 def test_eager_plan_path_reads_g4(monkeypatch):
     """The eager host path (per-shape plans) on g4: the Gluon kernel for bf16 decode on the GPU, else Triton
     dequantize of g4 (on CPU under the interpreter) + matmul; the layer converts itself on a kernel GPU."""
-    monkeypatch.setattr(K, "EAGER_ON_CPU", True)
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
     ref = _layer(n=32, k=96, seed=4)
     ref.allow_g4 = False
     ref = ref.to(DEV)
@@ -446,15 +447,13 @@ def test_qerl_grpo_step_on_g4(kernel_gpu, tmp_path):
     assert all(torch.equal(m.canonical()[0], b) for m, b in zip(lays, before))
 
 
-@pytest.mark.parametrize("reentrant,reuse", [(False, True), (True, True), (False, False)])
-def test_checkpoint_recompute_reuses_its_dequantized_weight(monkeypatch, reentrant, reuse):
-    """With REUSE_DENSE, under non-reentrant activation checkpointing the recompute's dense weight serves grad-input
-    (two dequantizes per step instead of three); without it (the default) grad-input dequantizes again. Gradients
-    are the same either way."""
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpoint_recompute_same_grads(monkeypatch, reentrant):
+    """Under activation checkpointing the plan path gives the gradients of the plain call, with one dequantize each
+    for the forward, the recompute and grad-input."""
     from torch.utils.checkpoint import checkpoint
 
-    monkeypatch.setattr(K, "EAGER_ON_CPU", True)
-    monkeypatch.setattr(K, "REUSE_DENSE", reuse)
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
     calls = []
     real = G4.dequantizer
 
@@ -470,7 +469,7 @@ def test_checkpoint_recompute_reuses_its_dequantized_weight(monkeypatch, reentra
     calls.clear()
     checkpoint(lambda t: lay(t).float().square().sum(), x, use_reentrant=reentrant).backward()
     assert torch.equal(x.grad, ref)
-    assert len(calls) == (3 if reentrant or not reuse else 2)  # reentrant checkpointing has no hooks to detect
+    assert len(calls) == 3
 
 
 @pytest.mark.real_model
@@ -510,7 +509,7 @@ _GLUON_GPU = torch.cuda.is_available() and G4.device_ok(torch.device("cuda"))
 def test_grouped_g4_launch_bit_identical_to_per_weight_launches(m, ns, k, bias, split):
     """One grouped launch for 2-3 weights sharing x gives each weight's per-weight kernel bits at the same config and
     split, and matches x @ dequant(W)^T + b."""
-    from hfq_kernels import nvfp4_matmul as MM
+    from hfq_kernels import lora_nvfp4 as LN, nvfp4_configs as CF
 
     dev = torch.device("cuda")
     ws = []
@@ -520,9 +519,9 @@ def test_grouped_g4_launch_bit_identical_to_per_weight_launches(m, ns, k, bias, 
         b = (torch.randn(n, generator=torch.Generator().manual_seed(i)) * 0.1).to(torch.bfloat16).to(dev) if bias else None
         ws.append((wr, sr, r.float().to(dev), b, n))
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-    cfg = dict(MM.gluon_config(m, sum(ns), k, dev), split=split)
-    sp, cps = MM._splits(G4.cdiv(k, 64), split)
-    assert MM.group_g4_ok(x, ws)
+    cfg = dict(CF.gluon_config(m, sum(ns), k, dev), split=split)
+    sp, cps = CF.splits(G4.cdiv(k, 64), split)
+    assert LN.group_g4_ok(x, ws)
     run = G4.group_launcher(m, ns, k, cfg, sp, cps, bias)
     if sp == 1:
         outs = [torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev) for n in ns]
@@ -542,20 +541,20 @@ def test_grouped_g4_launch_bit_identical_to_per_weight_launches(m, ns, k, bias, 
             d = torch.empty((sp, m, n), dtype=torch.float32, device=dev)
             one(x, wr, sr, r, b, d, n)
             assert torch.equal(dsts[i].view(sp, m, n), d)
-    ys = MM.linear_group_g4(x, ws)
+    ys = LN.linear_group_g4(x, ws)
     for (wr, sr, r, b, n), y in zip(ws, ys):
         w = G4.dequantize_g4_ref(wr.cpu(), sr.cpu(), r.cpu(), n, k, torch.float32).to(dev)
         ref = F.linear(x.float(), w, None if b is None else b.float())
         assert y.shape == (m, n) and y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
     # what the grouped path refuses: one member, mixed bias presence, a non-fp32 global scale, fp16 x
-    assert not MM.group_g4_ok(x, ws[:1])
+    assert not LN.group_g4_ok(x, ws[:1])
     if bias:
-        assert not MM.group_g4_ok(x, [ws[0], (*ws[1][:3], None, ws[1][4])])
-    assert not MM.group_g4_ok(x, [ws[0], (ws[1][0], ws[1][1], ws[1][2].half(), ws[1][3], ws[1][4])])
-    assert not MM.group_g4_ok(x.half(), ws)
+        assert not LN.group_g4_ok(x, [ws[0], (*ws[1][:3], None, ws[1][4])])
+    assert not LN.group_g4_ok(x, [ws[0], (ws[1][0], ws[1][1], ws[1][2].half(), ws[1][3], ws[1][4])])
+    assert not LN.group_g4_ok(x.half(), ws)
     with pytest.raises(ValueError, match="nvfp4 grouped linear"):
-        MM.linear_group_g4(x.half(), ws)
+        LN.linear_group_g4(x.half(), ws)
 
 
 @pytest.mark.skipif(not _GLUON_GPU, reason="the Gluon decode kernel needs an sm_80+ GPU")
@@ -615,7 +614,7 @@ def test_rollout_programmatic_dependent_launch_same_tokens(tmp_path, monkeypatch
 
     from hfq.nvfp4 import NVFP4Config
     from hfq.nvfp4.peft_lora import get_peft_model
-    from hfq.rollout import RolloutEngine
+    from hfq.rollout import DecodeFusions, RolloutEngine
     from hfq.tiny import save_tiny
     from hfq_kernels import _triton as T
 
@@ -625,24 +624,21 @@ def test_rollout_programmatic_dependent_launch_same_tokens(tmp_path, monkeypatch
     taken = []
     real = T.pdl
     monkeypatch.setattr(T, "pdl", lambda dev: taken.append(real(dev)) or taken[-1])
-    monkeypatch.setenv("HFQ_ROLLOUT_LORA_STREAM", "0")  # LoRA shrinks on the step's stream: PDL kept with LoRA
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40]]
     for lora in (False, True):
         m = model
         if lora:
             m = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
                 "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).to(torch.bfloat16).eval()
-        outs, keep = {}, T._PDL[0]
-        try:
-            for on in (True, False):
-                T.set_pdl(on)
-                taken.clear()
-                eng = RolloutEngine(m, max_batch=4, max_seq_len=40, kv_block=16, graph_mode="cuda_graph")
-                outs[on] = eng.generate(prompts, max_new_tokens=12, temperature=0, eos_token_ids=[],
-                                        return_logprobs=True)
-                assert any(taken) == on, (lora, on)
-        finally:
-            T.set_pdl(keep)
+        outs = {}
+        for on in (True, False):
+            taken.clear()
+            # LoRA shrinks on the step's stream: PDL kept with LoRA
+            eng = RolloutEngine(m, max_batch=4, max_seq_len=40, kv_block=16, graph_mode="cuda_graph",
+                                fusions=DecodeFusions(pdl=on, lora_stream=False))
+            outs[on] = eng.generate(prompts, max_new_tokens=12, temperature=0, eos_token_ids=[],
+                                    return_logprobs=True)
+            assert any(taken) == on, (lora, on)
         assert torch.equal(outs[True].completion_ids, outs[False].completion_ids), lora
         assert torch.equal(outs[True].logprobs, outs[False].logprobs), lora
         if lora:
@@ -652,7 +648,7 @@ def test_rollout_programmatic_dependent_launch_same_tokens(tmp_path, monkeypatch
 @pytest.mark.skipif(not _GLUON_GPU, reason="the Gluon decode kernel needs an sm_80+ GPU")
 def test_rollout_lora_expand_with_the_reduce_folded_in_same_tokens(tmp_path, monkeypatch):
     """NVFP4 linears with LoRA in the decode step: their split-K reduce done by the LoRA expand's launch (the
-    default) gives the bits of reduce, then expand (HFQ_ROLLOUT_LORA_REDUCE=0): greedy tokens and log-probs under
+    default) gives the bits of reduce, then expand (DecodeFusions(lora_in_reduce=False)): greedy tokens and log-probs under
     CUDA graphs and eager, LoRA on all seven projections and on v/up/o only (q/k/v and gate/up groups partly
     adapted keep the separate path); the fused path is taken for every fully adapted group."""
     from peft import LoraConfig
@@ -660,9 +656,8 @@ def test_rollout_lora_expand_with_the_reduce_folded_in_same_tokens(tmp_path, mon
 
     from hfq.nvfp4 import NVFP4Config
     from hfq.nvfp4.peft_lora import get_peft_model
-    from hfq.rollout import RolloutEngine
+    from hfq.rollout import DecodeFusions, RolloutEngine
     from hfq.rollout import decoder as D
-
     from hfq.tiny import save_tiny
 
     path = save_tiny(tmp_path / "tiny", arch="qwen2", seed=8, hidden=256, intermediate=512)  # q/k/v biases
@@ -681,10 +676,10 @@ def test_rollout_lora_expand_with_the_reduce_folded_in_same_tokens(tmp_path, mon
         for graph_mode in ("cuda_graph", "eager"):
             outs = {}
             for on in (True, False):
-                monkeypatch.setenv("HFQ_ROLLOUT_LORA_REDUCE", "1" if on else "0")
-                monkeypatch.setenv("HFQ_ROLLOUT_LORA_STREAM", "0")  # the side stream has its own test
-                eng = RolloutEngine(m, max_batch=4, max_seq_len=40, kv_block=16, graph_mode=graph_mode)
-                assert eng.adapter.fused and eng.adapter.lora_in_reduce == on
+                # the side stream has its own test
+                eng = RolloutEngine(m, max_batch=4, max_seq_len=40, kv_block=16, graph_mode=graph_mode,
+                                    fusions=DecodeFusions(lora_in_reduce=on, lora_stream=False))
+                assert eng.adapter.fused and eng.adapter.fusions.lora_in_reduce == on
                 calls.clear()
                 outs[on] = eng.generate(prompts, max_new_tokens=8, temperature=0, eos_token_ids=[],
                                         return_logprobs=True)
@@ -701,7 +696,7 @@ def test_rollout_lora_expand_with_the_reduce_folded_in_same_tokens(tmp_path, mon
 def test_rollout_lora_shrink_on_a_side_stream_same_tokens(tmp_path, monkeypatch):
     """The LoRA shrinks of NVFP4 + LoRA groups run on a side stream, concurrent with the base GEMV, and are joined
     before the expand (the default): greedy tokens and log-probs equal those of shrinks on the main stream
-    (HFQ_ROLLOUT_LORA_STREAM=0) under CUDA graphs (fork and join inside the captured step) and eagerly; with it
+    (DecodeFusions(lora_stream=False)) under CUDA graphs (fork and join inside the captured step) and eagerly; with it
     on, every shrink runs on the adapter's side stream and the adapter reports the fork (so the engine's capture
     scope has no programmatic dependent launch), with it off neither."""
     from peft import LoraConfig
@@ -709,7 +704,7 @@ def test_rollout_lora_shrink_on_a_side_stream_same_tokens(tmp_path, monkeypatch)
 
     from hfq.nvfp4 import NVFP4Config
     from hfq.nvfp4.peft_lora import get_peft_model
-    from hfq.rollout import RolloutEngine
+    from hfq.rollout import DecodeFusions, RolloutEngine
     from hfq.rollout import decoder as D
     from hfq.tiny import save_tiny
 
@@ -726,9 +721,9 @@ def test_rollout_lora_shrink_on_a_side_stream_same_tokens(tmp_path, monkeypatch)
     for graph_mode in ("cuda_graph", "eager"):
         outs = {}
         for on in (True, False):
-            monkeypatch.setenv("HFQ_ROLLOUT_LORA_STREAM", "1" if on else "0")
-            eng = RolloutEngine(m, max_batch=4, max_seq_len=48, kv_block=16, graph_mode=graph_mode)
-            assert eng.adapter.lora_in_reduce and eng.adapter.lora_stream == on
+            eng = RolloutEngine(m, max_batch=4, max_seq_len=48, kv_block=16, graph_mode=graph_mode,
+                                fusions=DecodeFusions(lora_stream=on))
+            assert eng.adapter.fusions.lora_in_reduce and eng.adapter.fusions.lora_stream == on
             streams.clear()
             outs[on] = eng.generate(prompts, max_new_tokens=10, temperature=0, eos_token_ids=[],
                                     return_logprobs=True)

@@ -259,16 +259,17 @@ def test_cli_quantize_and_export_end_to_end(tiny, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ the eager per-shape plan path of NVFP4Linear
-# On CUDA a plain eager call takes NVFP4Linear._forward_planned; K.EAGER_ON_CPU sends CPU tensors the same way
-# (kernels under TRITON_INTERPRET=1), so these run that host path on both.
+# On CUDA a plain eager call takes NVFP4Linear._forward_planned; SETTINGS.plan_on_cpu sends CPU tensors the same
+# way (kernels under TRITON_INTERPRET=1), so these run that host path on both.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture
 def eager(monkeypatch):
     import hfq_kernels.nvfp4 as K
+    from hfq_kernels._settings import SETTINGS
 
-    monkeypatch.setattr(K, "EAGER_ON_CPU", True)
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
     return K
 
 
@@ -294,7 +295,8 @@ def test_eager_plan_values_grads_and_reuse(eager):
         y = layer(x)
         plans = layer._hfq_plans[1]
         plan = plans[(x.shape, x.dtype, x.device)]
-        assert torch.equal(y, eager.linear(x.detach(), p, s, g, layer.bias.detach(), config=plan.config)
+        b = layer.bias.detach()
+        assert torch.equal(y, eager.plan_linear(x.detach(), p, s, g, b, config=plan.config).forward(x.detach(), b)
                            if plan.config else None)
         gy = torch.randn_like(y)
         y.backward(gy)
@@ -367,7 +369,7 @@ def test_eager_plan_dropped_on_move_and_cast(eager):
 def test_eager_plan_lora_bf16_with_gradient_checkpointing(tiny, monkeypatch):
     """A bf16 NVFP4 + PEFT LoRA model under HF gradient checkpointing: the planned eager path gives the registered
     op's loss and adapter gradients."""
-    import hfq_kernels.nvfp4 as K
+    from hfq_kernels._settings import SETTINGS
 
     m = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=NVFP4Config(), dtype=torch.bfloat16).to(DEV)
     pm = hfq.nvfp4.get_peft_model(m, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS,
@@ -377,9 +379,8 @@ def test_eager_plan_lora_bf16_with_gradient_checkpointing(tiny, monkeypatch):
     pm.train()
     x = _ids(2, 12).to(DEV)
     res = []
-    monkeypatch.setattr(K, "EAGER_ON_CPU", True)
-    for on in (False, True):  # the registered op (HFQ_NVFP4_EAGER_FAST=0), then the planned path
-        monkeypatch.setattr(K, "_EAGER_FAST", on)
+    for on in (False, True):  # the registered op (CPU: its torch reference), then the planned path
+        monkeypatch.setattr(SETTINGS, "plan_on_cpu", on)
         loss = pm(x, labels=x).loss
         loss.backward()
         res.append((loss.detach(), {n: p.grad.clone() for n, p in pm.named_parameters() if p.requires_grad}))

@@ -53,7 +53,12 @@ def test_concurrent_first_calls_share_one_complete_directory(tmp_path, monkeypat
 
 
 def test_cache_dir_follows_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("HFQ_CACHE", str(tmp_path / "c"))
-    assert models.cache_dir() == tmp_path / "c"
-    monkeypatch.delenv("HFQ_CACHE")
-    assert models.cache_dir() == Path.home() / ".cache" / "hfq"
+    """HFQ_CACHE is read once into hfq's settings; cache_dir() is that setting."""
+    from hfq._settings import SETTINGS, Settings
+
+    assert Settings.from_env({"HFQ_CACHE": str(tmp_path / "c")}).cache_dir == tmp_path / "c"
+    assert Settings.from_env({}).cache_dir == Path.home() / ".cache" / "hfq"
+    monkeypatch.setattr(SETTINGS, "cache_dir", tmp_path / "d")
+    assert models.cache_dir() == tmp_path / "d"
+    with pytest.raises(ValueError, match="HFQ_NVFP4_G4='yes': allowed values are 0"):
+        Settings.from_env({"HFQ_NVFP4_G4": "yes"})

@@ -1,23 +1,21 @@
 """`NVFP4Linear`: a frozen FP4 linear layer holding compressed-tensors' buffers; the input gets a gradient."""
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import hfq_kernels.nvfp4 as _K  # registers torch.ops.hfq.*
 from hfq_kernels import nvfp4_gluon as _G4
+from hfq_kernels.lora_nvfp4 import G4Operands
 from hfq_kernels.reference import fp4
+
+from hfq._settings import SETTINGS
 
 _BLOCK = {"nvfp4": fp4.NVFP4_BLOCK, "mxfp4": fp4.MXFP4_BLOCK}
 _MAX_PLANS = 64  # per layer: distinct input shapes whose launch plans are kept
 _CANON = ("weight_packed", "weight_scale")
 _G4_BUFS = ("weight_g4", "weight_g4_scale")
-# HFQ_NVFP4_G4=0: layers keep the canonical buffers on the GPU too (the decode kernel then caches its repacked copy
-# beside them: two copies). Per layer: NVFP4Linear.allow_g4.
-G4_DEFAULT = os.environ.get("HFQ_NVFP4_G4", "1") != "0"
 
 
 class NVFP4Linear(nn.Module):
@@ -37,8 +35,8 @@ class NVFP4Linear(nn.Module):
     compressed-tensors tensors (converted back bit-exactly without leaving g4, as host-memory copies).
     Reading `weight_packed` / `weight_scale` returns the real canonical buffers (the layer converts back, so
     in-place writes are seen) and the next forward converts again; hold no reference to them across a forward.
-    `allow_g4=False` (or HFQ_NVFP4_G4=0) keeps the canonical buffers, and the decode kernel then caches its own
-    copy beside them.
+    `allow_g4=False` keeps the canonical buffers, and the decode kernel then caches its own copy beside them (the
+    default is hfq settings' nvfp4_g4: HFQ_NVFP4_G4, docs/settings.md).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "nvfp4",
@@ -51,7 +49,7 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"in_features={in_features} is not a multiple of the {format} block size {blk}")
         self.in_features, self.out_features = in_features, out_features
         self.format, self.compute_dtype = format, compute_dtype
-        self.allow_g4 = G4_DEFAULT  # switch to the g4 layout where the Gluon kernel runs (see the class doc)
+        self.allow_g4 = SETTINGS.nvfp4_g4  # switch to the g4 layout where the Gluon kernel runs (see the class doc)
         self.weight_dtype = dtype or torch.get_default_dtype()
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         sdt = torch.float8_e4m3fn if format == "nvfp4" else torch.uint8
@@ -189,16 +187,17 @@ class NVFP4Linear(nn.Module):
         return fp4.mxfp4_dequantize(self.weight_packed, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.format == "nvfp4" and not torch.compiler.is_compiling() and _K.eager_fast_ok(x):
-            if "weight_packed" in self._buffers and self.g4_wanted(x.device):
-                self.to_g4_layout_()  # e.g. a layer built on the GPU directly (no load, no move)
+        """Plain eager NVFP4 calls run this layer's kept plan (_forward_planned); torch.compile, fake/subclass
+        tensors, dispatch modes, functorch and CPU go through the registered op, whose CUDA kernel makes the same
+        plan per call; MXFP4 dequantizes for F.linear."""
+        if self.format == "nvfp4" and _K.plain_eager(x):
             return self._forward_planned(x)
         in_dtype = x.dtype
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         bufs = self._buffers
-        if "weight_g4" in bufs:  # torch.compile, fake/subclass tensors, dispatch modes, functorch, CPU
+        if "weight_g4" in bufs:
             y = torch.ops.hfq.nvfp4_g4_linear(x, bufs["weight_g4"], bufs["weight_g4_scale"], self.weight_global_scale,
                                               self.out_features, self.in_features, bias)
         elif self.format == "nvfp4":
@@ -208,11 +207,12 @@ class NVFP4Linear(nn.Module):
         return y.to(in_dtype)
 
     def _forward_planned(self, x: torch.Tensor) -> torch.Tensor:
-        """Plain eager CUDA: hfq::nvfp4_linear's values and gradients from a LinearPlan kept per (x shape, dtype,
-        device), so that a repeated call does no validation, config lookup or launch planning (see
-        hfq_kernels.nvfp4_matmul.plan_linear). Plans are dropped when a weight tensor is replaced (set_weight,
-        load, a move: see _apply) and rebuilt when the tuned table changes; a new shape is validated (and raises
-        for bad input) when its plan is made."""
+        """hfq::nvfp4_linear's values and gradients from a LinearPlan kept per (x shape, dtype, device), so that a
+        repeated call does no validation, config lookup or launch planning (hfq_kernels.nvfp4_plan). Plans are
+        dropped when a weight tensor is replaced (set_weight, load, a move: see _apply) and rebuilt when the tuned
+        table changes; a new shape is validated (and raises for bad input) when its plan is made."""
+        if "weight_packed" in self._buffers and self.g4_wanted(x.device):
+            self.to_g4_layout_()  # e.g. a layer built on the GPU directly (no load, no move)
         in_dtype = x.dtype
         cdt = self.compute_dtype
         if cdt is not None and cdt != in_dtype:
@@ -242,6 +242,18 @@ class NVFP4Linear(nn.Module):
             b = b.to(x.dtype)
         y = _K.plan_apply(plan, x, b)
         return y if y.dtype == in_dtype else y.to(in_dtype)
+
+    def decode_operands(self, x2: torch.Tensor) -> G4Operands | None:
+        """This layer's weight as the fused decode kernels read it (hfq_kernels.lora_nvfp4: grouped q/k/v and
+        gate/up launches, LoRA with the reduce folded in), for input x2 [M, in_features]; None where they cannot
+        stand in for forward(x2): not NVFP4 in the g4 layout, a compute-dtype cast, or another width. The rollout
+        decoder asks every linear (without importing this class); hooks and autograd are its own checks."""
+        bufs = self._buffers
+        if ("weight_g4" not in bufs or self.compute_dtype not in (None, x2.dtype)
+                or x2.shape[-1] != self.in_features):
+            return None
+        return G4Operands(bufs["weight_g4"], bufs["weight_g4_scale"], bufs["weight_global_scale"],
+                          self._parameters["bias"], self.out_features)
 
     @property
     def weight(self) -> torch.Tensor:

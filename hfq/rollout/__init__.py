@@ -3,10 +3,11 @@
 `RolloutEngine(model, max_batch=..., max_seq_len=...)`.generate(...) works standalone;
 `RolloutMixin` (before `trl.GRPOTrainer` in the bases) routes GRPO rollouts through it.
 """
+from .decoder import DecodeFusions
 from .engine import RolloutEngine, RolloutOutput
 from .sampling import SamplerFlags
 
-__all__ = ["RolloutEngine", "RolloutOutput", "RolloutMixin", "SamplerFlags"]
+__all__ = ["DecodeFusions", "RolloutEngine", "RolloutOutput", "RolloutMixin", "SamplerFlags"]
 
 
 def __getattr__(name):

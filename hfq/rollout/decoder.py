@@ -10,17 +10,19 @@ attention and SiLU*mul as the Triton kernels of `hfq_kernels.rollout`, reading t
 live, runs hfq NVFP4 q/k/v and gate/up as one grouped Gluon launch each, and applies unmerged LoRA with one
 shrink + one expand kernel per group of linears sharing an input (`hfq_kernels.lora`; q/k/v, gate/up, o, down);
 any module it does not recognise (custom norms, hooks, DoRA, dropout in training, ...) is called as the model's
-own module.
+own module. An NVFP4 linear takes part in the fused launches through its public `decode_operands(x2)` (a duck-typed
+protocol: this package does not import hfq.nvfp4).
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from hfq_kernels import _triton
 from hfq_kernels import lora as _lora
-from hfq_kernels import nvfp4_matmul as _nv
+from hfq_kernels import lora_nvfp4 as _nv
 from hfq_kernels import rollout as K
 from hfq_kernels import skinny_gemm as _gemm
 from hfq_kernels.rollout import rope_ref as _rope
@@ -41,7 +43,21 @@ def unwrap_causal_lm(model):
     return m
 
 
-_RMSNORMS = ("Qwen2RMSNorm", "Qwen3RMSNorm", "LlamaRMSNorm", "MistralRMSNorm")
+def _rmsnorms() -> tuple:
+    """transformers' RMSNorm classes of the supported architectures (weight * normalize(x), HF numerics)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    return Qwen2RMSNorm, Qwen3RMSNorm, LlamaRMSNorm, MistralRMSNorm
+
+
+def _silus() -> tuple:
+    """The SiLU activation modules the fused SiLU*mul kernel stands in for."""
+    import transformers.activations as acts
+
+    return (torch.nn.SiLU,) + ((acts.SiLUActivation,) if hasattr(acts, "SiLUActivation") else ())
 
 
 def _has_hooks(mod) -> bool:
@@ -79,10 +95,30 @@ def _lora_plan(mod, x):
     return plan
 
 
-class DecoderAdapter:
-    """Holds references to a causal LM's parts and runs prefill / decode against an external KV cache."""
+@dataclass
+class DecodeFusions:
+    """The fused decode step's optional fusions, each on by default (measured faster on the H100, 7B-shaped, batch
+    8) and, off, replaced by separate launches giving the same bits (for A/B runs and tests).
+    group_nvfp4: NVFP4 (g4) q/k/v and gate/up as one grouped Gluon launch each. lora_in_reduce: NVFP4 linears with
+    LoRA get their split-K reduce done by the LoRA expand's launch. lora_stream: their LoRA shrink runs on a side
+    stream, concurrent with the base GEMV, joined before the expand. pdl: programmatic dependent launch (sm_90+) in
+    the engine's graph warm-up and capture (not combined with a forking lora_stream step: slower there)."""
 
-    def __init__(self, model, max_seq_len: int, fused: bool = False):
+    group_nvfp4: bool = True
+    lora_in_reduce: bool = True
+    lora_stream: bool = True
+    pdl: bool = True
+
+
+class DecoderAdapter:
+    """Holds references to a causal LM's parts and runs prefill / decode against an external KV cache.
+
+    fused_kernels ("auto": on CUDA where Triton runs, True, False): decode steps run the Triton kernels of
+    hfq_kernels.rollout and the fusions of `fusions` (True on CPU needs TRITON_INTERPRET=1). skinny_gemm: with them
+    on CUDA, plain BF16/FP16 nn.Linear at <= 16 rows through the skinny Triton GEMM (RolloutEngine's arguments)."""
+
+    def __init__(self, model, max_seq_len: int, fused_kernels: bool | str = False, skinny_gemm: bool = False,
+                 fusions: DecodeFusions | None = None):
         lm = unwrap_causal_lm(model)
         cfg = getattr(lm, "config", None)
         arch = getattr(cfg, "model_type", None)
@@ -122,17 +158,23 @@ class DecoderAdapter:
                              f"max_seq_len <= {min(windows)}")
         self.vocab_size = self.lm_head.out_features if hasattr(self.lm_head, "out_features") else cfg.vocab_size
         self.dtype = self.embed.weight.dtype
-        self.fused = bool(fused)
-        self.gemm = False  # skinny Triton GEMM for plain BF16/FP16 nn.Linear at <= 16 rows (set by the engine)
-        self.group_nvfp4 = True  # q/k/v and gate/up NVFP4 (g4) linears as one grouped launch each (fused path)
-        # NVFP4 (g4) linears with LoRA: their split-K reduce done by the LoRA expand's launch
-        self.lora_in_reduce = os.environ.get("HFQ_ROLLOUT_LORA_REDUCE", "1") != "0"
-        # ... and their LoRA shrink on a side stream, concurrent with the base GEMV, joined before the expand. A step
-        # that forks so is captured without programmatic dependent launch (the engine reads `forked` after a
-        # warm-up): on the H100 the fork/join edges cost more than PDL saves when both are on.
-        self.lora_stream = os.environ.get("HFQ_ROLLOUT_LORA_STREAM", "1") != "0"
+        self.device = self.embed.weight.device
+        can_fuse = _triton.available(self.device)
+        if fused_kernels is True and not can_fuse:
+            raise ValueError(f"fused_kernels=True: the Triton kernels cannot run on {self.device} (need CUDA and "
+                             "triton, or TRITON_INTERPRET=1 on CPU)")
+        self.fused = can_fuse and (fused_kernels is True or (fused_kernels == "auto" and self.device.type == "cuda"))
+        self.gemm = bool(skinny_gemm) and self.fused and self.device.type == "cuda"
+        self.fusions = fusions if fusions is not None else DecodeFusions()
+        self._norm_types, self._silu_types = _rmsnorms(), _silus()  # exact types: subclasses may compute otherwise
+        # a step that forks LoRA shrinks onto the side stream is captured without programmatic dependent launch (the
+        # engine reads `forked` after a warm-up): on the H100 the fork/join edges cost more than PDL saves there
         self._side = {}  # device -> the side stream
         self.forked = False  # set when a shrink is forked onto the side stream (the engine resets it)
+
+    def drop_fused(self) -> None:
+        """Decode with the model's own modules from now on (the engine's fallback when a fused kernel fails)."""
+        self.fused = self.gemm = False
 
     def _qkv(self, attn, x, cos, sin):
         b, n, _ = x.shape
@@ -194,10 +236,9 @@ class DecoderAdapter:
         return self.norm(h[:, 0])
 
     # ------------------------------------------------------------------ fused decode
-    @staticmethod
-    def _plain_norm(mod, x):
+    def _plain_norm(self, mod, x):
         """mod is an HF RMSNorm (weight * normalize(x), weight in x's dtype) with no hooks."""
-        return (type(mod).__name__ in _RMSNORMS and isinstance(getattr(mod, "weight", None), torch.Tensor)
+        return (type(mod) in self._norm_types and isinstance(getattr(mod, "weight", None), torch.Tensor)
                 and mod.weight.dim() == 1 and mod.weight.dtype == x.dtype and not _has_hooks(mod)
                 and hasattr(mod, "variance_epsilon"))
 
@@ -236,12 +277,13 @@ class DecoderAdapter:
                 or len({plans[i][0][0].shape[0] for i in grp}) != 1 or plans[grp[0]][0][0].shape[0] > 128):
             grp = []
         base = [m.base_layer if i in grp else m for i, m in enumerate(mods)]
-        if self.lora_in_reduce and grp and len(grp) == len(mods) and (self.group_nvfp4 or len(mods) == 1):
+        fz = self.fusions
+        if fz.lora_in_reduce and grp and len(grp) == len(mods) and (fz.group_nvfp4 or len(mods) == 1):
             ws = self._g4_weights(base, x2)
             if ws is not None and _nv.lora_g4_ok(x2, ws):
                 sh = _lora.Shrink([p[0] for p in plans], x2.shape[0], x2.shape[1], x2.device)
                 join = None
-                if self.lora_stream and x2.is_cuda:
+                if fz.lora_stream and x2.is_cuda:
                     cur, side = torch.cuda.current_stream(x2.device), self._side_stream(x2.device)
                     self.forked = True
                     side.wait_stream(cur)
@@ -251,7 +293,7 @@ class DecoderAdapter:
                 else:
                     _lora.shrink_(x2, sh)
                 return [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_lora_g4(x2, ws, sh, join)]
-        g4 = self._g4_group(base, x2) if self.group_nvfp4 else None
+        g4 = self._g4_group(base, x2) if fz.group_nvfp4 else None
         if g4 is not None:
             outs = [y.view(*x.shape[:-1], y.shape[-1]) for y in _nv.linear_group_g4(x2, g4, checked=True)]
         elif (self.gemm and len(base) > 1 and all(type(m) is torch.nn.Linear and not _has_hooks(m) for m in base)
@@ -285,24 +327,22 @@ class DecoderAdapter:
 
     @staticmethod
     def _g4_weights(mods, x2):
-        """[(words, scales, global scale, bias, out_features)] when `mods` are 1-3 hfq NVFP4 linears holding their
-        weights in the g4 layout (no hooks, no compute-dtype cast) for x2, without autograd; else None."""
+        """[m.decode_operands(x2)] when `mods` are 1-3 linears that hand out g4 decode operands for x2 (hfq NVFP4 in
+        the g4 layout) and have no hooks, without autograd; else None."""
         if not 1 <= len(mods) <= 3 or (torch.is_grad_enabled() and x2.requires_grad):
             return None
         ws = []
         for m in mods:
-            b = getattr(m, "_buffers", {})
-            if (type(m).__name__ != "NVFP4Linear" or "weight_g4" not in b or getattr(m, "format", None) != "nvfp4"
-                    or getattr(m, "compute_dtype", None) not in (None, x2.dtype) or _has_hooks(m)
-                    or m.in_features != x2.shape[-1]):
+            ops = getattr(m, "decode_operands", None)
+            w = ops(x2) if callable(ops) and not _has_hooks(m) else None
+            if w is None:
                 return None
-            ws.append((b["weight_g4"], b["weight_g4_scale"], b["weight_global_scale"], m._parameters.get("bias"),
-                       m.out_features))
+            ws.append(w)
         return ws
 
     def _mlp(self, mlp, x):
         if (all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
-                and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+                and type(getattr(mlp, "act_fn", None)) in self._silu_types
                 and not _has_hooks(mlp) and not _has_hooks(mlp.act_fn)):
             g, u = self._linear_group([mlp.gate_proj, mlp.up_proj], x)
             if g.is_contiguous() and u.is_contiguous() and g.dtype == u.dtype:

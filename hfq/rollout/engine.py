@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from hfq_kernels import _triton
 from hfq_kernels._triton import pdl_launches
-from .decoder import DecoderAdapter
+from .decoder import DecodeFusions, DecoderAdapter
 from .sampling import SamplerFlags, row_keys, sample
 
 GRAPH_MODES = ("auto", "cuda_graph", "eager")
@@ -98,27 +96,20 @@ class RolloutEngine:
             True on CPU needs TRITON_INTERPRET=1 (tests).
         skinny_gemm: with the fused kernels on CUDA, run plain BF16/FP16 linears of decode steps through
             `hfq_kernels.skinny_gemm` where a one-time timing per shape found it faster than cuBLAS.
+        fusions: the fused decode step's optional fusions (`DecodeFusions`; default: all on, as measured).
     """
 
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 2304, graph_mode: str = "auto",
                  batch_buckets: tuple[int, ...] | None = None, kv_block: int = 256,
                  gpu_memory_utilization: float | None = None, kv_cache_gb: float | None = None,
                  check_every: int = 32, pad_token_id: int | None = None, fused_kernels: bool | str = "auto",
-                 skinny_gemm: bool = True):
+                 skinny_gemm: bool = True, fusions: DecodeFusions | None = None):
         buckets = _check_engine_args(max_batch, max_seq_len, graph_mode, batch_buckets, kv_block,
                                      gpu_memory_utilization, kv_cache_gb, check_every, fused_kernels)
         self.model = model
-        self.adapter = DecoderAdapter(model, max_seq_len)
-        self.device = self.adapter.embed.weight.device
-        can_fuse = _triton.available(self.device)
-        if fused_kernels is True and not can_fuse:
-            raise ValueError(f"fused_kernels=True: the Triton kernels cannot run on {self.device} (need CUDA and "
-                             "triton, or TRITON_INTERPRET=1 on CPU)")
-        self.adapter.fused = can_fuse and (fused_kernels is True or (fused_kernels == "auto"
-                                                                    and self.device.type == "cuda"))
-        self.adapter.gemm = bool(skinny_gemm) and self.adapter.fused and self.device.type == "cuda"
-        # NVFP4 (g4) q/k/v and gate/up as one grouped Gluon launch each (HFQ_ROLLOUT_NVFP4_GROUP=0: one per linear)
-        self.adapter.group_nvfp4 = os.environ.get("HFQ_ROLLOUT_NVFP4_GROUP", "1") != "0"
+        self.adapter = DecoderAdapter(model, max_seq_len, fused_kernels=fused_kernels, skinny_gemm=skinny_gemm,
+                                      fusions=fusions)
+        self.device = self.adapter.device
         self.dtype = self.adapter.dtype
         self.max_batch = max_batch
         self.max_seq_len = max_seq_len
@@ -227,9 +218,11 @@ class RolloutEngine:
         self.step += 1
 
     def _pdl(self):
-        """pdl_launches() for the decode step's warm-up and capture; none once a warm-up of this capture has forked
-        LoRA shrinks onto the side stream."""
-        return contextlib.nullcontext() if self.adapter.forked else pdl_launches()
+        """pdl_launches() for the decode step's warm-up and capture; none with fusions.pdl off, or once a warm-up of
+        this capture has forked LoRA shrinks onto the side stream."""
+        if self.adapter.forked or not self.adapter.fusions.pdl:
+            return contextlib.nullcontext()
+        return pdl_launches()
 
     def _capture(self, key):
         b, kv_len, flags = key
@@ -242,7 +235,7 @@ class RolloutEngine:
             s = torch.cuda.Stream(self.device)
             s.wait_stream(torch.cuda.current_stream(self.device))
             # decode kernels launch with programmatic dependent launch (sm_90+) in the warm-up and the graph, unless
-            # the step forks LoRA shrinks onto a side stream (see DecoderAdapter.lora_stream)
+            # the step forks LoRA shrinks onto a side stream (see DecodeFusions.lora_stream)
             self.adapter.forked = False
             for _ in range(2):  # warm-up: Triton autotuning, cuBLAS handles, lazy inits
                 with torch.cuda.stream(s), self._pdl():
@@ -260,7 +253,7 @@ class RolloutEngine:
                 warnings.warn(f"hfq.rollout: fused decode kernels failed ({type(e).__name__}: {e}); using the "
                               "model's own modules", stacklevel=3)
                 torch.cuda.synchronize(self.device)
-                self.adapter.fused = False
+                self.adapter.drop_fused()
                 self._graphs.clear()
                 return self._capture(key)
             warnings.warn(f"hfq.rollout: CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly",
