@@ -72,3 +72,16 @@ class QFTHfQuantizer(HfqQuantizer):
             self.converted = [n for n, m in model.named_modules() if isinstance(m, QLinear)]
         ddp_ignore_int8_grad_weights_(model)
         return model
+
+
+def quantize_model_(model: nn.Module, config) -> list[str]:
+    """Quantize an already-built model (e.g. from_config for pretraining) in place per a QFTConfig; the model is
+    marked quantized with `hfq_qft` so that save_pretrained writes an hfq checkpoint."""
+    names = convert_linears_(model, config)
+    ddp_ignore_int8_grad_weights_(model)
+    if hasattr(model, "config"):
+        model.config.quantization_config = config
+        model.hf_quantizer = QFTHfQuantizer(config, pre_quantized=False)
+        model.is_quantized = True
+        model.quantization_method = config.quant_method
+    return names
