@@ -13,11 +13,14 @@ QParam's own value back is a no-op, so ranks that hold the same codes keep them 
 different codes call `broadcast_qparams_(model)` first. INT8 gradients are averaged over ranks in backward, in fp32,
 before storage; DDP is told to ignore those weights (`ddp_ignore_int8_grad_weights_`, applied by hfq.qft).
 
-FSDP2 (`fully_shard`) and other parameter sharding are refused: splitting a QParam raises (FSDP2 chunks every
-parameter along dim 0 in `fully_shard`), and hfq's optimizers refuse sharded (DTensor) parameters.
+FSDP2 (`fully_shard`, accelerate's fsdp_version 2): a QParam shards by rows, each row with its scales / zero points
+/ outliers, and FSDP2's all-gather moves the stored bytes (hfq.qparam.fsdp). hfq's optimizers step on the local
+shards; QFT's INT8 gradient is reduce-scattered in fp32 and quantized once per shard. FSDP1 (flattened
+parameters) is refused by hfq's optimizers.
 
-Modules, by concern: formats (names, encode/decode, checks), tensor (QParam), int8grad (Int8Grad and the
-per-rank mean), linear (QLinear, qlinear), distributed (broadcast), guard (the optimizer step pre-hook).
+Modules, by concern: formats (names, encode/decode, checks), tensor (QParam), fsdp (row shards, all-gather),
+int8grad (Int8Grad, the per-rank mean and reduce-scatter), linear (QLinear, qlinear), distributed (broadcast), guard
+(the optimizer step pre-hook).
 """
 from . import guard  # noqa: F401  (registers the optimizer step pre-hook)
 from .distributed import broadcast_qparams_
@@ -25,10 +28,10 @@ from .formats import (FORMATS, MAX_OUTLIER_FRACTION, check_format, check_qtensor
                       int8_kernels)
 from .int8grad import (Int8Grad, accumulate_int8_grad_, clear_int8_grads_, ddp_ignore_int8_grad_weights_,
                        int8_grad, pop_int8_grad)
-from .linear import QLinear, qlinear
+from .linear import QLinear, name_qparams_, qlinear
 from .tensor import USE_HFQ_OPTIMIZER, QParam, sharding_refusal
 
 __all__ = ["FORMATS", "MAX_OUTLIER_FRACTION", "USE_HFQ_OPTIMIZER", "Int8Grad", "QLinear", "QParam",
            "accumulate_int8_grad_", "broadcast_qparams_", "check_format", "check_qtensors", "clear_int8_grads_",
-           "ddp_ignore_int8_grad_weights_", "empty_qtensors", "int8_grad", "int8_kernels", "pop_int8_grad", "qlinear",
-           "sharding_refusal"]
+           "ddp_ignore_int8_grad_weights_", "empty_qtensors", "int8_grad", "int8_kernels", "name_qparams_",
+           "pop_int8_grad", "qlinear", "sharding_refusal"]

@@ -55,16 +55,16 @@ def check_format(fmt: str, shape=None, meta: dict | None = None) -> dict:
     return full
 
 
-def _encode(fmt, w, meta, rounding, generator, thresholds=None) -> dict:
+def _encode(fmt, w, meta, rounding, generator, thresholds=None, noise=None) -> dict:
     if fmt == "fp8_e4m3_row":
-        codes, scales = _fp8.quantize_fp8_row(w, rounding, generator)
+        codes, scales = _fp8.quantize_fp8_row(w, rounding, generator, noise)
         return {"codes": codes, "scales": scales}
     if fmt in ("int4_tensor", "int4_group"):
-        codes, scales = _intq.quantize_int4(w, meta.get("group_size"), rounding, generator)
+        codes, scales = _intq.quantize_int4(w, meta.get("group_size"), rounding, generator, noise)
         return {"codes": codes, "scales": scales}
     if thresholds is None:
         thresholds = _intq.outlier_thresholds(w, meta["outlier_fraction"])
-    d = _intq.quantize_dense_sparse(w, thresholds, rounding, generator)
+    d = _intq.quantize_dense_sparse(w, thresholds, rounding, generator, noise)
     d["thresholds"] = thresholds.to(torch.float32)
     return d
 

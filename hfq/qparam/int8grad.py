@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_map
 from hfq_kernels import int8 as _int8k
 from hfq_kernels.reference import intq as _intq
 from .formats import int8_kernels
+from .fsdp import local
 from .tensor import QParam, _written_qparam
 
 
@@ -137,8 +138,10 @@ class Int8Grad(torch.Tensor):
 
 
 def int8_grad(p: torch.Tensor) -> Int8Grad | None:
-    """The INT8 gradient stored for parameter `p` (its `.grad` when that is an Int8Grad; else None)."""
+    """The INT8 gradient stored for parameter `p` (its `.grad` when that is an Int8Grad, or an FSDP2 DTensor
+    holding this rank's shard of one; else None)."""
     g = p.grad
+    g = local(g) if g is not None else None
     return g if isinstance(g, Int8Grad) else None
 
 
@@ -183,6 +186,30 @@ def _mean_over_ranks(g: torch.Tensor) -> torch.Tensor:
     g = g.float().contiguous()
     dist.all_reduce(g)
     return g.div_(dist.get_world_size())
+
+
+def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | None = None) -> Int8Grad:
+    """FSDP2: reduce-scatter the whole-weight float gradient `g` in fp32 over the shard `group` (the mean over
+    ranks, as FSDP2 reduces a .grad), then add this rank's rows to the INT8 store of the sharded DTensor
+    parameter `param` (its .grad: a DTensor whose local tensor is an Int8Grad). One rounding per shard."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
+
+    world = dist.get_world_size(group)
+    g = g.float().contiguous()
+    mine = g.new_empty((g.shape[0] // world,) + tuple(g.shape[1:]))
+    dist.reduce_scatter_tensor(mine, g, group=group)
+    mine.div_(world)
+    cur = param.grad
+    if cur is None:
+        store = Int8Grad(mine, name, param.dtype)
+        param.grad = _from_local_no_grad(store, param._spec)
+        return store
+    store = local(cur)
+    if not isinstance(store, Int8Grad):
+        raise TypeError(f"{name or 'a quantized weight'}: has an ordinary .grad ({cur.dtype}) and an INT8 gradient "
+                        "arrives; zero the gradients (set_to_none) before switching gradient_bits")
+    return store.accumulate_(mine)
 
 
 def ddp_ignore_int8_grad_weights_(model: nn.Module) -> list[str]:

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from hfq_kernels._triton import checkpointing as _checkpointing
 from . import formats as _formats
 from .formats import check_format, check_qtensors, empty_qtensors
-from .int8grad import _mean_over_ranks, accumulate_int8_grad_
+from .fsdp import gather_whole, local, local_rows, rows_of
+from .int8grad import _mean_over_ranks, accumulate_int8_grad_, accumulate_sharded_int8_grad_
 from .tensor import QParam
 
 
@@ -46,7 +47,14 @@ class _QLinearFn(torch.autograd.Function):
         del wd, kept
         if ctx.needs_input_grad[1]:
             gw = gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(gy.dtype)
-            if ctx.store_int8:
+            shard = getattr(w, "fsdp_shard", None)
+            if ctx.store_int8 and shard is not None:  # FSDP2: w is the gathered weight of a sharded parameter
+                if getattr(w, "grad_consumer", None) is not None:
+                    raise NotImplementedError(f"{ctx.name or 'a quantized weight'}: QLion's step in backward "
+                                              "(step_in_backward_) does not run under FSDP2; use the optimizer step")
+                accumulate_sharded_int8_grad_(*shard, gw, ctx.name)
+                gw = None
+            elif ctx.store_int8:
                 gw = _mean_over_ranks(gw)
                 consumer = getattr(w, "grad_consumer", None)
                 consumer(w, gw, ctx.name) if consumer is not None else accumulate_int8_grad_(w, gw, ctx.name)
@@ -118,9 +126,21 @@ class QLinear(nn.Module):
     def forward(self, x):
         return qlinear(x, self.weight, self.bias)
 
+    def __getattr__(self, name):
+        """`weight_<stored tensor>` names its state_dict entry (this rank's shard under FSDP2), so that code that
+        walks state_dict keys as attribute paths (torch.distributed.checkpoint's state dicts) finds them."""
+        fmt = self.__dict__.get("weight_format")
+        w = self.__dict__.get("_parameters", {}).get("weight")
+        if fmt is not None and w is not None and name.startswith("weight_") and name[7:] in _formats._NAMES[fmt]:
+            return getattr(local(w), name[7:])
+        return super().__getattr__(name)
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self.weight is not None:
-            for k, t in self.weight.qtensors().items():
+            w = self.weight
+            if local(w) is not w:  # FSDP2 shard: the whole weight's stored tensors, gathered on every rank
+                w = gather_whole(w)
+            for k, t in w.qtensors().items():
                 destination[prefix + "weight_" + k] = t if keep_vars else t.detach()
         for name, buf in self._buffers.items():
             if buf is not None and name not in self._non_persistent_buffers_set:
@@ -143,18 +163,28 @@ class QLinear(nn.Module):
             except ValueError as e:
                 error_msgs.append(str(e))
                 return
-            self.weight.load_qtensors_(data)
+            mine = local(self.weight)
+            if mine is not self.weight:  # FSDP2 shard: this rank's rows of the whole weight
+                whole = QParam(data, self.weight_format, tuple(self.weight.shape), self.weight_meta)
+                data = rows_of(whole, mine.place.row0, mine.place.row0 + mine.shape[0])
+            mine.load_qtensors_(data)
         for k in names:
             if k not in present:
                 missing_keys.append(keys[k])
         if self.bias is not None:
             if prefix + "bias" in state_dict:
+                value, mine = state_dict[prefix + "bias"], local(self.bias)
+                if mine is not self.bias and local(value) is value:  # FSDP2 shard, whole bias given: its rows
+                    r0, n = local_rows(self.bias)
+                    value = value[r0:r0 + n]
                 with torch.no_grad():
-                    self.bias.copy_(state_dict[prefix + "bias"])
+                    mine.copy_(local(value))
             else:
                 missing_keys.append(prefix + "bias")
         if strict:
             expected = set(keys.values()) | {prefix + "bias"}
+            if state_dict.get(prefix + "weight") is self.weight:  # torch.distributed.checkpoint lists parameters too
+                expected.add(prefix + "weight")
             for k in state_dict:
                 if k.startswith(prefix) and "." not in k[len(prefix):] and k not in expected:
                     unexpected_keys.append(k)
@@ -163,3 +193,13 @@ class QLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"weight_format={self.weight_format}")
 
+
+def name_qparams_(model: nn.Module) -> int:
+    """Record each QLinear weight's module path on it (`QParam.place.name`), so errors raised far from the model
+    (FSDP2 sharding, the optimizers) name it. Returns how many were named."""
+    n = 0
+    for name, m in model.named_modules():
+        if isinstance(m, QLinear) and isinstance(m.weight, QParam):
+            m.weight.place.name = f"{name}.weight" if name else "weight"
+            n += 1
+    return n

@@ -12,7 +12,9 @@ from torch.utils._pytree import tree_map
 
 from hfq_kernels.reference import fp8 as _fp8
 from . import formats as _formats
+from . import fsdp as _fsdp
 from .formats import check_format
+from .fsdp import RowPlace
 
 USE_HFQ_OPTIMIZER = (
     "Quantized weights are updated only through requantize_: train them with hfq.ECOAdamW or ECOSGD "
@@ -25,7 +27,7 @@ class QParam(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: dict, fmt: str, shape, meta: dict | None = None, requires_grad: bool = False,
-                dtype: torch.dtype = torch.bfloat16):
+                dtype: torch.dtype = torch.bfloat16, place: RowPlace | None = None):
         meta = check_format(fmt, shape, meta)
         if set(data) != set(_formats._NAMES[fmt]):
             raise ValueError(f"{fmt}: inner tensors must be {_formats._NAMES[fmt]}, got {tuple(data)}")
@@ -33,9 +35,10 @@ class QParam(torch.Tensor):
         return torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device,
                                                    requires_grad=requires_grad)
 
-    def __init__(self, data, fmt, shape, meta=None, requires_grad=False, dtype=torch.bfloat16):
+    def __init__(self, data, fmt, shape, meta=None, requires_grad=False, dtype=torch.bfloat16, place=None):
         self.fmt = fmt
         self.meta = check_format(fmt, shape, meta)
+        self.place = place if place is not None else RowPlace(None, 0, shape[0])
         for k in _formats._NAMES[fmt]:
             setattr(self, k, data[k])
 
@@ -64,8 +67,9 @@ class QParam(torch.Tensor):
 
     @torch.no_grad()
     def requantize_(self, value: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None,
-                    refresh_thresholds: bool = False) -> torch.Tensor:
-        """Store Q(value) in place; returns the quantization error value - Q(value) (float32).
+                    refresh_thresholds: bool = False, noise: torch.Tensor | None = None) -> torch.Tensor:
+        """Store Q(value) in place; returns the quantization error value - Q(value) (float32). SR draws from
+        `generator`, or takes `noise` (uniform [0, 1), value's shape) when given.
 
         int8_dense_sparse: the outliers are the elements of `value` outside the stored thresholds (T_min, T_max),
         which are kept (QFT's lazy update, App. C) unless `refresh_thresholds`: then they are re-set to the
@@ -77,7 +81,7 @@ class QParam(torch.Tensor):
             raise ValueError(f"requantize_: generator on {generator.device}, value on {value.device}")
         value = value.detach().float()
         thr = None if (refresh_thresholds or self.fmt != "int8_dense_sparse") else self.thresholds
-        new = _formats._encode(self.fmt, value, self.meta, rounding, generator, thr)
+        new = _formats._encode(self.fmt, value, self.meta, rounding, generator, thr, noise)
         self.load_qtensors_(new)
         return value - self.dequantize(torch.float32)
 
@@ -99,9 +103,13 @@ class QParam(torch.Tensor):
                     raise ValueError(f"{self.fmt}: codes dtype {new.dtype} != {cur.dtype}")
                 setattr(self, k, new.to(self.device) if cur.device.type != "meta" else new)
 
-    def _replace(self, fn) -> "QParam":
+    def _replace(self, fn, same_place: bool = True) -> "QParam":
+        """A new wrapper of fn(each stored tensor); a view (`same_place`) shares this one's RowPlace."""
+        place = self.place if same_place else RowPlace(self.place.name, self.place.row0, self.place.rows)
         out = QParam({k: fn(t) for k, t in self.qtensors().items()}, self.fmt, tuple(self.shape), self.meta,
-                     dtype=self.dtype)
+                     dtype=self.dtype, place=place)
+        if same_place and hasattr(self, "fsdp_shard"):
+            out.fsdp_shard = self.fsdp_shard
         return out
 
     def __repr__(self):
@@ -109,7 +117,7 @@ class QParam(torch.Tensor):
                 f"device={self.device}, requires_grad={self.requires_grad})")
 
     def __deepcopy__(self, memo):
-        out = self._replace(lambda t: t.clone())
+        out = self._replace(lambda t: t.clone(), same_place=False)
         out.requires_grad_(self.requires_grad)
         if getattr(self, "_is_param", False):
             out._is_param = True
@@ -129,6 +137,13 @@ class QParam(torch.Tensor):
         fmt, shape, meta, dtype = ctx
         return QParam(dict(inner), fmt, shape, dict(meta), dtype=dtype)
 
+    # ---- FSDP2's all-gather extension (hfq.qparam.fsdp) -------------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        return _fsdp.pre_all_gather(self, mesh, module)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        return _fsdp.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out)
+
     # ---- operator handling ---------------------------------------------------------------------
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -140,6 +155,11 @@ class QParam(torch.Tensor):
                 from .linear import qlinear  # linear.py builds on this module
 
                 return qlinear(x, w, b)
+        if func in (torch.chunk, torch.Tensor.chunk) and isinstance(args[0], QParam):
+            n = args[1] if len(args) > 1 else kwargs.get("chunks")
+            why = _fsdp.shardable(args[0], n)  # torch.chunk would hand back fewer pieces than asked for
+            if why:
+                raise NotImplementedError(why)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -153,9 +173,9 @@ class QParam(torch.Tensor):
             src = args[0]
             dev = kwargs.get("device") or src.device
             nb = kwargs.get("non_blocking", False)
-            return src._replace(lambda t: t.to(dev, non_blocking=nb))
+            return src._replace(lambda t: t.to(dev, non_blocking=nb), same_place=False)
         if func is aten.clone.default:
-            return args[0]._replace(lambda t: t.clone())
+            return args[0]._replace(lambda t: t.clone(), same_place=False)
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             if isinstance(src, QParam):
@@ -163,13 +183,14 @@ class QParam(torch.Tensor):
                     raise ValueError(f"copy_: cannot copy a {src.fmt} {tuple(src.shape)} QParam into "
                                      f"a {dst.fmt} {tuple(dst.shape)} one")
                 dst.load_qtensors_(src.qtensors())
+                dst.place.row0, dst.place.rows = src.place.row0, src.place.rows
             elif not _holds_value(dst, src):
                 dst.requantize_(src, "rtn")
             # else: src is this weight's own value (e.g. DDP's construction-time broadcast of a dequantized view):
             # keep the codes. Requantizing a bf16 round trip would move codes and scales on every rank.
             return dst
-        if func in _SHARDING_OPS and isinstance(args[0], QParam):
-            raise NotImplementedError(sharding_refusal(f"{func} on a QParam {args[0].fmt} {tuple(args[0].shape)}"))
+        if func in _ROW_OPS and isinstance(args[0], QParam):
+            return _ROW_OPS[func](*args, **kwargs)
         if func._schema.is_mutable:
             q = _written_qparam(func, args, kwargs)
             if q is not None:
@@ -180,16 +201,53 @@ class QParam(torch.Tensor):
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
 
 
-_SHARDING_OPS = {torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
-                 torch.ops.aten.chunk.default, torch.ops.aten.tensor_split.sections}
+def _split(q, size, dim=0):
+    if dim not in (0, -2):
+        raise NotImplementedError(f"splitting a QParam {q.fmt} {tuple(q.shape)} along dim {dim}: only along dim 0 "
+                                  "(rows, as FSDP2 shards)")
+    rows = q.shape[0]
+    return _fsdp.split_rows(q, [min(size, rows - i) for i in range(0, rows, size)] if size else [rows])
+
+
+def _split_sizes(q, sizes, dim=0):
+    if dim not in (0, -2):
+        raise NotImplementedError(f"splitting a QParam {q.fmt} {tuple(q.shape)} along dim {dim}: only along dim 0")
+    return _fsdp.split_rows(q, sizes)
+
+
+def _as_strided(q, size, stride, storage_offset=0):
+    if tuple(size) != tuple(q.shape) or tuple(stride) != (q.shape[1], 1) or storage_offset:
+        raise NotImplementedError(f"as_strided{tuple(size), tuple(stride), storage_offset} on a QParam {q.fmt} "
+                                  f"{tuple(q.shape)}: only the whole contiguous weight")
+    return q._replace(lambda t: t)
+
+
+def _view(q, size):
+    """view of an FSDP2 shard as [-1]: FSDP2 keeps it as its handle on the flat shard, which only its default
+    all-gather would read (a QParam's goes through fsdp_pre_all_gather), so the handle is the shard itself, not a
+    dequantized copy. Any other view is one of the logical (dequantized) value, as DDP's broadcast takes it."""
+    if q.place.sharded and list(size) in ([-1], [q.numel()]):
+        return q._replace(lambda t: t)
+    return torch.ops.aten.view.default(q.dequantize(), size)
+
+
+_ROW_OPS = {  # what FSDP2's fully_shard and its unshard do with a parameter, by rows (hfq.qparam.fsdp)
+    torch.ops.aten.split.Tensor: _split,
+    torch.ops.aten.split_with_sizes.default: _split_sizes,
+    torch.ops.aten.new_zeros.default: lambda q, size, **kw: _fsdp.new_zeros(q, size),
+    torch.ops.aten.slice.Tensor: _fsdp.slice_rows,
+    torch.ops.aten.as_strided.default: _as_strided,
+    torch.ops.aten.view.default: _view,
+}
 
 
 def sharding_refusal(what: str) -> str:
-    """The error for parameter sharding (FSDP2's fully_shard, FSDP1) of a model holding QParams (ECO, QFT)."""
-    return (f"ECO / QFT (QParam quantized weights) do not support FSDP2 (fully_shard) or other parameter "
-            f"sharding: {what}. Sharding would split the codes and scales into plain dequantized tensors, "
-            "which no longer train as quantized weights. Supported for ECO / QFT: DDP (`accelerate launch "
-            "--config_file examples/accelerate/ddp.yaml ...`); QuEST and NVFP4/QeRL + LoRA also run under FSDP2.")
+    """The error for FSDP1's flattened parameters (FullyShardedDataParallel) of a model holding QParams."""
+    return (f"ECO / QFT (QParam quantized weights) do not support FSDP1 (FullyShardedDataParallel, flattened "
+            f"parameters): {what}. Flattening turns the codes and scales into plain dequantized values, which no "
+            "longer train as quantized weights. Supported for ECO / QFT: FSDP2 (fully_shard; accelerate "
+            "fsdp_version: 2, `accelerate launch --config_file examples/accelerate/fsdp2.yaml ...`) and DDP "
+            "(examples/accelerate/ddp.yaml).")
 
 
 def _written_qparam(func, args, kwargs, cls=None) -> QParam | None:
