@@ -168,6 +168,7 @@ QP_LOSS_TOL, QP_LOGIT_TOL = 1e-3, 0.15
 
 @pytest.mark.parametrize("method", QPARAM_FSDP2)
 def test_fsdp2_shards_eco_and_qft_and_matches_single_process(runs, method):
+    """Each step: two micro-steps of gradient accumulation, clip_grad_norm_, the optimizer step."""
     one, a, b = runs("fsdp2", "w1", method), runs("fsdp2", "w2", method, 0), runs("fsdp2", "w2", method, 1)
     assert a["strategy"] == "FSDP2" and one["world"] == 1
     # every parameter is a shard: half of it here, half on the other rank; the QParams' stored bytes too
@@ -178,6 +179,8 @@ def test_fsdp2_shards_eco_and_qft_and_matches_single_process(runs, method):
     _close_losses(a["losses"], one["losses"], QP_LOSS_TOL)
     assert a["losses"][0] != a["losses"][-1]
     assert float((a["logits"] - one["logits"]).abs().max()) < QP_LOGIT_TOL
+    # clip_grad_norm_ over the sharded parameters (QFT: INT8 gradient shards) sees the one-process norm, and clips
+    assert min(one["norms"]) > 0.5 and max(abs(x / y - 1) for x, y in zip(a["norms"], one["norms"])) < 1e-2
     assert a["snap"].keys() == one["snap"].keys()
 
 

@@ -6,7 +6,8 @@ GPUs only); gloo on CPU, or NCCL with one GPU per process when SCALEOUT_DEVICE=c
 python scaleout.py OUT TINY_DIR METHODS [RESUME_FROM_WORLD]
   METHODS: comma-separated, of quest, nvfp4_lora, eco, qft, eco_bf16, qft_bf16 (ECO / QFT on a bf16 model, SR keyed
   by element: what FSDP2 shards, FSDP2 needing one dtype per layer) and qerl (only builds QeRLGRPOTrainer).
-  For each method: STEPS optimizer steps on a fixed global batch split over the ranks. The mean loss over ranks per
+  For each method: STEPS optimizer steps on a fixed global batch split over the ranks (eco_bf16 / qft_bf16: two
+  micro-steps of gradient accumulation and clip_grad_norm_ per step, the norms saved too). The mean loss over ranks per
   step, every parameter and buffer (full, gathered under FSDP2) and what was sharded go to
   OUT/<method>_w<world>_rank<r>.pt; a full checkpoint after SAVE_AT steps (model + optimizer, saved by rank 0) to
   OUT/<method>_w<world>.ckpt. With RESUME_FROM_WORLD: start from OUT/<method>_w<RESUME_FROM_WORLD>.ckpt and run the
@@ -21,6 +22,7 @@ import torch
 
 STEPS, SAVE_AT, GLOBAL_BATCH, SEQ = 4, 2, 8, 16
 BF16 = ("eco_bf16", "qft_bf16")
+CLIP = 0.5  # max_grad_norm of the eco_bf16 / qft_bf16 runs (their gradient norms are ~1.3: clipping acts)
 
 
 def build(method, tiny_dir):
@@ -170,10 +172,20 @@ def run(acc, method, tiny_dir, out, resume):
         load_full_state(acc, model, opt, ckpt)
         first = SAVE_AT
     losses = []
+    norms = []
     for step in range(first, STEPS):
         x = batch(step, rank, world).to(acc.device)
-        loss = model(input_ids=x, labels=x).loss
-        acc.backward(loss)
+        if method in BF16:  # two micro-steps (gradient accumulation), then clipping, as Trainer does
+            loss = 0
+            for part in x.chunk(2):
+                micro = model(input_ids=part, labels=part).loss / 2
+                acc.backward(micro)
+                loss = loss + micro.detach()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        else:
+            loss = model(input_ids=x, labels=x).loss
+            acc.backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         mean = loss.detach().clone()
@@ -191,7 +203,7 @@ def run(acc, method, tiny_dir, out, resume):
     extra = {}
     if method in BF16:
         extra = final_logits_and_storage(acc, method, model, out, tag, pretrained=resume is None)
-    torch.save({"losses": losses, "snap": snap, "world": world, "wrapper": type(model).__name__,
+    torch.save({"losses": losses, "norms": norms, "snap": snap, "world": world, "wrapper": type(model).__name__,
                 "strategy": str(acc.distributed_type),
                 "sharded": sharded, "sharded_buffers": sharded_bufs, "numel": numel, **extra},
                os.path.join(out, f"{tag}_rank{rank}.pt"))
