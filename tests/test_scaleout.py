@@ -79,6 +79,8 @@ def runs(tmp_path_factory):
     _fsdp2(fsdp, tiny, FSDP2_METHODS + QPARAM_FSDP2)
     _single(fsdp, tiny, FSDP2_METHODS + QPARAM_FSDP2, resume=2)
     _fsdp2(fsdp, tiny, QPARAM_FSDP2, resume=1)
+    _fsdp2(fsdp, tiny, ["eco_bf16"], resume="dcp2")  # sharded checkpoints (torch.distributed.checkpoint)
+    _single(fsdp, tiny, ["eco_bf16"], resume="dcp2")
 
     def load(kind, tag, method, rank=0):
         return torch.load((ddp if kind == "ddp" else fsdp) / f"{method}_{tag}_rank{rank}.pt", weights_only=False)
@@ -195,6 +197,24 @@ def test_fsdp2_eco_qft_checkpoints_resume_on_another_world_size(runs, method):
     _close_losses(on_two["losses"], one["losses"][2:], QP_LOSS_TOL)
     assert float((on_one["logits"] - one["logits"]).abs().max()) < QP_LOGIT_TOL
     assert float((on_two["logits"] - two["logits"]).abs().max()) < QP_LOGIT_TOL
+
+
+def test_fsdp2_eco_sharded_checkpoint_resumes_on_two_and_one(runs):
+    """ECO's FSDP2 sharded checkpoint (torch.distributed.checkpoint's get_state_dict / dcp.save, as accelerate writes
+    with SHARDED_STATE_DICT) resumes on 2 ranks and on 1 process, ending where the uninterrupted 2-rank run ends."""
+    two = runs("fsdp2", "w2", "eco_bf16")
+    on_two, on_one = runs("fsdp2", "w2_fromdcp2", "eco_bf16", 1), runs("fsdp2", "w1_fromdcp2", "eco_bf16")
+    assert on_two["losses"] == two["losses"][2:]
+    _close_losses(on_one["losses"], two["losses"][2:], QP_LOSS_TOL)
+
+
+@pytest.mark.xfail(strict=True, reason="not done: torch.distributed.checkpoint loads into a template of the current "
+                   "model's shapes, and QFT's outlier lists (weight_sparse_idx / _val) change length with the weights")
+def test_fsdp2_qft_sharded_checkpoint_resumes(runs):
+    out = runs.fsdp_dir
+    _fsdp2(out, "-", ["qft_bf16"], resume="dcp2")
+    two, on_two = runs("fsdp2", "w2", "qft_bf16"), runs("fsdp2", "w2_fromdcp2", "qft_bf16", 1)
+    _close_losses(on_two["losses"], two["losses"][2:], QP_LOSS_TOL)
 
 
 @pytest.mark.parametrize("method", QPARAM_FSDP2)

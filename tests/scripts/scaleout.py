@@ -128,6 +128,27 @@ def load_full_state(acc, model, opt, ckpt):
     opt.load_state_dict(ckpt["optim"])
 
 
+def save_dcp(model, opt, path):
+    """A torch.distributed.checkpoint checkpoint (sharded state dicts, what accelerate writes for FSDP2 with
+    fsdp_state_dict_type SHARDED_STATE_DICT): every rank writes its part."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def load_dcp(model, opt, path):
+    """Load a save_dcp checkpoint (written by any world size) into this run's model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 def layout(model):
     """What FSDP2 sharded: (names of DTensor parameters with their local numel, names of DTensor buffers,
     numel of every parameter)."""
@@ -167,7 +188,10 @@ def run(acc, method, tiny_dir, out, resume):
     else:
         model, opt = acc.prepare(model, make_opt(model))
     first = 0
-    if resume is not None:
+    if resume is not None and resume.startswith("dcp"):
+        load_dcp(model, opt, os.path.join(out, f"{method}_w{resume[3:]}.dcp"))
+        first = SAVE_AT
+    elif resume is not None:
         ckpt = torch.load(os.path.join(out, f"{method}_w{resume}.ckpt"), weights_only=False, map_location="cpu")
         load_full_state(acc, model, opt, ckpt)
         first = SAVE_AT
@@ -194,6 +218,8 @@ def run(acc, method, tiny_dir, out, resume):
             mean /= world
         losses.append(float(mean))
         if step + 1 == SAVE_AT and resume is None:
+            if method in BF16:
+                save_dcp(model, opt, os.path.join(out, f"{method}_w{world}.dcp"))
             state = full_state(acc, model, opt)
             if acc.is_main_process:
                 torch.save(state, os.path.join(out, f"{method}_w{world}.ckpt"))
@@ -286,7 +312,7 @@ def main(out, tiny_dir, methods, resume=None):
         if method == "qerl":
             qerl_trainer(acc, tiny_dir, out)
             continue
-        run(acc, method, tiny_dir, out, None if resume is None else int(resume))
+        run(acc, method, tiny_dir, out, resume)
 
 
 if __name__ == "__main__":

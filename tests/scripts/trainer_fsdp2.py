@@ -32,7 +32,7 @@ def main(out, method, resume=None):
     ds = Dataset.from_dict({"input_ids": rows.tolist(), "labels": rows.tolist()})
     args = TrainingArguments(output_dir=os.path.join(out, f"{method}_w{world}"), max_steps=STEPS, save_steps=SAVE_AT,
                              save_strategy="steps", per_device_train_batch_size=GLOBAL_BATCH // world,
-                             logging_steps=1, report_to="none", bf16=torch.cuda.is_available(),
+                             logging_steps=1, report_to="none",
                              use_cpu=not torch.cuda.is_available(), seed=0, data_seed=0, max_grad_norm=1.0,
                              dataloader_drop_last=True)
     trainer = Trainer(model=model, args=args, train_dataset=ds, optimizer_cls_and_kwargs=(type(probe), kwargs))
