@@ -628,7 +628,7 @@ if __name__ == "__main__":
 def test_checkpoint_recompute_reuses_its_decoded_weight(monkeypatch):
     """Under gradient checkpointing the recomputed forward's decoded weight serves the backward's dL/dx: two decodes
     per linear and step instead of three, with gradients bit-identical to a run without checkpointing."""
-    import hfq.qparam as qp
+    import hfq.qparam.formats as qp
 
     calls = []
     orig = qp._decode

@@ -175,7 +175,7 @@ def test_qft_training_through_kernels_matches_torch_path(monkeypatch, rounding):
     steps = 3 if rounding == "rtn" else 1  # SR: other draws, so trajectories part after the first step
     ref = _tiny_qft()
     _train(ref, QLion(ref.parameters(), lr=3e-3, rounding=rounding, fused=False), steps)
-    monkeypatch.setattr(hfq.qparam, "FORCE_INT8_KERNELS", True)
+    monkeypatch.setattr(hfq.qparam.formats, "FORCE_INT8_KERNELS", True)
     fused = _tiny_qft()
     before = _snapshot(fused)
     _train(fused, QLion(fused.parameters(), lr=3e-3, rounding=rounding, fused=True), steps)
@@ -201,7 +201,7 @@ def test_fused_qlion_resumes_bit_exactly(monkeypatch):
     import hfq.qparam
     from hfq.qft import QLion
 
-    monkeypatch.setattr(hfq.qparam, "FORCE_INT8_KERNELS", True)
+    monkeypatch.setattr(hfq.qparam.formats, "FORCE_INT8_KERNELS", True)
     full = _tiny_qft()
     opt = QLion(full.parameters(), lr=3e-3, fused=True)
     _train(full, opt, 1, seed=1)

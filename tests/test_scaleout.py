@@ -1,12 +1,12 @@
 """Multi-process training of every hfq method on 2 CPU processes (gloo), with the launch configs of
 examples/accelerate: DDP through `accelerate launch --config_file examples/accelerate/ddp.yaml` for QuEST,
 NVFP4 + LoRA (QeRL's policy), ECO and QFT; FSDP2 (`fully_shard` per decoder layer + root, under torchrun: accelerate
-runs FSDP on GPUs only) for QuEST and NVFP4 + LoRA; ECO / QFT under FSDP2 refused at `fully_shard`.
+runs FSDP on GPUs only) for QuEST, NVFP4 + LoRA, ECO and QFT (their QParams sharded by rows, on bf16 models).
 
 Checked: ranks end bit-identical; the mean loss over ranks equals a single process on the same global batch; a
-checkpoint written by 2 ranks resumes on 1 and one written by 1 resumes on 2 (the optimizer state and ECO/QFT's SR
-generators are replicated, so the world size may change), ending where the uninterrupted run ends.
-The worker is tests/scripts/scaleout.py.
+checkpoint written by 2 ranks resumes on 1 and one written by 1 resumes on 2, ending where the uninterrupted run
+ends (DDP: the optimizer state and SR generators are replicated; FSDP2: hfq's optimizers gather their states to
+whole tensors and SR is keyed by global element). The worker is tests/scripts/scaleout.py.
 """
 import os
 import socket
@@ -22,6 +22,7 @@ WORKER = os.path.join(ROOT, "tests", "scripts", "scaleout.py")
 CONFIGS = os.path.join(ROOT, "examples", "accelerate")
 METHODS = ("quest", "nvfp4_lora", "eco", "qft")
 FSDP2_METHODS = ("quest", "nvfp4_lora")
+QPARAM_FSDP2 = ("eco_bf16", "qft_bf16")  # ECO / QFT on bf16 models (FSDP2 wants one dtype per layer)
 TIMEOUT = 240
 
 
@@ -53,9 +54,10 @@ def _ddp(out, tiny, methods, resume=None):
          + ([str(resume)] if resume else []))
 
 
-def _fsdp2(out, tiny, methods, ok=True):
+def _fsdp2(out, tiny, methods, ok=True, resume=None):
     return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                 str(_free_port()), WORKER, str(out), tiny, ",".join(methods)], env=_env(SCALEOUT_FSDP2="1"), ok=ok)
+                 str(_free_port()), WORKER, str(out), tiny, ",".join(methods)] + ([str(resume)] if resume else []),
+                env=_env(SCALEOUT_FSDP2="1"), ok=ok)
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +75,17 @@ def runs(tmp_path_factory):
     _ddp(ddp, tiny, METHODS)
     _single(ddp, tiny, METHODS, resume=2)
     _ddp(ddp, tiny, METHODS, resume=1)
-    _fsdp2(fsdp, tiny, FSDP2_METHODS)
-    _single(fsdp, tiny, FSDP2_METHODS, resume=2)
+    _single(fsdp, tiny, QPARAM_FSDP2)
+    _fsdp2(fsdp, tiny, FSDP2_METHODS + QPARAM_FSDP2)
+    _single(fsdp, tiny, FSDP2_METHODS + QPARAM_FSDP2, resume=2)
+    _fsdp2(fsdp, tiny, QPARAM_FSDP2, resume=1)
+    _fsdp2(fsdp, tiny, ["eco_bf16"], resume="dcp2")  # sharded checkpoints (torch.distributed.checkpoint)
+    _single(fsdp, tiny, ["eco_bf16"], resume="dcp2")
 
     def load(kind, tag, method, rank=0):
         return torch.load((ddp if kind == "ddp" else fsdp) / f"{method}_{tag}_rank{rank}.pt", weights_only=False)
 
+    load.fsdp_dir = fsdp
     return load
 
 
@@ -156,19 +163,72 @@ def test_fsdp2_matches_single_process_and_resumes_on_one(runs, method):
     assert _maxdiff(resumed["snap"], one["snap"]) < PARAM_TOL[method]
 
 
-def test_fsdp2_refused_for_eco_at_start(tmp_path):
-    """fully_shard on a model holding QParams fails in fully_shard itself, before any step,
-    naming the methods, the strategy and what is supported; the launch exits instead of hanging."""
-    from hfq.tiny import save_tiny
+# ECO / QFT, sharded vs one process on the same global batch (same keyed SR draws): bf16 gradients are reduced in a
+# different order (ECO) and QFT's INT8 gradients are quantized per shard, so a few codes round the other way.
+QP_LOSS_TOL, QP_LOGIT_TOL = 1e-3, 0.15
 
-    tiny = str(save_tiny(tmp_path / "tiny", arch="qwen2"))
-    r = _fsdp2(tmp_path, tiny, ["eco"], ok=False)
-    assert r.returncode != 0
-    msg = "ECO / QFT (QParam quantized weights) do not support FSDP2 (fully_shard)"
-    # the first rank to fail prints it; torchrun may stop the other before it does
-    assert msg in r.stderr, r.stderr[-4000:]
-    assert "Supported for ECO / QFT: DDP" in r.stderr and "fully_shard" in r.stderr
-    assert not list(tmp_path.glob("eco_*"))
+
+@pytest.mark.parametrize("method", QPARAM_FSDP2)
+def test_fsdp2_shards_eco_and_qft_and_matches_single_process(runs, method):
+    """Each step: two micro-steps of gradient accumulation, clip_grad_norm_, the optimizer step."""
+    one, a, b = runs("fsdp2", "w1", method), runs("fsdp2", "w2", method, 0), runs("fsdp2", "w2", method, 1)
+    assert a["strategy"] == "FSDP2" and one["world"] == 1
+    # every parameter is a shard: half of it here, half on the other rank; the QParams' stored bytes too
+    assert a["sharded"].keys() == a["numel"].keys() and sum(a["sharded"].values()) * 2 == sum(a["numel"].values())
+    assert a["qparam_bytes"] < 0.6 * one["qparam_bytes"] and b["qparam_bytes"] < 0.6 * one["qparam_bytes"]
+    for k in a["snap"]:  # both ranks gather the same whole model
+        assert torch.equal(a["snap"][k], b["snap"][k]), k
+    _close_losses(a["losses"], one["losses"], QP_LOSS_TOL)
+    assert a["losses"][0] != a["losses"][-1]
+    assert float((a["logits"] - one["logits"]).abs().max()) < QP_LOGIT_TOL
+    # clip_grad_norm_ over the sharded parameters (QFT: INT8 gradient shards) sees the one-process norm, and clips
+    assert min(one["norms"]) > 0.5 and max(abs(x / y - 1) for x, y in zip(a["norms"], one["norms"])) < 1e-2
+    assert a["snap"].keys() == one["snap"].keys()
+
+
+@pytest.mark.parametrize("method", QPARAM_FSDP2)
+def test_fsdp2_eco_qft_checkpoints_resume_on_another_world_size(runs, method):
+    """Written by 2 FSDP2 ranks (whole tensors: hfq's optimizers gather their states), resumed on 1; written by 1,
+    resumed on 2 ranks: each ends where the uninterrupted run of the new world size ends."""
+    one, two = runs("fsdp2", "w1", method), runs("fsdp2", "w2", method)
+    on_one, on_two = runs("fsdp2", "w1_from2", method), runs("fsdp2", "w2_from1", method, 1)
+    assert on_two["strategy"] == "FSDP2" and on_one["world"] == 1
+    _close_losses(on_one["losses"], two["losses"][2:], QP_LOSS_TOL)
+    _close_losses(on_two["losses"], one["losses"][2:], QP_LOSS_TOL)
+    assert float((on_one["logits"] - one["logits"]).abs().max()) < QP_LOGIT_TOL
+    assert float((on_two["logits"] - two["logits"]).abs().max()) < QP_LOGIT_TOL
+
+
+def test_fsdp2_eco_sharded_checkpoint_resumes_on_two_and_one(runs):
+    """ECO's FSDP2 sharded checkpoint (torch.distributed.checkpoint's get_state_dict / dcp.save, as accelerate writes
+    with SHARDED_STATE_DICT) resumes on 2 ranks and on 1 process, ending where the uninterrupted 2-rank run ends."""
+    two = runs("fsdp2", "w2", "eco_bf16")
+    on_two, on_one = runs("fsdp2", "w2_fromdcp2", "eco_bf16", 1), runs("fsdp2", "w1_fromdcp2", "eco_bf16")
+    assert on_two["losses"] == two["losses"][2:]
+    _close_losses(on_one["losses"], two["losses"][2:], QP_LOSS_TOL)
+
+
+@pytest.mark.xfail(strict=True, reason="not done: torch.distributed.checkpoint loads into a template of the current "
+                   "model's shapes, and QFT's outlier lists (weight_sparse_idx / _val) change length with the weights")
+def test_fsdp2_qft_sharded_checkpoint_resumes(runs):
+    out = runs.fsdp_dir
+    _fsdp2(out, "-", ["qft_bf16"], resume="dcp2")
+    two, on_two = runs("fsdp2", "w2", "qft_bf16"), runs("fsdp2", "w2_fromdcp2", "qft_bf16", 1)
+    _close_losses(on_two["losses"], two["losses"][2:], QP_LOSS_TOL)
+
+
+@pytest.mark.parametrize("method", QPARAM_FSDP2)
+def test_fsdp2_save_pretrained_loads_in_one_process(runs, method):
+    """The sharded run's whole state dict, saved with save_pretrained, loads through from_pretrained in one
+    process (hfq_qft, pre-quantized) and gives the sharded run's final logits."""
+    from transformers import AutoModelForCausalLM
+
+    two = runs("fsdp2", "w2", method)
+    model = AutoModelForCausalLM.from_pretrained(runs.fsdp_dir / f"{method}_w2_pretrained", dtype=torch.bfloat16)
+    assert any(type(m).__name__ in ("QLinear", "QFTLinear") for m in model.modules())
+    with torch.no_grad():
+        logits = model(input_ids=two["probe"]).logits.float()
+    assert float((logits - two["logits"]).abs().max()) < 2e-2
 
 
 def test_fsdp2_refused_for_qerl_trainer_at_construction(tmp_path):
@@ -185,11 +245,11 @@ def test_fsdp2_refused_for_qerl_trainer_at_construction(tmp_path):
     assert not list(tmp_path.glob("qerl_constructed_*"))
 
 
-def test_qparam_split_and_sharded_optimizer_params_refused():
-    """The refusal points, in one process (a world of 1): splitting a QParam (what fully_shard does), hfq's
-    optimizers given DTensor (FSDP2) parameters at construction or swapped in before the first step (as accelerate
-    does with an optimizer built before `prepare`), and parameters flattened by FSDP1 (in bf16, where FSDP1 would
-    otherwise dequantize the QParams without an error)."""
+def test_unshardable_qparams_and_fsdp1_refused():
+    """In one process: a QParam splits into equal row shards (as fully_shard chunks it) or is refused naming the
+    weight and what would work (rows the shard count does not divide, int4_tensor's one scale); hfq's optimizers
+    refuse parameters flattened by FSDP1 (in bf16, where FSDP1 would otherwise dequantize the QParams without an
+    error) and 8-bit blockwise states on FSDP2 (DTensor) parameters."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
@@ -202,27 +262,28 @@ def test_qparam_split_and_sharded_optimizer_params_refused():
     from hfq.tiny import tiny_model
 
     q = torch.nn.Parameter(QParam.from_float(torch.randn(8, 64), "int8_dense_sparse"))
-    with pytest.raises(NotImplementedError, match=r"int8_dense_sparse \(8, 64\).*DDP"):
-        torch.chunk(q, 2, dim=0)
+    halves = torch.chunk(q, 2, dim=0)
+    assert [tuple(h.shape) for h in halves] == [(4, 64), (4, 64)] and isinstance(halves[1], QParam)
+    assert torch.equal(torch.cat([h.dequantize() for h in halves]), q.dequantize())
+    odd = QParam.from_float(torch.randn(7, 64), "fp8_e4m3_row")
+    odd.place.name = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(NotImplementedError, match=r"model.layers.0.mlp.down_proj.weight .*7 rows do not split "
+                                                  r"evenly over 2 FSDP2 shards.*world size that divides 7"):
+        torch.chunk(odd, 2, dim=0)
+    with pytest.raises(NotImplementedError, match=r"int4_tensor \(8, 64\)\) has one scale.*int4_group"):
+        torch.chunk(QParam.from_float(torch.randn(8, 64), "int4_tensor"), 2, dim=0)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 64), mesh, [Shard(0)]))
-        with pytest.raises(ValueError, match=r"QLion: ECO / QFT .* FSDP2.*sharded DTensor"):
-            QLion([p], lr=1e-3)
-        w = torch.nn.Parameter(torch.randn(8, 64))
-        opt = ECOAdamW([w], lr=1e-3)
-        opt.param_groups[0]["params"] = [p]
-        p.grad = torch.ones_like(p)
-        before = p.detach().full_tensor().clone()
-        with pytest.raises(ValueError, match=r"ECOAdamW: ECO / QFT .* FSDP2.*sharded DTensor"):
-            opt.step()
-        assert torch.equal(p.detach().full_tensor(), before) and not opt.state  # nothing was touched
+        with pytest.raises(ValueError, match=r"ECOAdamW: state_bits=8 .*FSDP2"):
+            ECOAdamW([p], lr=1e-3, state_bits=8)
         model = tiny_model("llama", hidden=64, intermediate=128, kv_heads=4, dtype=torch.bfloat16).train()
         quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
         wrapped = FSDP1(model, device_id=torch.device("cpu"), use_orig_params=False)
-        with pytest.raises(ValueError, match=r"QLion: ECO / QFT .*flattened by FSDP \(FullyShardedDataParallel\)"):
+        with pytest.raises(ValueError, match=r"QLion: ECO / QFT .* FSDP1 .*flattened by FSDP \(FullyShardedDataParallel"
+                                             r"\).*Supported for ECO / QFT: FSDP2"):
             QLion(wrapped.parameters(), lr=1e-3)
     finally:
         dist.destroy_process_group()

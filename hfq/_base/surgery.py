@@ -182,6 +182,16 @@ class HfqQuantizer(HfQuantizer):
         return self.compileable
 
     def checkpoint_state(self, model: nn.Module) -> dict:
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ValueError(
+                "save_pretrained of an FSDP2-sharded hfq model: transformers reads model.state_dict() on the saving "
+                "rank only (it ignores state_dict=), which would need every rank to gather the shards. Gather on "
+                "every rank instead: sd = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in "
+                "model.state_dict().items()} (quantized weights come whole), then on rank 0 load sd into an "
+                "unsharded copy of the model and save_pretrained that; or save FSDP2's sharded checkpoints "
+                "(fsdp_state_dict_type: SHARDED_STATE_DICT)")
         return model.state_dict()
 
     def get_state_dict_and_metadata(self, model):

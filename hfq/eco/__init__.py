@@ -16,7 +16,9 @@ points are `Trainer(optimizer_cls_and_kwargs=...)`, `Trainer(optimizers=...)` an
 Distributed: DDP (and `accelerate launch`) all-reduce the bf16 gradients of QParams like any others; every rank then
 takes the same ECO step (SR draws from the optimizer's own seeded generator), so ranks stay bit-identical
 (tests/test_eco_ddp.py). Ranks must start from the same codes (same checkpoint or seed), or call
-`hfq.qparam.broadcast_qparams_(model)` before wrapping.
+`hfq.qparam.broadcast_qparams_(model)` before wrapping. FSDP2 (`fully_shard`, bf16 models): each QParam is sharded
+by rows and the optimizers step on the local shards, SR keyed by (seed, parameter, step, global element) so any
+sharding draws the same (examples/accelerate/README.md).
 """
 from hfq_kernels.reference.eco import RULES, eco_adamw_, eco_sgdm_
 from ..optim import ECOAdamW, ECOSGD, optimizer_cls_and_kwargs

@@ -1,13 +1,19 @@
 """What hfq's optimizers for quantized weights share: hyper-parameter checks, the start of `step()` with one NaN/Inf
 check of every gradient (one host sync per step), gradients read from `.grad` (float, or an INT8 store), SR draws from
-seeded per-device generators, and checkpoints that keep the state's own dtypes and the generators' states, so a
-resumed run continues bit-exactly."""
+seeded per-device generators or keyed by element, and checkpoints that keep the state's own dtypes and the
+generators' states, so a resumed run continues bit-exactly.
+
+FSDP2 (fully_shard): parameters are DTensors; the optimizers step on the local shards (`hfq.qparam.fsdp.local`),
+their states are shard-shaped, and `state_dict()` gathers them to whole-parameter tensors (`load_state_dict` cuts
+its rows back out), so a checkpoint loads on any world size. Stochastic rounding of a sharded weight is keyed by
+(seed, parameter, step, global element index), which no sharding changes."""
 from __future__ import annotations
 
 import torch
 
 from hfq_kernels.reference.fp8 import check_rounding
 from ..qparam import QParam, int8_grad, pop_int8_grad, sharding_refusal
+from ..qparam.fsdp import local, local_rows
 
 
 def _is_real(x) -> bool:
@@ -24,6 +30,32 @@ def check_beta(name: str, b) -> None:
     """A momentum coefficient must lie strictly inside (0, 1)."""
     if not _is_real(b) or not 0 < b < 1:
         raise ValueError(f"{name} must be in (0, 1), got {b!r}")
+
+
+def keyed_uniform(shape, row0: int, key: int, device) -> torch.Tensor:
+    """Uniform [0, 1) float32 of `shape` = [rows, cols] for the rows starting at global row `row0`: a hash of
+    (key, global element index), so any row split of a weight draws what the whole weight draws."""
+    rows, cols = shape
+    idx = (torch.arange(rows, device=device, dtype=torch.int64)[:, None] + row0) * cols \
+        + torch.arange(cols, device=device, dtype=torch.int64)
+    z = idx + _signed((key * _GOLDEN) % (1 << 64))
+    for shift, mult in ((30, _MIX1), (27, _MIX2)):
+        z = (z ^ _lsr(z, shift)) * mult
+    z = z ^ _lsr(z, 31)
+    return _lsr(z, 40).to(torch.float32) * 2.0 ** -24
+
+
+def _lsr(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = (_signed(c) for c in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
 def check_hyper(defaults: dict) -> None:
@@ -53,10 +85,14 @@ class QParamOptimizer(torch.optim.Optimizer):
 
     updates_qparams = True  # read by hfq.qparam's guard that refuses other optimizers on trainable QParams
 
-    def __init__(self, params, defaults, *, rounding: str = "sr", seed: int = 0, check_finite: bool = True):
+    def __init__(self, params, defaults, *, rounding: str = "sr", seed: int = 0, check_finite: bool = True,
+                 keyed_sr: bool | None = None):
         check_hyper(defaults)
         check_rounding(rounding)
-        self.rounding, self.check_finite = rounding, check_finite
+        if keyed_sr not in (None, True, False):
+            raise ValueError(f"keyed_sr must be None, True or False, got {keyed_sr!r}")
+        self.rounding, self.check_finite, self.keyed_sr = rounding, check_finite, keyed_sr
+        self._ordinals: dict[int, int] = {}
         self._seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}
         super().__init__(params, dict(defaults, betas=tuple(defaults["betas"])) if "betas" in defaults else defaults)
@@ -64,20 +100,23 @@ class QParamOptimizer(torch.optim.Optimizer):
         self._layout_checked = False
 
     def _refuse_sharded(self) -> None:
-        """Parameters sharded by FSDP2 (DTensors) or flattened by FSDP (FullyShardedDataParallel): a QParam among
-        them was already dequantized by the sharding, so training would go on as a plain model. Refused at
-        construction and again before the first step (accelerate swaps the parameters of an optimizer built
-        before `prepare`), naming the first such parameter."""
+        """Parameters flattened by FSDP1 (FullyShardedDataParallel): a QParam among them was already dequantized
+        by the flattening, so training would go on as a plain model. Refused at construction and again before the
+        first step (accelerate swaps the parameters of an optimizer built before `prepare`), naming the first such
+        parameter. FSDP2's DTensor parameters are trained shard by shard; 8-bit blockwise states (state_bits=8),
+        whose blocks run across rows, are refused for them."""
         from torch.distributed.tensor import DTensor
 
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
-                how = ("is a sharded DTensor (FSDP2)" if isinstance(p, DTensor) else
-                       "was flattened by FSDP (FullyShardedDataParallel)" if getattr(p, "_fsdp_flattened", False)
-                       else None)
-                if how:
+                if getattr(p, "_fsdp_flattened", False):
                     raise ValueError(f"{type(self).__name__}: " + sharding_refusal(
-                        f"parameter {self._param_name(gi, pi, p)} {how}"))
+                        f"parameter {self._param_name(gi, pi, p)} was flattened by FSDP (FullyShardedDataParallel)"))
+                store = getattr(self, "_store", None)
+                if isinstance(p, DTensor) and store is not None and store.bits == 8:
+                    raise ValueError(f"{type(self).__name__}: state_bits=8 keeps blockwise states across rows, which "
+                                     f"FSDP2 cannot shard ({self._param_name(gi, pi, p)} is a sharded DTensor); "
+                                     "use state_bits=None with state_dtype=torch.bfloat16 or torch.float32")
 
     # ---- gradients ------------------------------------------------------------------------------------
     @staticmethod
@@ -90,7 +129,8 @@ class QParamOptimizer(torch.optim.Optimizer):
         q8 = pop_int8_grad(p)
         if q8 is not None:
             return q8.dequantize(torch.float32)
-        return p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+        g = local(p.grad)
+        return g if g.dtype == torch.float32 else g.float()
 
     def zero_grad(self, set_to_none: bool = True):
         """Also drops pending INT8 gradients of this optimizer's parameters (they play the role of .grad)."""
@@ -126,13 +166,25 @@ class QParamOptimizer(torch.optim.Optimizer):
                     groups.setdefault((p.grad.device, p.grad.dtype), []).append(len(items))
                     items.append((gi, pi, p))
         for idx in groups.values():
-            norms = torch._foreach_norm([items[i][2].grad for i in idx], float("inf"))
+            norms = torch._foreach_norm([local(items[i][2].grad) for i in idx], float("inf"))
             flags.append(torch.isfinite(torch.stack(norms)))
             order.extend(idx)
         if not flags:
             return None
         dev = next((f.device for f in flags if f.device.type != "cpu"), flags[0].device)
-        return items, order, torch.cat([f.to(dev, non_blocking=True) for f in flags])
+        ok = torch.cat([f.to(dev, non_blocking=True) for f in flags])
+        if self._sharded():  # each rank checked its shards: every rank refuses if any found a bad one
+            import torch.distributed as dist
+
+            ok = ok.to(torch.int32)
+            dist.all_reduce(ok, dist.ReduceOp.MIN)
+            ok = ok.bool()
+        return items, order, ok
+
+    def _sharded(self) -> bool:
+        from torch.distributed.tensor import DTensor
+
+        return any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"])
 
     def _finish_check(self, pending) -> None:
         """Wait for the check (the one host sync of the step); refuse the step on a bad gradient, naming it."""
@@ -156,29 +208,59 @@ class QParamOptimizer(torch.optim.Optimizer):
         return f"param_groups[{gi}]['params'][{pi}] ({kind} {tuple(p.shape)})"
 
     # ---- weights ----------------------------------------------------------------------------------------
-    def _requantize(self, p: QParam, value: torch.Tensor, **kw) -> torch.Tensor:
-        """Store Q(value) in p with the optimizer's rounding (SR from p's device generator); returns the error.
-        Called once per step of p: re-selects its outliers when `_outlier_refresh_due` says so."""
+    def _requantize(self, p, value: torch.Tensor, **kw) -> torch.Tensor:
+        """Store Q(value) in parameter p (its local shard under FSDP2) with the optimizer's rounding; returns the
+        error. SR draws from p's device generator, or keyed by element (`_sr_noise`). Called once per step of p:
+        re-selects its outliers when `_outlier_refresh_due` says so."""
         if "refresh_thresholds" not in kw:
             kw["refresh_thresholds"] = self._outlier_refresh_due(p)
-        gen = self._generator(p.device) if self.rounding == "sr" else None
-        return p.requantize_(value, self.rounding, gen, **kw)
+        q = local(p)
+        noise = self._sr_noise(p, q)
+        gen = self._generator(q.device) if self.rounding == "sr" and noise is None else None
+        return q.requantize_(value, self.rounding, gen, noise=noise, **kw)
+
+    def _sr_noise(self, p, q: QParam) -> torch.Tensor | None:
+        """SR draws keyed by (seed, p's position in the optimizer, p's step, global element index): for sharded
+        parameters (the split does not change them) and with keyed_sr=True; else None (the device generator)."""
+        if self.rounding != "sr" or self.keyed_sr is False or (not self.keyed_sr and local(p) is p):
+            return None
+        state = self.state[p]
+        if "step" in state:
+            step = int(state["step"])
+        else:
+            state["sr_step"] = step = int(state.get("sr_step", 0)) + 1
+        key = (self._seed * 1_000_003 + self._ordinal(p)) * 1_000_033 + step
+        return keyed_uniform(q.shape, q.place.row0, key, q.device)
+
+    def _ordinal(self, p) -> int:
+        """p's position in the optimizer's flat parameter list (keys its SR draws)."""
+        if id(p) not in self._ordinals:
+            flat = [q for g in self.param_groups for q in g["params"]]
+            self._ordinals = {id(q): i for i, q in enumerate(flat)}
+        return self._ordinals[id(p)]
 
     def _outlier_refresh_due(self, p) -> bool:
         """True on every n-th step of an int8_dense_sparse weight (QFT App. C lazy update), n = the optimizer's
         `refresh_thresholds_every` if set, else the weight's `outlier_refresh_steps` (QFTConfig; 0 = never).
         Counted by the step in p's optimizer state (checkpointed), so DDP ranks and resumed runs agree; an
         optimizer without one (ECOSGD) counts calls in state["outlier_step"]."""
-        if not (isinstance(p, QParam) and p.fmt == "int8_dense_sparse"):
+        q = local(p)
+        if not (isinstance(q, QParam) and q.fmt == "int8_dense_sparse"):
             return False
-        n = getattr(self, "refresh_thresholds_every", None) or p.meta.get("outlier_refresh_steps", 0)
+        n = getattr(self, "refresh_thresholds_every", None) or q.meta.get("outlier_refresh_steps", 0)
         if not n:
             return False
         state = self.state[p]
         if "step" in state:
-            return int(state["step"]) % n == 0
-        state["outlier_step"] = int(state.get("outlier_step", 0)) + 1
-        return state["outlier_step"] % n == 0
+            due = int(state["step"]) % n == 0
+        else:
+            state["outlier_step"] = int(state.get("outlier_step", 0)) + 1
+            due = state["outlier_step"] % n == 0
+        if due and q is not p:
+            raise ValueError(f"{q.place.name or 'an int8_dense_sparse weight'}: re-selecting outliers needs the "
+                             "whole weight's quantiles, which an FSDP2 shard does not hold; under FSDP2 use "
+                             "outlier_refresh_steps=0 (QFTConfig) and no refresh_thresholds_every")
+        return due
 
     def _generator(self, device) -> torch.Generator:
         key = str(torch.device(device))
@@ -190,8 +272,17 @@ class QParamOptimizer(torch.optim.Optimizer):
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self):
+        """torch's state dict plus the SR generators' states; the states of FSDP2-sharded parameters are gathered
+        to whole-parameter tensors (a collective: call it on every rank), so any world size can load it."""
         sd = super().state_dict()
         sd["hfq_generators"] = {k: g.get_state() for k, g in self._generators.items()}
+        params = [p for g in self.param_groups for p in g["params"]]
+        for idx, st in sd["state"].items():
+            p = params[idx]
+            if local(p) is not p:
+                rows = local_rows(p)[1]
+                sd["state"][idx] = {k: _gather_rows(v, p) if torch.is_tensor(v) and v.dim() and v.shape[0] == rows
+                                    else v for k, v in st.items()}
         return sd
 
     def load_state_dict(self, state_dict):
@@ -200,15 +291,34 @@ class QParamOptimizer(torch.optim.Optimizer):
         saved = state_dict["state"]
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype (bf16 for a QParam): put back the saved tensors
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = self._saved_ids(state_dict)
         for idx, st in saved.items():
             p = params[idx]
-            self.state[p] = {k: ((v.clone() if k == "step" else v.to(p.device, copy=True)) if torch.is_tensor(v)
-                                 else v) for k, v in st.items()}
+            r0, n = local_rows(p)
+            sharded = local(p) is not p
+            self.state[p] = {k: ((v.clone() if k == "step" else
+                                  (v[r0:r0 + n] if sharded and v.dim() and v.shape[0] == p.shape[0] else v)
+                                  .to(p.device, copy=True)) if torch.is_tensor(v) else v) for k, v in st.items()}
         for k, s in gens.items():
             self._generator(k).set_state(s.cpu() if torch.is_tensor(s) else s)
+
+    def _saved_ids(self, state_dict) -> dict:
+        """The saved state's parameter ids (indices, or names as torch.distributed.checkpoint writes them) -> this
+        optimizer's parameters, by position in the parameter groups (as torch matches them)."""
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        return dict(zip(saved, [p for g in self.param_groups for p in g["params"]]))
 
     def state_bytes(self) -> int:
         """Bytes held in this optimizer's state tensors (moments or their codes, scales, step counters)."""
         return sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values()
                    if torch.is_tensor(t))
+
+
+def _gather_rows(v: torch.Tensor, p) -> torch.Tensor:
+    """The whole-parameter tensor of a row-sharded state `v` of FSDP2 parameter `p` (rows split as p's are)."""
+    from torch.distributed.tensor import DTensor
+
+    shape = (p.shape[0],) + tuple(v.shape[1:])
+    stride = tuple(int(torch.tensor(shape[i + 1:]).prod()) for i in range(len(shape)))
+    return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=shape,
+                              stride=stride).full_tensor()

@@ -13,17 +13,19 @@ import torch
 
 from hfq_kernels.reference import eco as Fn
 from ..qparam import QParam, int8_grad
+from ..qparam.fsdp import local
 from .base import QParamOptimizer
 from .states import StateStore
 
 
 class _ECOBase(QParamOptimizer):
-    def __init__(self, params, defaults, *, rule, rounding, state_dtype, state_bits, seed, check_finite):
+    def __init__(self, params, defaults, *, rule, rounding, state_dtype, state_bits, seed, check_finite, keyed_sr):
         if rule not in Fn.RULES:
             raise ValueError(f"rule: unknown {rule!r}; allowed {Fn.RULES}")
         self.rule = rule
         self._store = StateStore(state_dtype, state_bits)
-        super().__init__(params, defaults, rounding=rounding, seed=seed, check_finite=check_finite)
+        super().__init__(params, defaults, rounding=rounding, seed=seed, check_finite=check_finite,
+                         keyed_sr=keyed_sr)
 
     def _requant(self, p):
         return lambda tmp: self._requantize(p, tmp)
@@ -38,15 +40,17 @@ class ECOSGD(_ECOBase):
 
     Args: lr, momentum (beta in (0,1): ECO divides by it), weight_decay (decoupled), rule
     ("memory_free" default, or "exact" with a stored residual), rounding ("sr" default, or "rtn"),
-    state_dtype (torch.float32 / torch.bfloat16), state_bits (None or 8), seed (SR generator seed).
+    state_dtype (torch.float32 / torch.bfloat16), state_bits (None or 8), seed (SR generator seed), keyed_sr
+    (None: SR keyed by element for FSDP2-sharded weights, the seeded generator otherwise; True: keyed always).
     """
 
     def __init__(self, params, lr: float = 1e-2, momentum: float = 0.9, weight_decay: float = 0.0,
                  rule: str = "memory_free", rounding: str = "sr", state_dtype=torch.float32,
-                 state_bits: int | None = None, seed: int = 0, check_finite: bool = True):
+                 state_bits: int | None = None, seed: int = 0, check_finite: bool = True,
+                 keyed_sr: bool | None = None):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), rule=rule,
                          rounding=rounding, state_dtype=state_dtype, state_bits=state_bits, seed=seed,
-                         check_finite=check_finite)
+                         check_finite=check_finite, keyed_sr=keyed_sr)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -58,17 +62,17 @@ class ECOSGD(_ECOBase):
             for p in group["params"]:
                 if not self._has_grad(p):
                     continue
-                state = self.state[p]
+                state, lp = self.state[p], local(p)
                 if not state:
-                    st.init(state, "momentum_buffer", p, True)
-                    self._new_residual(state, p)
-                m = st.load(state, "momentum_buffer", p.shape, True)
+                    st.init(state, "momentum_buffer", lp, True)
+                    self._new_residual(state, lp)
+                m = st.load(state, "momentum_buffer", lp.shape, True)
                 g = self._grad32(p)
-                if isinstance(p, QParam):
-                    Fn.eco_sgdm_(p.dequantize(torch.float32), m, g, lr=lr, beta=beta, weight_decay=wd,
+                if isinstance(lp, QParam):
+                    Fn.eco_sgdm_(lp.dequantize(torch.float32), m, g, lr=lr, beta=beta, weight_decay=wd,
                                  requant=self._requant(p), rule=self.rule, residual=state.get("residual"))
                 else:
-                    Fn.sgdm_(p, m, g, lr=lr, beta=beta, weight_decay=wd)
+                    Fn.sgdm_(lp, m, g, lr=lr, beta=beta, weight_decay=wd)
                 st.store(state, "momentum_buffer", m, True)
         return loss
 
@@ -79,23 +83,26 @@ class ECOAdamW(_ECOBase):
     Args as torch.optim.AdamW (lr, betas, eps, weight_decay: decoupled) plus rule ("memory_free" default /
     "exact"), rounding ("sr" default / "rtn"), state_dtype (fp32 / bf16 moments), state_bits (None / 8:
     blockwise 8-bit moments), seed, fused (None: the Triton step for fp8_e4m3_row QParams on CUDA;
-    True forces it, also on CPU under TRITON_INTERPRET; False: torch reference).
+    True forces it, also on CPU under TRITON_INTERPRET; False: torch reference; FSDP2-sharded weights take the
+    torch step, whose SR is keyed by global element), keyed_sr (as ECOSGD).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
                  rule: str = "memory_free", rounding: str = "sr", state_dtype=torch.float32,
                  state_bits: int | None = None, seed: int = 0, fused: bool | None = None,
-                 check_finite: bool = True):
+                 check_finite: bool = True, keyed_sr: bool | None = None):
         self.fused = fused
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), rule=rule,
                          rounding=rounding, state_dtype=state_dtype, state_bits=state_bits, seed=seed,
-                         check_finite=check_finite)
+                         check_finite=check_finite, keyed_sr=keyed_sr)
         if fused and (self.rule != "memory_free" or self._store.bits is not None):
             raise ValueError("fused=True supports rule='memory_free' with fp32/bf16 states only")
 
     def _use_fused(self, p) -> bool:
         if not (isinstance(p, QParam) and p.fmt == "fp8_e4m3_row") or int8_grad(p) is not None:
             return False
+        if self.keyed_sr and self.rounding == "sr":
+            return False  # the kernel draws its own SR stream
         if self.fused is None:
             return p.device.type == "cuda" and self.rule == "memory_free" and self._store.bits is None
         if not self.fused:
@@ -149,20 +156,20 @@ class ECOAdamW(_ECOBase):
         st = self._store
         for group, p in plain:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            state = self.state[p]
+            state, lp = self.state[p], local(p)
             if not state:
-                self._init_state(p, state)
+                self._init_state(lp, state)
             state["step"] += 1
             step = int(state["step"].item())
-            m = st.load(state, "exp_avg", p.shape, True)
-            v = st.load(state, "exp_avg_sq", p.shape, False)
+            m = st.load(state, "exp_avg", lp.shape, True)
+            v = st.load(state, "exp_avg_sq", lp.shape, False)
             g = self._grad32(p)
-            if isinstance(p, QParam):
-                Fn.eco_adamw_(p.dequantize(torch.float32), m, v, g, step=step, lr=lr, beta1=b1, beta2=b2,
+            if isinstance(lp, QParam):
+                Fn.eco_adamw_(lp.dequantize(torch.float32), m, v, g, step=step, lr=lr, beta1=b1, beta2=b2,
                               eps=eps, weight_decay=wd, requant=self._requant(p), rule=self.rule,
                               residual=state.get("residual"))
             else:
-                Fn.adamw_(p, m, v, g, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+                Fn.adamw_(lp, m, v, g, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
             st.store(state, "exp_avg", m, True)
             st.store(state, "exp_avg_sq", v, False)
         return loss

@@ -27,6 +27,7 @@ from hfq_kernels import int8 as _k
 from hfq_kernels import qlion as _q
 from hfq_kernels.reference.intq import as_rows, dequantize_int_asym, quantize_int_asym
 from ..qparam import Int8Grad, QParam, int8_kernels, pop_int8_grad
+from ..qparam.fsdp import local
 from .base import QParamOptimizer
 
 MOMENTUM_BITS = (None, 8)
@@ -50,12 +51,14 @@ class QLion(QParamOptimizer):
     gradient store as it is; False: always the torch ops; True: also CPU tensors under TRITON_INTERPRET=1). The
     fused step's RTN results equal the torch ops'; its SR draws come from a hashed counter stream per step and weight
     (keyed by seed, the weight's position in the optimizer and its step count, so resumed runs and DDP ranks draw the
-    same), not from the torch generator.
+    same), not from the torch generator. FSDP2-sharded weights take the torch ops, SR keyed by global element;
+    keyed_sr=True does that for every weight (a one-process run then draws what a sharded one does).
     """
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,
                  rounding: str = "sr", momentum_bits: int | None = 8, seed: int = 0, check_finite: bool = True,
-                 refresh_thresholds_every: int | None = None, fused: bool | None = None):
+                 refresh_thresholds_every: int | None = None, fused: bool | None = None,
+                 keyed_sr: bool | None = None):
         if momentum_bits is not None and (isinstance(momentum_bits, bool) or momentum_bits not in (8,)):
             raise ValueError(f"momentum_bits must be one of {MOMENTUM_BITS}, got {momentum_bits!r}")
         if refresh_thresholds_every is not None and (isinstance(refresh_thresholds_every, bool) or not isinstance(
@@ -65,15 +68,16 @@ class QLion(QParamOptimizer):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
         self.momentum_bits = momentum_bits
         self.fused = fused
-        self._ordinals: dict[int, int] = {}
         self.refresh_thresholds_every = refresh_thresholds_every
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), rounding=rounding, seed=seed,
-                         check_finite=check_finite)
+                         check_finite=check_finite, keyed_sr=keyed_sr)
 
     # ---- momentum storage -----------------------------------------------------------------------------
-    def _init_state(self, state, p):
+    def _init_state(self, state, p, sharded: bool = False):
+        """Momentum for local tensor `p`: INT8 per row, except for an FSDP2 shard of a 1-D parameter (a norm, a
+        bias), whose one row runs across the shards: fp32 there (a row scale per shard would depend on the split)."""
         state["step"] = torch.tensor(0.0)
-        if self.momentum_bits == 8:
+        if self.momentum_bits == 8 and not (sharded and p.dim() < 2):
             rows, cols = as_rows(p.shape)
             dev = p.device
             state["exp_avg_codes"] = torch.zeros((rows, cols), dtype=torch.uint8, device=dev)
@@ -83,18 +87,32 @@ class QLion(QParamOptimizer):
             state["exp_avg"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
     def _load_m(self, state, shape) -> torch.Tensor:
-        if self.momentum_bits == 8:
+        if "exp_avg_codes" in state:
             return dequantize_int_asym(state["exp_avg_codes"], state["exp_avg_scales"], state["exp_avg_zeros"],
                                        shape=shape)
         return state["exp_avg"]
 
     def _store_m(self, state, m) -> None:
-        if self.momentum_bits == 8:
+        if "exp_avg_codes" in state:
             codes, scales, zeros = quantize_int_asym(m, 8, check=False)
             state["exp_avg_codes"].copy_(codes)
             state["exp_avg_scales"].copy_(scales)
             state["exp_avg_zeros"].copy_(zeros)
         # fp32: m is state["exp_avg"] itself, updated in place
+
+    def load_state_dict(self, state_dict):
+        """As QParamOptimizer's; INT8 momentum of a 1-D parameter that is now an FSDP2 shard becomes fp32 (see
+        `_init_state`)."""
+        params = self._saved_ids(state_dict)
+        state_dict = dict(state_dict, state=dict(state_dict["state"]))
+        for idx, st in state_dict["state"].items():
+            p = params[idx]
+            if local(p) is not p and p.dim() < 2 and "exp_avg_codes" in st:
+                st = dict(st)
+                st["exp_avg"] = dequantize_int_asym(st.pop("exp_avg_codes"), st.pop("exp_avg_scales"),
+                                                    st.pop("exp_avg_zeros"), shape=tuple(p.shape))
+                state_dict["state"][idx] = st
+        super().load_state_dict(state_dict)
 
     # ---- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -113,7 +131,7 @@ class QLion(QParamOptimizer):
                     dense.setdefault(p.device, []).append((p, self._fused_item(p, p.grad if g is None else g)))
                     continue
                 q8 = pop_int8_grad(p)
-                g = p.grad if q8 is None else q8.dequantize(torch.float32)
+                g = local(p.grad) if q8 is None else q8.dequantize(torch.float32)
                 if self._plain_fused(p, g):  # the kernel reads a bf16/fp16 gradient as it is
                     plain.setdefault(p.device, []).append((p, g))
                 else:
@@ -136,6 +154,8 @@ class QLion(QParamOptimizer):
         not within lr of zero (hfq_kernels.qlion.zero_may_cross; never seen on real weights)."""
         if self.fused is False or self.momentum_bits != 8 or not isinstance(p, QParam):
             return False
+        if self.keyed_sr and self.rounding == "sr":
+            return False  # the kernel draws its own SR stream
         if p.fmt != "int8_dense_sparse" or group["lr"] == 0 or p.numel() >= 2 ** 31:
             return False
         if not self._kernels_for(p.codes):
@@ -148,7 +168,9 @@ class QLion(QParamOptimizer):
 
     def _plain_fused(self, p, g) -> bool:
         """An ordinary parameter's step in two Triton launches (INT8 momentum, bf16/fp32 contiguous tensors)."""
-        if self.fused is False or self.momentum_bits != 8 or isinstance(p, QParam) or p.numel() >= 2 ** 31:
+        if self.fused is False or self.momentum_bits != 8 or isinstance(local(p), QParam) or p.numel() >= 2 ** 31:
+            return False
+        if local(p) is not p:
             return False
         if not self._kernels_for(p):
             return False
@@ -159,21 +181,15 @@ class QLion(QParamOptimizer):
         """hfq_kernels.int8 runs on t: CUDA (fused=None/True), or the interpreter on CPU when fused=True."""
         return int8_kernels(t) or (bool(self.fused) and _k.kernels_usable(t))
 
-    def _ordinal(self, p) -> int:
-        if id(p) not in self._ordinals:
-            flat = [q for g in self.param_groups for q in g["params"]]
-            self._ordinals = {id(q): i for i, q in enumerate(flat)}
-        return self._ordinals[id(p)]
-
     @torch.no_grad()
     def update_param_(self, p: torch.Tensor, g, group: dict) -> None:
         """One Lion step of parameter `p` with its gradient `g` (float32, or an Int8Grad the fused step reads as
         codes); no NaN/Inf check here: step() checks every gradient first. The unit that step() loops over, and
         that a step applied during backward calls."""
         lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
-        state = self.state[p]
+        state, lp = self.state[p], local(p)
         if not state:
-            self._init_state(state, p)
+            self._init_state(state, lp, sharded=lp is not p)
         if self._use_fused(p, group):
             ctx = self._fused_begin([self._fused_item(p, g)], group)
             self._fused_finish([p], ctx, ctx["sync"].tolist())
@@ -184,19 +200,19 @@ class QLion(QParamOptimizer):
             self._plain_step([(p, g)], group)
             return
         state["step"] += 1
-        m = self._load_m(state, p.shape)
-        if isinstance(p, QParam):
+        m = self._load_m(state, lp.shape)
+        if isinstance(lp, QParam):
             refresh = self._outlier_refresh_due(p)
             if lr != 0 or refresh:  # a refresh due at lr == 0 still re-selects the outliers
-                w = p.dequantize(torch.float32)
+                w = lp.dequantize(torch.float32)
                 if wd:
                     w.mul_(1 - lr * wd)
                 w.sub_(lion_direction(m, g, b1), alpha=lr)
                 self._requantize(p, w, refresh_thresholds=refresh)
         elif lr != 0:
             if wd:
-                p.mul_(1 - lr * wd)
-            p.sub_(lion_direction(m, g, b1).to(p.dtype), alpha=lr)
+                lp.mul_(1 - lr * wd)
+            lp.sub_(lion_direction(m, g, b1).to(lp.dtype), alpha=lr)
         m.mul_(b2).add_(g, alpha=1 - b2)
         self._store_m(state, m)
 

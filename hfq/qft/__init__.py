@@ -14,9 +14,9 @@ from ..optim import QLion
 from ..qparam import Int8Grad, clear_int8_grads_, ddp_ignore_int8_grad_weights_, int8_grad
 from .callback import OutlierRefreshPerEpoch
 from .config import QFTConfig
-from .linear import QFTLinear, convert_linears_, quantize_model_, refresh_outliers_
+from .linear import QFTLinear, convert_linears_, refresh_outliers_
 from .memory import state_bytes
-from .quantizer import QFTHfQuantizer
+from .quantizer import QFTHfQuantizer, quantize_model_
 from .step_in_backward import StepInBackward, StepInBackwardHandle, step_in_backward_
 
 

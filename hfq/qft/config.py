@@ -45,6 +45,7 @@ class QFTConfig(HfqConfig):
         it in the norm and scales its row scales. Under torch.distributed it is averaged over ranks in fp32 inside
         backward, before storage, so ranks hold identical codes; DDP is told to skip those weights
         (`_ddp_params_and_buffers_to_ignore`, set on the converted model: wrap that model, not a submodule).
+        Under FSDP2 it is reduce-scattered in fp32 and quantized once per shard (the rows this rank holds).
     modules_to_not_convert: modules kept in high precision, matched by transformers' rule (hfq._base.surgery);
         None = transformers' defaults (the output embedding and modules tied to it).
     Train with hfq.qft.QLion (QFT) or hfq.eco.ECOAdamW / ECOSGD: plain torch optimizers are refused.

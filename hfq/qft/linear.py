@@ -9,7 +9,7 @@ from torch import nn
 from hfq_kernels.reference.fp8 import check_finite
 
 from .._base.surgery import modules_to_skip, replace_linears
-from ..qparam import QLinear, QParam, ddp_ignore_int8_grad_weights_, qlinear
+from ..qparam import QLinear, QParam, qlinear
 from .config import check_gradient_bits
 
 
@@ -72,21 +72,6 @@ def finalize_(model: nn.Module) -> None:
     for name, m in model.named_modules():
         if isinstance(m, QLinear):
             m.finalize(name)
-
-
-def quantize_model_(model: nn.Module, config) -> list[str]:
-    """Quantize an already-built model (e.g. from_config for pretraining) in place per a QFTConfig; the model is
-    marked quantized with `hfq_qft` so that save_pretrained writes an hfq checkpoint."""
-    from .quantizer import QFTHfQuantizer
-
-    names = convert_linears_(model, config)
-    ddp_ignore_int8_grad_weights_(model)
-    if hasattr(model, "config"):
-        model.config.quantization_config = config
-        model.hf_quantizer = QFTHfQuantizer(config, pre_quantized=False)
-        model.is_quantized = True
-        model.quantization_method = config.quant_method
-    return names
 
 
 @torch.no_grad()

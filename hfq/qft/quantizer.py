@@ -13,7 +13,7 @@ from torch import nn
 
 from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, modules_to_skip, raise_load_errors, set_submodule,
                              should_convert)
-from ..qparam import QLinear, ddp_ignore_int8_grad_weights_
+from ..qparam import QLinear, ddp_ignore_int8_grad_weights_, name_qparams_
 from .config import QFTConfig
 from .linear import convert_linears_, finalize_, layer_maker
 
@@ -71,4 +71,19 @@ class QFTHfQuantizer(HfqQuantizer):
                 raise ValueError(f"QFT: no weight was found in the checkpoint for {left[:10]}")
             self.converted = [n for n, m in model.named_modules() if isinstance(m, QLinear)]
         ddp_ignore_int8_grad_weights_(model)
+        name_qparams_(model)
         return model
+
+
+def quantize_model_(model: nn.Module, config) -> list[str]:
+    """Quantize an already-built model (e.g. from_config for pretraining) in place per a QFTConfig; the model is
+    marked quantized with `hfq_qft` so that save_pretrained writes an hfq checkpoint."""
+    names = convert_linears_(model, config)
+    ddp_ignore_int8_grad_weights_(model)
+    name_qparams_(model)
+    if hasattr(model, "config"):
+        model.config.quantization_config = config
+        model.hf_quantizer = QFTHfQuantizer(config, pre_quantized=False)
+        model.is_quantized = True
+        model.quantization_method = config.quant_method
+    return names

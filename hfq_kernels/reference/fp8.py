@@ -55,13 +55,14 @@ def fp8_row_scales(w: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
 
 
-def quantize_fp8_row(w: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None):
+def quantize_fp8_row(w: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None,
+                     noise: torch.Tensor | None = None):
     """[rows, cols] float -> (codes float8_e4m3fn [rows, cols], scales float32 [rows, 1])."""
     if w.dim() != 2:
         raise ValueError(f"fp8_e4m3_row: weight must be 2-D [out, in], got shape {tuple(w.shape)}")
     check_finite(w)
     scales = fp8_row_scales(w)
-    q = round_e4m3(w.float() / scales, rounding, generator)
+    q = round_e4m3(w.float() / scales, rounding, generator, noise)
     return q.to(torch.float8_e4m3fn), scales
 
 

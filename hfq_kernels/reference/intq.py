@@ -17,12 +17,15 @@ import torch
 from .fp8 import check_finite, check_rounding
 
 
-def round_int(x: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None) -> torch.Tensor:
-    """Round float32 values to integers (still float32): nearest-even or stochastic."""
+def round_int(x: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None,
+              noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Round float32 values to integers (still float32): nearest-even or stochastic (uniform draws from
+    `generator`, or `noise` [0, 1) of x's shape when given)."""
     check_rounding(rounding)
     if rounding == "rtn":
         return torch.round(x)
-    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32) if noise is None \
+        else noise.reshape(x.shape)
     return torch.floor(x + u)
 
 
@@ -66,13 +69,13 @@ def check_int4_shape(shape, group_size: int | None) -> None:
 
 
 def quantize_int4(w: torch.Tensor, group_size: int | None = None, rounding: str = "rtn",
-                  generator: torch.Generator | None = None):
+                  generator: torch.Generator | None = None, noise: torch.Tensor | None = None):
     """[rows, cols] -> (packed uint8 [rows, cols/2], scales float32 [1] or [rows, cols/group_size])."""
     check_int4_shape(w.shape, group_size)
     check_finite(w)
     w = w.float()
     scales = _sym_scales(w, 7, group_size)
-    q = round_int(w / _expand_scales(scales, w.shape, group_size), rounding, generator).clamp(-7, 7)
+    q = round_int(w / _expand_scales(scales, w.shape, group_size), rounding, generator, noise).clamp(-7, 7)
     return pack_int4(q), scales
 
 
@@ -94,7 +97,7 @@ def as_rows(shape) -> tuple[int, int]:
 
 
 def quantize_int_asym(w: torch.Tensor, bits: int = 8, rounding: str = "rtn", generator: torch.Generator | None = None,
-                      check: bool = True):
+                      check: bool = True, noise: torch.Tensor | None = None):
     """Per-row asymmetric (rows: see as_rows) -> (codes uint8 [rows, cols], scales fp32 [rows,1], zeros uint8 [rows,1]).
 
     check=False skips the NaN/Inf refusal (a host sync) for callers that track finiteness on the device."""
@@ -108,7 +111,7 @@ def quantize_int_asym(w: torch.Tensor, bits: int = 8, rounding: str = "rtn", gen
     hi = w.amax(-1, keepdim=True).clamp_min(0)
     scales = torch.where(hi > lo, (hi - lo) / qmax, torch.ones_like(hi))
     zeros = torch.round(-lo / scales).clamp(0, qmax)
-    q = (round_int(w * (1.0 / scales), rounding, generator) + zeros).clamp(0, qmax)  # one division per row
+    q = (round_int(w * (1.0 / scales), rounding, generator, noise) + zeros).clamp(0, qmax)  # one division per row
     return q.to(torch.uint8), scales, zeros.to(torch.uint8)
 
 
@@ -133,7 +136,7 @@ def outlier_thresholds(w: torch.Tensor, fraction: float = 0.01) -> torch.Tensor:
 
 
 def quantize_dense_sparse(w: torch.Tensor, thresholds: torch.Tensor, rounding: str = "rtn",
-                          generator: torch.Generator | None = None):
+                          generator: torch.Generator | None = None, noise: torch.Tensor | None = None):
     """-> dict(codes, scales, zeros, sparse_idx int32 [nnz], sparse_val bf16 [nnz]) given (T_min, T_max)."""
     check_finite(w)
     w = w.float()
@@ -141,7 +144,7 @@ def quantize_dense_sparse(w: torch.Tensor, thresholds: torch.Tensor, rounding: s
     idx = out.reshape(-1).nonzero().squeeze(-1)
     vals = w.reshape(-1)[idx].to(torch.bfloat16)
     codes, scales, zeros = quantize_int_asym(torch.where(out, torch.zeros_like(w), w), 8, rounding, generator,
-                                             check=False)  # w was checked above
+                                             check=False, noise=noise)  # w was checked above
     return {"codes": codes, "scales": scales, "zeros": zeros, "sparse_idx": idx.to(torch.int32), "sparse_val": vals}
 
 

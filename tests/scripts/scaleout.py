@@ -1,15 +1,19 @@
 """Worker for tests/test_scaleout.py: train tiny models of each hfq method on several processes and save what the
 test compares. DDP: under `accelerate launch --config_file examples/accelerate/ddp.yaml` (or one plain process).
 FSDP2: under `torchrun` with SCALEOUT_FSDP2=1 (the `FSDP2` class below stands in for accelerate, which runs FSDP on
-GPUs only).
+GPUs only); gloo on CPU, or NCCL with one GPU per process when SCALEOUT_DEVICE=cuda.
 
 python scaleout.py OUT TINY_DIR METHODS [RESUME_FROM_WORLD]
-  METHODS: comma-separated, of quest, nvfp4_lora, eco, qft, and qerl (only builds QeRLGRPOTrainer).
-  For each method: STEPS optimizer steps on a fixed global batch split over the ranks. The mean loss over ranks per
+  METHODS: comma-separated, of quest, nvfp4_lora, eco, qft, eco_bf16, qft_bf16 (ECO / QFT on a bf16 model, SR keyed
+  by element: what FSDP2 shards, FSDP2 needing one dtype per layer) and qerl (only builds QeRLGRPOTrainer).
+  For each method: STEPS optimizer steps on a fixed global batch split over the ranks (eco_bf16 / qft_bf16: two
+  micro-steps of gradient accumulation and clip_grad_norm_ per step, the norms saved too). The mean loss over ranks per
   step, every parameter and buffer (full, gathered under FSDP2) and what was sharded go to
   OUT/<method>_w<world>_rank<r>.pt; a full checkpoint after SAVE_AT steps (model + optimizer, saved by rank 0) to
   OUT/<method>_w<world>.ckpt. With RESUME_FROM_WORLD: start from OUT/<method>_w<RESUME_FROM_WORLD>.ckpt and run the
-  remaining steps, results in OUT/<method>_w<world>_from<RESUME_FROM_WORLD>_rank<r>.pt.
+  remaining steps, results in OUT/<method>_w<world>_from<RESUME_FROM_WORLD>_rank<r>.pt. eco_bf16 / qft_bf16 also
+  save the final logits on a fixed batch, and (uninterrupted runs) a save_pretrained checkpoint of the trained model
+  to OUT/<method>_w<world>_pretrained.
 """
 import os
 import sys
@@ -17,6 +21,8 @@ import sys
 import torch
 
 STEPS, SAVE_AT, GLOBAL_BATCH, SEQ = 4, 2, 8, 16
+BF16 = ("eco_bf16", "qft_bf16")
+CLIP = 0.5  # max_grad_norm of the eco_bf16 / qft_bf16 runs (their gradient norms are ~1.3: clipping acts)
 
 
 def build(method, tiny_dir):
@@ -45,17 +51,21 @@ def build(method, tiny_dir):
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.02)
         return model, lambda m: torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
-    from hfq.qft import QFTConfig, quantize_model_
+    from hfq.eco import ECOAdamW
+    from hfq.qft import QFTConfig, QLion, quantize_model_
 
+    if method in BF16:
+        model = tiny_model("llama", seed=0, hidden=64, intermediate=128, kv_heads=4, dtype=torch.bfloat16).train()
+        if method == "eco_bf16":
+            quantize_model_(model, QFTConfig(weight_format="fp8_e4m3_row"))
+            return model, lambda m: ECOAdamW(m.parameters(), lr=1e-2, rounding="sr", seed=3, keyed_sr=True)
+        quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
+        return model, lambda m: QLion(m.parameters(), lr=1e-3, seed=3, keyed_sr=True)
     model = tiny_model("llama", seed=0, hidden=64, intermediate=128, kv_heads=4).train()
     if method == "eco":
-        from hfq.eco import ECOAdamW
-
         quantize_model_(model, QFTConfig(weight_format="fp8_e4m3_row"))
         return model, lambda m: ECOAdamW(m.parameters(), lr=1e-2, rounding="sr", seed=3)
     if method == "qft":
-        from hfq.qft import QLion
-
         quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
         return model, lambda m: QLion(m.parameters(), lr=1e-3, seed=3)
     raise ValueError(method)
@@ -71,17 +81,20 @@ def batch(step, rank, world):
 def snapshot(model):
     """name -> full plain tensor of every parameter and buffer (QParam: its stored tensors; DTensor: gathered)."""
     from hfq.qparam import QParam
+    from hfq.qparam.fsdp import gather_whole, local
 
     out = {}
     for n, t in list(model.named_parameters()) + list(model.named_buffers()):
         t = t.detach()
-        if hasattr(t, "full_tensor"):
+        if isinstance(local(t), QParam) and local(t) is not t:
+            t = gather_whole(t)
+        elif hasattr(t, "full_tensor"):
             t = t.full_tensor()
         if isinstance(t, QParam):
             for k, v in t.qtensors().items():
-                out[f"{n}.{k}"] = (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).clone()
+                out[f"{n}.{k}"] = (v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v).cpu().clone()
         else:
-            out[n] = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).clone()
+            out[n] = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).cpu().clone()
     return out
 
 
@@ -91,9 +104,11 @@ def full_state(acc, model, opt):
     torch.distributed.checkpoint's full state dicts (keyed by parameter name), which FSDP2 and one process share."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    if getattr(opt, "optimizer", opt).__class__.__module__.startswith("hfq"):
-        m = acc.unwrap_model(model)
-        return {"model": m.state_dict(), "optim": opt.state_dict(), "dcp": False} if acc.is_main_process else {}
+    if getattr(opt, "optimizer", opt).__class__.__module__.startswith("hfq"):  # collectives under FSDP2: all ranks
+        from hfq.qparam.fsdp import whole_state_dict
+
+        state = {"model": whole_state_dict(acc.unwrap_model(model)), "optim": opt.state_dict(), "dcp": False}
+        return state if acc.is_main_process else {}
     msd, osd = get_state_dict(acc.unwrap_model(model), getattr(opt, "optimizer", opt),
                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"model": msd, "optim": osd, "dcp": True} if acc.is_main_process else {}
@@ -107,8 +122,31 @@ def load_full_state(acc, model, opt, ckpt):
         set_state_dict(acc.unwrap_model(model), getattr(opt, "optimizer", opt), model_state_dict=ckpt["model"],
                        optim_state_dict=ckpt["optim"], options=StateDictOptions(full_state_dict=True))
         return
-    acc.unwrap_model(model).load_state_dict(ckpt["model"])
+    from hfq.qparam.fsdp import load_whole_state_dict_
+
+    load_whole_state_dict_(acc.unwrap_model(model), ckpt["model"])  # one process: a plain load_state_dict
     opt.load_state_dict(ckpt["optim"])
+
+
+def save_dcp(model, opt, path):
+    """A torch.distributed.checkpoint checkpoint (sharded state dicts, what accelerate writes for FSDP2 with
+    fsdp_state_dict_type SHARDED_STATE_DICT): every rank writes its part."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def load_dcp(model, opt, path):
+    """Load a save_dcp checkpoint (written by any world size) into this run's model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def layout(model):
@@ -150,15 +188,28 @@ def run(acc, method, tiny_dir, out, resume):
     else:
         model, opt = acc.prepare(model, make_opt(model))
     first = 0
-    if resume is not None:
-        ckpt = torch.load(os.path.join(out, f"{method}_w{resume}.ckpt"), weights_only=False)
+    if resume is not None and resume.startswith("dcp"):
+        load_dcp(model, opt, os.path.join(out, f"{method}_w{resume[3:]}.dcp"))
+        first = SAVE_AT
+    elif resume is not None:
+        ckpt = torch.load(os.path.join(out, f"{method}_w{resume}.ckpt"), weights_only=False, map_location="cpu")
         load_full_state(acc, model, opt, ckpt)
         first = SAVE_AT
     losses = []
+    norms = []
     for step in range(first, STEPS):
-        x = batch(step, rank, world)
-        loss = model(input_ids=x, labels=x).loss
-        acc.backward(loss)
+        x = batch(step, rank, world).to(acc.device)
+        if method in BF16:  # two micro-steps (gradient accumulation), then clipping, as Trainer does
+            loss = 0
+            for part in x.chunk(2):
+                micro = model(input_ids=part, labels=part).loss / 2
+                acc.backward(micro)
+                loss = loss + micro.detach()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        else:
+            loss = model(input_ids=x, labels=x).loss
+            acc.backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         mean = loss.detach().clone()
@@ -167,17 +218,46 @@ def run(acc, method, tiny_dir, out, resume):
             mean /= world
         losses.append(float(mean))
         if step + 1 == SAVE_AT and resume is None:
+            if method in BF16:
+                save_dcp(model, opt, os.path.join(out, f"{method}_w{world}.dcp"))
             state = full_state(acc, model, opt)
             if acc.is_main_process:
                 torch.save(state, os.path.join(out, f"{method}_w{world}.ckpt"))
     sharded, sharded_bufs, numel = layout(model)
     snap = snapshot(acc.unwrap_model(model))
     tag = f"{method}_w{world}" + (f"_from{resume}" if resume is not None else "")
-    torch.save({"losses": losses, "snap": snap, "world": world, "wrapper": type(model).__name__,
+    extra = {}
+    if method in BF16:
+        extra = final_logits_and_storage(acc, method, model, out, tag, pretrained=resume is None)
+    torch.save({"losses": losses, "norms": norms, "snap": snap, "world": world, "wrapper": type(model).__name__,
                 "strategy": str(acc.distributed_type),
-                "sharded": sharded, "sharded_buffers": sharded_bufs, "numel": numel},
+                "sharded": sharded, "sharded_buffers": sharded_bufs, "numel": numel, **extra},
                os.path.join(out, f"{tag}_rank{rank}.pt"))
     acc.wait_for_everyone()
+
+
+def final_logits_and_storage(acc, method, model, out, tag, pretrained):
+    """Logits of the trained model on a fixed batch (every rank the same batch), bytes of the QParams this rank
+    stores (local shards under FSDP2), and with `pretrained` a save_pretrained checkpoint of the whole model
+    (state dict gathered on every rank, loaded into an unsharded copy that rank 0 saves)."""
+    from hfq.qparam import QParam
+    from hfq.qparam.fsdp import local
+
+    x = batch(99, 0, 1)
+    with torch.no_grad():
+        logits = model(input_ids=x.to(acc.device)).logits.float().cpu()
+    m = acc.unwrap_model(model)
+    stored = sum(local(p).storage_bytes for p in m.parameters() if isinstance(local(p), QParam))
+    if pretrained:
+        from hfq.qparam.fsdp import whole_state_dict
+
+        sd = whole_state_dict(m)
+        if acc.is_main_process:  # transformers' save_pretrained of a quantized model reads model.state_dict()
+            whole, _ = build(method, None)
+            whole.load_state_dict(sd)
+            whole.save_pretrained(os.path.join(out, f"{tag}_pretrained"))
+        acc.wait_for_everyone()
+    return {"logits": logits, "qparam_bytes": stored, "probe": x}
 
 
 class FSDP2:
@@ -190,13 +270,18 @@ class FSDP2:
     def __init__(self):
         import torch.distributed as dist
 
-        dist.init_process_group("gloo")
+        cuda = os.environ.get("SCALEOUT_DEVICE") == "cuda"
+        if cuda:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.num_processes, self.process_index = dist.get_world_size(), dist.get_rank()
         self.is_main_process = self.process_index == 0
 
     def prepare(self, model, make_opt):
         from torch.distributed.fsdp import fully_shard
 
+        model.to(self.device)
         for m in model.modules():
             if type(m).__name__.endswith("DecoderLayer"):
                 fully_shard(m)
@@ -227,7 +312,7 @@ def main(out, tiny_dir, methods, resume=None):
         if method == "qerl":
             qerl_trainer(acc, tiny_dir, out)
             continue
-        run(acc, method, tiny_dir, out, None if resume is None else int(resume))
+        run(acc, method, tiny_dir, out, resume)
 
 
 if __name__ == "__main__":

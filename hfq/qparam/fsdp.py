@@ -1,0 +1,239 @@
+"""FSDP2 (`fully_shard`) for QParams: row shards, and an all-gather that moves the stored bytes.
+
+fully_shard splits every parameter along dim 0 (torch.chunk, new_zeros, narrow, copy_). A QParam answers with row
+pieces that keep each row's codes together with its scales, zero points and outliers (`split_rows`); a piece
+remembers its first global row (`RowPlace.row0`), which keys stochastic rounding (hfq.optim) and rebases outlier
+indices. Refused, naming the parameter and what would work: per-tensor metadata that a row piece cannot own
+(int4_tensor's single scale) and a row count that the number of shards does not divide (FSDP2 would pad the last
+shard, and its all-gather extension needs pieces of one size).
+
+The all-gather (QParam.fsdp_pre_all_gather / fsdp_post_all_gather, FSDP2's tensor-subclass extension) sends the
+stored tensors: 1 byte per element plus row metadata for fp8_e4m3_row and int8_dense_sparse, half a byte for
+int4_group, where bf16 would send 2. int8_dense_sparse's outlier lists (their lengths differ per rank and step)
+are gathered beside it, padded to the longest.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import formats as _formats
+
+_PAD = -1  # outlier index of a padding entry in the gather of outlier lists
+
+
+@dataclass
+class RowPlace:
+    """Where a QParam's rows sit in the whole weight: `name` (module path, for errors; None if unknown), `row0`
+    (global index of its first row), `rows` (row count of the whole weight) and `sharded` (an FSDP2 shard, made
+    through `new_zeros`). Views of one QParam share it."""
+
+    name: str | None
+    row0: int
+    rows: int
+    sharded: bool = False
+
+
+def local(t):
+    """What this rank holds of `t`: the local shard of an FSDP2 (DTensor) parameter or gradient, else `t` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def local_rows(p) -> tuple[int, int]:
+    """(first global row, row count) of this rank's shard of parameter `p` (the whole of a plain tensor)."""
+    if not isinstance(p, DTensor):
+        return 0, (p.shape[0] if p.dim() else 1)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0]), int(shape[0])
+
+
+def shardable(q, pieces: int) -> str | None:
+    """Why `q` cannot be cut into `pieces` equal row shards (None when it can)."""
+    name = q.place.name or "a quantized weight"
+    rows = q.shape[0]
+    if q.fmt == "int4_tensor":
+        return (f"{name} (int4_tensor {tuple(q.shape)}) has one scale for the whole tensor, which a row shard cannot "
+                "own; under FSDP2 use weight_format='int4_group' (a scale per row and group) or 'fp8_e4m3_row'")
+    if rows % pieces:
+        return (f"{name} ({q.fmt} {tuple(q.shape)}): {rows} rows do not split evenly over {pieces} FSDP2 shards; "
+                f"use a world size that divides {rows}, or keep this module out of the quantized set "
+                "(QFTConfig(modules_to_not_convert=[...]))")
+    return None
+
+
+def rows_of(q, r0: int, r1: int, copy: bool = True) -> dict:
+    """The stored tensors of rows [r0, r1) of `q` (row metadata with them; outlier indices rebased to the piece).
+    Fixed-size tensors are views unless `copy`; outlier lists are always new tensors."""
+    cols = q.shape[1]
+    out = {}
+    for k, t in q.qtensors().items():
+        if k == "thresholds":
+            out[k] = t.clone() if copy else t
+        elif k in ("sparse_idx", "sparse_val"):
+            continue
+        else:
+            piece = t[r0:r1]
+            out[k] = piece.clone() if copy else piece
+    if q.fmt == "int8_dense_sparse":
+        idx = q.sparse_idx
+        keep = (idx >= r0 * cols) & (idx < r1 * cols)
+        out["sparse_idx"] = (idx[keep] - r0 * cols).to(idx.dtype)
+        out["sparse_val"] = q.sparse_val[keep]
+    return out
+
+
+def split_rows(q, sizes) -> list:
+    """torch.split / torch.chunk of a QParam along dim 0 into row pieces (refused where `shardable` says why)."""
+    sizes = list(sizes)
+    if len(set(sizes[:-1] + ([sizes[-1]] if sizes[-1] else []))) > 1 or sum(sizes) != q.shape[0]:
+        raise NotImplementedError(shardable(q, len(sizes)) or _uneven(q, sizes))
+    why = shardable(q, len(sizes))
+    if why:
+        raise NotImplementedError(why)
+    out, r0 = [], 0
+    for n in sizes:
+        piece = type(q)(rows_of(q, r0, r0 + n), q.fmt, (n, q.shape[1]), q.meta, dtype=q.dtype,
+                        place=RowPlace(q.place.name, q.place.row0 + r0, q.place.rows))
+        out.append(piece)
+        r0 += n
+    return out
+
+
+def _uneven(q, sizes) -> str:
+    return (f"{q.place.name or 'a quantized weight'} ({q.fmt} {tuple(q.shape)}): row pieces of sizes {sizes} are "
+            "not equal; a QParam splits only into equal row shards along dim 0")
+
+
+def new_zeros(q, size):
+    """`new_zeros` on a QParam (FSDP2's padded shard): an all-zero weight of the same format and `size` rows."""
+    size = tuple(size)
+    if len(size) != 2 or size[1] != q.shape[1]:
+        raise NotImplementedError(f"new_zeros{size} on a QParam {q.fmt} {tuple(q.shape)}: only whole rows "
+                                  f"[n, {q.shape[1]}]")
+    data = _formats.empty_qtensors(q.fmt, size, q.meta, q.device)
+    if q.fmt == "int8_dense_sparse":
+        data["thresholds"] = q.thresholds.clone()
+    return type(q)(data, q.fmt, size, q.meta, dtype=q.dtype,
+                   place=RowPlace(q.place.name, q.place.row0, q.place.rows, sharded=True))
+
+
+def slice_rows(q, dim: int, start, end, step: int = 1):
+    """`narrow` / `q[a:b]` along dim 0: the whole weight gives a view sharing every stored tensor (and the
+    RowPlace); a part gives a row piece whose fixed-size tensors are views (writes reach `q`), outliers copied."""
+    rows = q.shape[0]
+    start = 0 if start is None else max(0, start + rows if start < 0 else start)
+    end = rows if end is None else min(rows, end + rows if end < 0 else end)
+    if dim not in (0, -2) or step != 1:
+        raise NotImplementedError(f"slicing a QParam {q.fmt} {tuple(q.shape)} along dim {dim} (step {step}): only "
+                                  "whole rows along dim 0")
+    if start == 0 and end == rows:
+        return q._replace(lambda t: t)
+    return type(q)(rows_of(q, start, end, copy=False), q.fmt, (end - start, q.shape[1]), q.meta, dtype=q.dtype,
+                   place=RowPlace(q.place.name, q.place.row0 + start, q.place.rows))
+
+
+# ---- the all-gather ---------------------------------------------------------------------------------------
+_WIRE = {torch.float8_e4m3fn: torch.uint8}  # gloo and NCCL collectives take float8 as bytes
+_VARIABLE = ("thresholds", "sparse_idx", "sparse_val")
+
+
+def pre_all_gather(q, mesh, module=None):
+    """(inputs, metadata) for FSDP2's all-gather of this rank's shard `q`: its fixed-size stored tensors (codes and
+    row metadata; float8 as bytes). FSDP2 sizes its buffers once, so the outlier lists, whose lengths change with
+    every step, are gathered apart in `post_all_gather`."""
+    names = [k for k in _formats._NAMES[q.fmt] if k not in _VARIABLE]
+    inputs = tuple(getattr(q, k).view(_WIRE[getattr(q, k).dtype]) if getattr(q, k).dtype in _WIRE
+                   else getattr(q, k) for k in names)
+    param = next((v for v in (module._parameters.values() if module is not None else ())
+                  if isinstance(v, DTensor) and v._local_tensor is q), None)
+    return inputs, (names, [getattr(q, k).dtype for k in names], mesh.get_group(), param)
+
+
+def gather_outliers(q, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every shard's outlier list (indices rebased to whole-weight positions, in rank order: still sorted):
+    one all-reduce of the longest length, one all-gather each of the indices and values padded to it."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    idx, val = q.sparse_idx, q.sparse_val
+    n = torch.tensor([idx.numel()], dtype=torch.int64, device=idx.device)
+    dist.all_reduce(n, dist.ReduceOp.MAX, group=group)
+    cap = int(n.item())
+    if cap == 0:
+        return idx.new_zeros((0,)), val.new_zeros((0,))
+    pad = cap - idx.numel()
+    idx_all = idx.new_empty((world * cap,))
+    val_all = val.new_empty((world * cap,))
+    dist.all_gather_into_tensor(idx_all, torch.cat((idx, idx.new_full((pad,), _PAD))), group=group)
+    dist.all_gather_into_tensor(val_all, torch.cat((val, val.new_zeros((pad,)))), group=group)
+    keep = idx_all != _PAD
+    base = (torch.arange(world * cap, device=idx.device) // cap) * q.numel()
+    return (idx_all + base.to(idx.dtype))[keep], val_all[keep]
+
+
+def post_all_gather(q, outputs, metadata, param_dtype, out=None):
+    """The whole QParam from the gathered tensors (outputs[i]: every rank's input i, in rank order, along dim 0);
+    fixed-size tensors are views of FSDP2's buffers, refilled in place by later gathers (then `out` is the
+    QParam built the first time, and only its outliers are replaced)."""
+    names, dtypes, group, param = metadata
+    data = {k: (t.view(dt) if t.dtype != dt else t) for k, t, dt in zip(names, outputs, dtypes)}
+    if q.fmt == "int8_dense_sparse":
+        data["sparse_idx"], data["sparse_val"] = gather_outliers(q, group)
+        data["thresholds"] = q.thresholds
+    if out is not None:
+        for k in _VARIABLE:
+            if k in data:
+                setattr(out, k, data[k])
+        out.fsdp_shard = (param, group)
+        return None
+    rows = data["codes"].shape[0]
+    full = type(q)(data, q.fmt, (rows, q.shape[1]), q.meta, dtype=param_dtype or q.dtype,
+                   place=RowPlace(q.place.name, 0, rows))
+    full.fsdp_shard = (param, group)  # QFT's INT8 gradient goes to the sharded parameter (hfq.qparam.int8grad)
+    return full, tuple(data[k] for k in names)
+
+
+def gather_whole(param):
+    """The whole QParam of an FSDP2-sharded QParam parameter, on every rank (a collective of its shard group):
+    the same all-gather as FSDP2's unshard, for full state dicts and checkpoints."""
+    import torch.distributed as dist
+
+    q = local(param)
+    inputs, metadata = pre_all_gather(q, param.device_mesh)
+    group = metadata[2]
+    world = dist.get_world_size(group)
+    outputs = []
+    for t in inputs:
+        o = t.new_empty((world * t.shape[0],) + tuple(t.shape[1:]))
+        dist.all_gather_into_tensor(o, t.contiguous(), group=group)
+        outputs.append(o)
+    whole, _ = post_all_gather(q, outputs, metadata, q.dtype)
+    del whole.fsdp_shard
+    return whole
+
+
+def load_whole_state_dict_(model, state_dict: dict, strict: bool = True):
+    """Load a whole-model state dict (as one process saves it, or `whole_state_dict`) into an FSDP2-sharded model:
+    each DTensor parameter or buffer takes its rows, QLinear cuts its own. torch.distributed.checkpoint's
+    set_model_state_dict expects one key per parameter, which QLinear's codes / scales keys are not."""
+    own = dict(model.named_parameters())
+    own.update(model.named_buffers())
+    sd = {}
+    for k, v in state_dict.items():
+        t = own.get(k)
+        if isinstance(t, DTensor) and not isinstance(v, DTensor):
+            r0, n = local_rows(t)
+            v = DTensor.from_local(v[r0:r0 + n].to(t.device), t.device_mesh, t.placements, run_check=False,
+                                   shape=t.shape, stride=t.stride())
+        sd[k] = v
+    return model.load_state_dict(sd, strict=strict)
+
+
+def whole_state_dict(model) -> dict:
+    """The state dict of an FSDP2-sharded model with every tensor whole, on every rank (a collective: call it on
+    all ranks): QLinear gathers its stored tensors, DTensors are gathered here. Loads in one process."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}

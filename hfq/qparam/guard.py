@@ -1,0 +1,26 @@
+"""The global optimizer step pre-hook that refuses torch optimizers other than hfq's on a trainable QParam."""
+from __future__ import annotations
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .tensor import USE_HFQ_OPTIMIZER, QParam
+
+
+def _refuse_plain_optimizer(optimizer, args, kwargs):
+    """Global optimizer step pre-hook: only optimizers marked `updates_qparams` (hfq.optim's) step over a trainable
+    QParam. Any other would leave it unchanged without a word (its foreach/fused kernels write into dequantized
+    temporaries; INT8-gradient weights have no .grad to read), so the step is refused before anything moves."""
+    if getattr(optimizer, "updates_qparams", False) or getattr(getattr(optimizer, "optimizer", None),
+                                                                "updates_qparams", False):
+        return None  # hfq's, or a wrapper delegating to one (accelerate's AcceleratedOptimizer)
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            if isinstance(p, QParam) and p.requires_grad:
+                names = group.get("param_names")
+                what = names[pi] if names else f"param_groups[{gi}]['params'][{pi}]"
+                raise TypeError(f"{type(optimizer).__name__} cannot train {what}, a quantized weight (QParam "
+                                f"{p.fmt} {tuple(p.shape)}): it would stay unchanged. {USE_HFQ_OPTIMIZER}")
+    return None
+
+
+register_optimizer_step_pre_hook(_refuse_plain_optimizer)

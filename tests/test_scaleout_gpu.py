@@ -1,0 +1,94 @@
+"""ECO and QFT under FSDP2 on 2 CUDA GPUs (NCCL), as tests/test_scaleout.py checks them on 2 CPU processes, plus
+transformers.Trainer under `accelerate launch --config_file examples/accelerate/fsdp2.yaml` with
+`optimizer_cls_and_kwargs`. Skipped without 2 GPUs. Workers: tests/scripts/scaleout.py (SCALEOUT_DEVICE=cuda) and
+tests/scripts/trainer_fsdp2.py.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+from test_scaleout import (CONFIGS, QP_LOGIT_TOL, QP_LOSS_TOL, QPARAM_FSDP2, ROOT, WORKER, _close_losses, _env,
+                           _free_port, _run)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                reason="needs 2 CUDA GPUs (FSDP2 over NCCL): run on the 2-GPU device kind")
+TRAINER = os.path.join(ROOT, "tests", "scripts", "trainer_fsdp2.py")
+GPU = dict(SCALEOUT_DEVICE="cuda")
+
+
+def _one(out, methods, resume=None):
+    _run([sys.executable, WORKER, str(out), "-", ",".join(methods)] + ([str(resume)] if resume else []),
+         env=_env(CUDA_VISIBLE_DEVICES="0", **GPU))
+
+
+def _two(out, methods, resume=None):
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+          WORKER, str(out), "-", ",".join(methods)] + ([str(resume)] if resume else []),
+         env=_env(SCALEOUT_FSDP2="1", **GPU))
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scaleout_gpu")
+    _one(out, QPARAM_FSDP2)
+    _two(out, QPARAM_FSDP2)
+    _one(out, QPARAM_FSDP2, resume=2)
+    _two(out, QPARAM_FSDP2, resume=1)
+
+    def load(tag, method, rank=0):
+        return torch.load(out / f"{method}_{tag}_rank{rank}.pt", weights_only=False)
+
+    load.out = out
+    return load
+
+
+@pytest.mark.parametrize("method", QPARAM_FSDP2)
+def test_nccl_fsdp2_matches_one_gpu_and_resumes_on_another_world_size(gpu_runs, method):
+    one, a, b = gpu_runs("w1", method), gpu_runs("w2", method, 0), gpu_runs("w2", method, 1)
+    assert a["strategy"] == "FSDP2" and sum(a["sharded"].values()) * 2 == sum(a["numel"].values())
+    assert a["qparam_bytes"] < 0.6 * one["qparam_bytes"]
+    for k in a["snap"]:
+        assert torch.equal(a["snap"][k], b["snap"][k]), k
+    _close_losses(a["losses"], one["losses"], QP_LOSS_TOL)
+    assert float((a["logits"] - one["logits"]).abs().max()) < QP_LOGIT_TOL
+    on_one, on_two = gpu_runs("w1_from2", method), gpu_runs("w2_from1", method, 1)
+    _close_losses(on_one["losses"], a["losses"][2:], QP_LOSS_TOL)
+    _close_losses(on_two["losses"], one["losses"][2:], QP_LOSS_TOL)
+
+
+@pytest.mark.parametrize("method", QPARAM_FSDP2)
+def test_nccl_fsdp2_save_pretrained_loads_on_one_gpu(gpu_runs, method):
+    from transformers import AutoModelForCausalLM
+
+    two = gpu_runs("w2", method)
+    model = AutoModelForCausalLM.from_pretrained(gpu_runs.out / f"{method}_w2_pretrained", dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = model.cuda()(input_ids=two["probe"].cuda()).logits.float().cpu()
+    assert float((logits - two["logits"]).abs().max()) < 2e-2
+
+
+def _trainer(out, method, n, resume=None):
+    """Trainer under accelerate's fsdp2.yaml on n GPUs; checkpoints as FSDP2 sharded state dicts (DCP)."""
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "fsdp2.yaml"),
+          "--num_processes", str(n), "--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--main_process_port",
+          str(_free_port()), TRAINER, str(out), method] + ([str(resume)] if resume else []))
+
+
+@pytest.mark.parametrize("method", ["eco_bf16", pytest.param("qft_bf16", marks=pytest.mark.xfail(
+    strict=True, reason="not done: torch.distributed.checkpoint loads into a template of the current model's shapes, "
+    "and QFT's outlier lists change length with the weights (tests/test_scaleout.py shows it on CPU)"))])
+def test_trainer_fsdp2_sharded_checkpoint_resumes_on_another_world_size(tmp_path, method):
+    """Trainer(optimizer_cls_and_kwargs=(ECOAdamW | QLion, ...)) on 2 GPUs matches 1 GPU on the same global batch;
+    its checkpoint after 2 of 4 steps resumes on 1 GPU and ends where the 1-GPU run ends."""
+    _trainer(tmp_path, method, 2)
+    _trainer(tmp_path, method, 1)
+    _trainer(tmp_path, method, 1, resume=tmp_path / f"{method}_w2" / "checkpoint-2")
+    two = torch.load(tmp_path / f"{method}_w2.pt", weights_only=False)
+    one = torch.load(tmp_path / f"{method}_w1.pt", weights_only=False)
+    resumed = torch.load(tmp_path / f"{method}_w1_resumed.pt", weights_only=False)
+    assert len(two["losses"]) == len(one["losses"]) == 4 and two["losses"][0] != two["losses"][-1]
+    _close_losses(two["losses"], one["losses"], 1e-2)
+    _close_losses(resumed["losses"][-2:], one["losses"][2:], 1e-2)
+    assert float((resumed["logits"] - one["logits"]).abs().max()) < QP_LOGIT_TOL
