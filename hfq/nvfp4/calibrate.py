@@ -9,6 +9,7 @@ Hessians of one block and the calibration activations.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,11 +26,13 @@ from .linear import NVFP4Linear, mark_ddp_ignore
 @dataclass
 class CalibrationReport:
     """Per converted linear: calibration tokens, relative output error sqrt(tr(dW H dW^T) / tr(W H W^T)) on the
-    calibration inputs for round-to-nearest and for the kept result, and which result was kept."""
+    calibration inputs for round-to-nearest and for the kept result, and which result was kept; the pass's wall
+    time per phase."""
 
     rows: list[dict] = field(default_factory=list)
     tokens: int = 0
     sequences: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per phase of the pass
 
     def table(self) -> str:
         L = [f"calibration: {self.sequences} sequences, {self.tokens} tokens", "",
@@ -208,6 +211,24 @@ def _nvfp4_from(lin: nn.Linear, q, config: NVFP4Config) -> NVFP4Linear:
 
 
 # --------------------------------------------------------------------------------------------- the pass
+class _Clock:
+    """Adds the wall time since the last call to `into[phase]` (synchronising the device first)."""
+
+    def __init__(self, device, into: dict):
+        self.device, self.into = device, into
+        self.t = self._now()
+
+    def _now(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def __call__(self, phase: str):
+        t = self._now()
+        self.into[phase] = round(self.into.get(phase, 0.0) + t - self.t, 2)
+        self.t = t
+
+
 class _Stop(Exception):
     pass
 
@@ -304,10 +325,12 @@ def calibrate_(model: nn.Module, data, tokenizer=None, config: NVFP4Config | Non
     report = CalibrationReport(tokens=sum(int(b["attention_mask"].sum()) for b in batches),
                                sequences=sum(b["input_ids"].shape[0] for b in batches))
     converted, skipped = [], {}
+    clock = _Clock(device, report.seconds)
     for i, layer in _progress(enumerate(layers), len(layers), "NVFP4 GPTQ", progress):
         layer.to(device)
         if states is None:
             states = _capture_inputs(model, layers, batches, device)
+            clock("capture")
         pre = prefix[id(layer)]
         linears = {}
         for n, m in layer.named_modules():
@@ -328,6 +351,7 @@ def calibrate_(model: nn.Module, data, tokenizer=None, config: NVFP4Config | Non
             _run_block(layer, states, batches, hess)
         finally:
             hess.close()
+        clock("hessians")
         for owner, names in hess.groups().items():
             if hess.n.get(owner, 0) == 0:
                 raise ValueError(f"calibrate_: no calibration token reached {pre}.{owner} (and {names}); every "
@@ -339,7 +363,9 @@ def calibrate_(model: nn.Module, data, tokenizer=None, config: NVFP4Config | Non
                 row["name"] = f"{pre}.{n}"
                 report.rows.append(row)
                 converted.append(row["name"])
+        clock("gptq")
         states = _run_block(layer, states, batches)
+        clock("propagate")
     del states
     in_blocks = set(converted) | set(skipped)
     for name, m in list(model.named_modules()):  # linears outside the blocks: as a quantize-on-load does
