@@ -95,7 +95,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def calibrated(tiny):
     m = AutoModelForCausalLM.from_pretrained(tiny)
-    report = calibrate_(m, TEXTS, char_tokenizer(), progress=False)
+    report = calibrate_(m, TEXTS, char_tokenizer(), progress=False, device="cpu")
     return m, report
 
 
@@ -164,10 +164,10 @@ def test_calibrate_accepts_token_ids_and_batches(tiny):
     tok = char_tokenizer()
     ids = [tok(t)["input_ids"] for t in TEXTS]
     a = AutoModelForCausalLM.from_pretrained(tiny)
-    ra = calibrate_(a, ids, progress=False, batch_size=5)
+    ra = calibrate_(a, ids, progress=False, batch_size=5, device="cpu")
     b = AutoModelForCausalLM.from_pretrained(tiny)
     batches = [tok(TEXTS[i:i + 6], return_tensors="pt", padding=True) for i in range(0, len(TEXTS), 6)]
-    rb = calibrate_(b, [dict(x) for x in batches], progress=False)
+    rb = calibrate_(b, [dict(x) for x in batches], progress=False, device="cpu")
     assert ra.tokens == rb.tokens == sum(map(len, ids))  # padding is not counted (nor used in the Hessians)
     for x, y in zip(ra.rows, rb.rows):
         assert x["calibrated"] == pytest.approx(y["calibrated"], rel=1e-3)
@@ -177,21 +177,21 @@ def test_calibrate_bad_input_errors(tiny):
     tok = char_tokenizer()
     m = AutoModelForCausalLM.from_pretrained(tiny)
     with pytest.raises(ValueError, match="calibration data is empty"):
-        calibrate_(m, [], tok, progress=False)
+        calibrate_(m, [], tok, progress=False, device="cpu")
     with pytest.raises(ValueError, match="too short: 5 tokens.*min_tokens=128"):
-        calibrate_(m, ["hello"], tok, progress=False)
+        calibrate_(m, ["hello"], tok, progress=False, device="cpu")
     with pytest.raises(ValueError, match="sequence 1 is empty"):
-        calibrate_(m, ["hello", ""], tok, progress=False)
+        calibrate_(m, ["hello", ""], tok, progress=False, device="cpu")
     with pytest.raises(ValueError, match="need tokenizer"):
-        calibrate_(m, TEXTS, progress=False)
+        calibrate_(m, TEXTS, progress=False, device="cpu")
     with pytest.raises(ValueError, match="format='mxfp4'"):
-        calibrate_(m, TEXTS, tok, NVFP4Config(format="mxfp4"), progress=False)
+        calibrate_(m, TEXTS, tok, NVFP4Config(format="mxfp4"), progress=False, device="cpu")
     m.model.layers[1].mlp.unused = torch.nn.Linear(64, 64)  # in the block, never called by its forward
     with pytest.raises(ValueError, match=r"no calibration token reached model\.layers\.1\.mlp\.unused"):
-        calibrate_(m, TEXTS, tok, progress=False)
+        calibrate_(m, TEXTS, tok, progress=False, device="cpu")
     q = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=NVFP4Config())
     with pytest.raises(ValueError, match="already quantized"):
-        calibrate_(q, TEXTS, tok, progress=False)
+        calibrate_(q, TEXTS, tok, progress=False, device="cpu")
     with pytest.raises(ValueError, match="scales='mse' applies to format='nvfp4'"):
         NVFP4Config(format="mxfp4", scales="mse")
     with pytest.raises(ValueError, match="scales"):
@@ -233,10 +233,24 @@ def test_real_model_calibration_beats_rtn_in_every_layer(smollm2):
     texts = [t for t in open(os.path.join(os.path.dirname(__file__), "..", "examples", "data",
                                           "qft_real_train.txt")).read().split("\n\n") if t.strip()]
     m = AutoModelForCausalLM.from_pretrained(smollm2, num_hidden_layers=2)  # the first blocks: fast, same shapes
-    report = calibrate_(m, texts[:12], tok, progress=False)
+    report = calibrate_(m, texts[:12], tok, progress=False, device="cpu")
     assert len(report.rows) == 14 and report.tokens > 1000
     for r in report.rows:
         assert r["calibrated"] <= r["rtn"], r
     gain = [1 - r["calibrated"] / r["rtn"] for r in report.rows]
     print(report.table())
     assert sum(gain) / len(gain) > 0.2 and sum(r["kept"] == "gptq" for r in report.rows) >= 13
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path of calibrate_ (the CPU path is tested above)")
+def test_calibrate_on_cuda_from_a_host_model(tiny):
+    tok = char_tokenizer()
+    cpu = AutoModelForCausalLM.from_pretrained(tiny)
+    rc = calibrate_(cpu, TEXTS, tok, progress=False, device="cpu")
+    m = AutoModelForCausalLM.from_pretrained(tiny)  # held on the host; blocks go to the GPU one at a time
+    rg = calibrate_(m, TEXTS, tok, progress=False, device="cuda")
+    assert all(p.device.type == "cuda" for p in m.parameters())
+    for a, b in zip(rc.rows, rg.rows):
+        assert b["calibrated"] <= b["rtn"] and b["calibrated"] == pytest.approx(a["calibrated"], rel=0.05, abs=1e-3)
+    ids = torch.tensor([[4, 5, 6, 7, 8, 9]])
+    torch.testing.assert_close(m(ids.cuda()).logits.cpu(), cpu(ids).logits, rtol=0.05, atol=0.05)
