@@ -115,7 +115,8 @@ def write_report(rows, meta, out: Path):
          f"{meta['date']}. `python examples/nvfp4_quality.py`.", "",
          f"Held-out: the {rows['bf16']['tokens']}-token text of examples/real_model_quality.py. KL(bf16 || method) "
          "and top-1 agreement with bf16 are per position, teacher-forced on that text. Calibration: "
-         f"{meta['calibration']}. Seconds: to produce the quantized model on this CPU (load + quantize).", "",
+         f"{meta['calibration']}. Seconds: to produce the quantized model (load + quantize) on this CPU, a 2-core "
+         "machine shared with other jobs: indicative only (the first quantized load also pays one-time set-up).", "",
          "| method | held-out loss | vs bf16 | gap vs RTN's | KL to bf16 | top-1 agreement | seconds |",
          "|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
