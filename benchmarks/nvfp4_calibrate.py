@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from _harness import add_args, run_facts, spread, sync, write  # noqa: E402
 
 
-def random_7b(layers: int, hidden: int, inter: int, heads: int, vocab: int):
-    """A Llama model of these shapes in bf16 on the host, filled with N(0, 0.02) drawn on the GPU (fast)."""
+def random_7b(layers: int, hidden: int, inter: int, heads: int, vocab: int, device: str):
+    """A Llama model of these shapes in bf16 on the host, filled with N(0, 0.02) drawn on `device` (fast on a GPU)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -30,13 +30,13 @@ def random_7b(layers: int, hidden: int, inter: int, heads: int, vocab: int):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.to_empty(device="cpu")
-    gen = torch.Generator("cuda").manual_seed(0)
+    gen = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
             else:
-                p.copy_(torch.randn(p.shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02)
+                p.copy_(torch.randn(p.shape, device=device, dtype=torch.bfloat16, generator=gen) * 0.02)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)  # its buffers were left empty by to_empty
     return model.eval()
 
@@ -52,25 +52,28 @@ def main():
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--scales", choices=["amax", "mse"], default="amax")
+    p.add_argument("--device", default="cuda", help="where calibrate_ runs (cpu: a functional check only)")
     args = add_args(p).parse_args()
     import hfq
     from hfq.nvfp4 import NVFP4Config, calibrate_
 
     t = time.perf_counter()
-    model = random_7b(args.layers, args.hidden, args.intermediate, args.heads, args.vocab)
+    model = random_7b(args.layers, args.hidden, args.intermediate, args.heads, args.vocab, args.device)
     build_s = time.perf_counter() - t
     ids = torch.randint(0, args.vocab, (args.seqs, args.seq_len), generator=torch.Generator().manual_seed(0))
-    torch.cuda.reset_peak_memory_stats()
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     sync()
     t = time.perf_counter()
-    report = calibrate_(model, ids, config=NVFP4Config(scales=args.scales), device="cuda",
+    report = calibrate_(model, ids, config=NVFP4Config(scales=args.scales), device=args.device,
                         max_length=args.seq_len, batch_size=args.batch_size)
     sync()
     secs = time.perf_counter() - t
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    resident = torch.cuda.memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    resident = torch.cuda.memory_allocated() / 2**30 if cuda else float("nan")
     with torch.no_grad():  # the calibrated model runs
-        loss = float(model(input_ids=ids[:2, :128].cuda(), labels=ids[:2, :128].cuda()).loss)
+        loss = float(model(input_ids=ids[:2, :128].to(args.device), labels=ids[:2, :128].to(args.device)).loss)
     rtn = sum(r["rtn"] for r in report.rows) / len(report.rows)
     cal = sum(r["calibrated"] for r in report.rows) / len(report.rows)
     row = {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
