@@ -1,4 +1,5 @@
-"""`hfq quantize MODEL_DIR --out DIR`: NVFP4/MXFP4-quantize a causal LM while loading, save, print a summary."""
+"""`hfq quantize MODEL_DIR --out DIR [--calibrate data.jsonl]`: NVFP4/MXFP4-quantize a causal LM while loading (or
+with GPTQ on calibration texts), save, print a summary."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,34 @@ def add_arguments(p) -> None:
     p.add_argument("--strict", action="store_true", help="error on layers whose in_features don't fit the block")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--scales", choices=["amax", "mse"], default="amax",
+                   help="NVFP4 scales: amax (round-to-nearest) or mse (searched for the least weight error)")
+    p.add_argument("--calibrate", metavar="JSONL", default=None,
+                   help="GPTQ calibration texts, one JSON object with a \"text\" field (or a JSON string) per line")
+    p.add_argument("--calib-max-length", type=int, default=512, help="tokens per calibration text at most")
+    p.add_argument("--calib-batch-size", type=int, default=8)
+
+
+def read_jsonl_texts(path: str) -> list[str]:
+    """The texts of a calibration .jsonl: each non-blank line a JSON string or an object with a "text" string."""
+    import json
+
+    texts = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            text = obj.get("text") if isinstance(obj, dict) else obj
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{i}: expected a JSON string or an object with a \"text\" string")
+            texts.append(text)
+    if not texts:
+        raise ValueError(f"{path}: no calibration texts (the file is empty)")
+    return texts
 
 
 def _linear_bytes(model) -> tuple[int, int]:
@@ -60,14 +89,31 @@ def main(args) -> int:
 
     if args.export == "compressed-tensors" and args.format != "nvfp4":
         raise SystemExit("--export compressed-tensors needs --format nvfp4")
-    cfg = NVFP4Config(format=args.format, strict=args.strict)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, quantization_config=cfg,
-                                                 dtype=getattr(torch, args.dtype), device_map=args.device)
+    if args.calibrate and args.format != "nvfp4":
+        raise SystemExit("--calibrate needs --format nvfp4")
+    cfg = NVFP4Config(format=args.format, strict=args.strict, scales=args.scales)
+    report = None
+    if args.calibrate:
+        from transformers import AutoTokenizer
+
+        from hfq.nvfp4.calibrate import calibrate_
+
+        texts = read_jsonl_texts(args.calibrate)
+        # the dense model stays in host memory; calibrate_ brings one decoder block at a time to the device
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype))
+        report = calibrate_(model, texts, AutoTokenizer.from_pretrained(args.model_dir), cfg, device=args.device,
+                            max_length=args.calib_max_length, batch_size=args.calib_batch_size)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, quantization_config=cfg,
+                                                     dtype=getattr(torch, args.dtype), device_map=args.device)
     if args.export == "compressed-tensors":
         export_compressed_tensors(model, args.out)
     else:
         model.save_pretrained(args.out)
     copy_tokenizer(args.model_dir, args.out)
+    if report is not None:
+        print(report.table())
+        print()
     print(summary(model))
     print(f"saved to {os.path.abspath(args.out)} ({args.export})")
     return 0

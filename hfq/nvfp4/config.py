@@ -9,6 +9,7 @@ from .._base.config import HfqConfig, check_bool, check_choice
 
 QUANT_METHOD = "hfq_nvfp4"
 FORMATS = ("nvfp4", "mxfp4")
+SCALE_RULES = ("amax", "mse")
 BLOCK_SIZE = {"nvfp4": 16, "mxfp4": 32}
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -22,12 +23,15 @@ class NVFP4Config(HfqConfig):
     format: "nvfp4" (E4M3 scale per 16 + fp32 global scale) or "mxfp4" (E8M0 scale per 32).
     compute_dtype: activation dtype for the matmul ("bfloat16" | "float16" | "float32"; None = input dtype).
     strict: raise instead of skipping a linear whose in_features is not a multiple of the block size.
+    scales: NVFP4 scale rule: "amax" (global 448*6/amax, block amax/6: round-to-nearest) or "mse" (global and
+        block scales searched for the least reconstruction error; same format, slower load).
     """
 
     modules_to_not_convert: list[str] | None = field(default_factory=lambda: ["lm_head", "embed_tokens"])
     format: str = "nvfp4"
     compute_dtype: str | None = None
     strict: bool = False
+    scales: str = "amax"
     quant_method: str = QUANT_METHOD
 
     QUANT_METHOD = QUANT_METHOD
@@ -40,6 +44,9 @@ class NVFP4Config(HfqConfig):
         if self.compute_dtype is not None:
             check_choice("compute_dtype", self.compute_dtype, sorted(_DTYPES) + [None])
         check_bool("strict", self.strict)
+        check_choice("scales", self.scales, SCALE_RULES)
+        if self.scales != "amax" and self.format != "nvfp4":
+            raise ValueError(f"scales={self.scales!r} applies to format='nvfp4' only (MXFP4's scales are powers of two)")
 
     @property
     def block_size(self) -> int:

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hfq_kernels.nvfp4 as _K  # registers torch.ops.hfq.*
+import hfq_kernels.nvfp4_calib  # noqa: F401  (torch.ops.hfq.nvfp4_quantize_search)
 from hfq_kernels import nvfp4_gluon as _G4
 from hfq_kernels.lora_nvfp4 import G4Operands
 from hfq_kernels.reference import fp4
@@ -50,6 +51,7 @@ class NVFP4Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.format, self.compute_dtype = format, compute_dtype
         self.allow_g4 = SETTINGS.nvfp4_g4  # switch to the g4 layout where the Gluon kernel runs (see the class doc)
+        self.scale_rule = "amax"  # how set_weight picks NVFP4 scales (NVFP4Config.scales)
         self.weight_dtype = dtype or torch.get_default_dtype()
         self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
         sdt = torch.float8_e4m3fn if format == "nvfp4" else torch.uint8
@@ -82,7 +84,8 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"{name}: expected shape {(self.out_features, self.in_features)}, got {tuple(w.shape)}")
         fp4.check_finite(w, name)
         if self.format == "nvfp4":
-            packed, scale, gs = torch.ops.hfq.nvfp4_quantize(w)
+            op = torch.ops.hfq.nvfp4_quantize_search if self.scale_rule == "mse" else torch.ops.hfq.nvfp4_quantize
+            packed, scale, gs = op(w)
             dev = self.qweight.device
             self.weight_global_scale = gs.to(dev) if dev.type != "meta" else gs
         else:

@@ -24,6 +24,7 @@ def _make_layer(config: NVFP4Config, placeholder: bool, skipped: dict[str, str])
             return None
         new = NVFP4Linear(mod.in_features, mod.out_features, mod.bias is not None, config.format,
                           config.torch_compute_dtype, device=mod.weight.device, dtype=mod.weight.dtype)
+        new.scale_rule = config.scales
         if placeholder:
             new._parameters["weight"] = nn.Parameter(
                 torch.empty(mod.out_features, mod.in_features, dtype=mod.weight.dtype, device="meta"),
