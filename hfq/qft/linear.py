@@ -8,7 +8,7 @@ from torch import nn
 
 from hfq_kernels.reference.fp8 import check_finite
 
-from .._base.surgery import modules_to_skip, replace_linears
+from .._base.surgery import check_conversion, modules_to_skip, replace_linears
 from ..qparam import QLinear, QParam, ddp_ignore_int8_grad_weights_, qlinear
 from .config import check_gradient_bits
 
@@ -68,6 +68,7 @@ def convert_linears_(model: nn.Module, config, placeholder: bool = False, genera
     return replace_linears(model, layer_maker(config, placeholder, generator), modules_to_skip(model, config, False))
 
 
+
 def finalize_(model: nn.Module) -> None:
     for name, m in model.named_modules():
         if isinstance(m, QLinear):
@@ -79,7 +80,9 @@ def quantize_model_(model: nn.Module, config) -> list[str]:
     marked quantized with `hfq_qft` so that save_pretrained writes an hfq checkpoint."""
     from .quantizer import QFTHfQuantizer
 
-    names = convert_linears_(model, config)
+    skip = modules_to_skip(model, config, False)
+    names = replace_linears(model, layer_maker(config), skip)
+    model.hfq_quantization_report = check_conversion(config.quant_method, model, names, skip, strict=config.strict)
     ddp_ignore_int8_grad_weights_(model)
     if hasattr(model, "config"):
         model.config.quantization_config = config
