@@ -124,3 +124,15 @@ def test_tensors_of_another_method_name_what_they_hold(held, asked, tiny_dir, tm
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=rf"holds hfq_{held} tensors .* asks for hfq_{asked}"):
         AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_qerl_config_turns_bf16_on_only_where_the_device_has_it(tmp_path):
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    from hfq.qerl import QeRLConfig
+
+    has = is_torch_bf16_gpu_available()
+    assert QeRLConfig(output_dir=str(tmp_path)).bf16 is has
+    assert QeRLConfig.paper_preset("gsm8k", output_dir=str(tmp_path)).bf16 is has
+    assert QeRLConfig(output_dir=str(tmp_path), use_cpu=True).bf16 is False
+    assert QeRLConfig(output_dir=str(tmp_path), bf16=False).bf16 is False  # an explicit choice is kept
