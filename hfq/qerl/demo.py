@@ -1,5 +1,6 @@
-"""The offline QeRL demo's base model: a tiny Qwen2 with hfq's character tokenizer, briefly pre-trained on the
-bundled arithmetic word problems so it is right part of the time (what `hfq grpo` trains with no `--model`)."""
+"""The offline QeRL demo (what `hfq grpo` trains with no `--model`): its base model, a tiny Qwen2 with hfq's
+character tokenizer briefly pre-trained on the bundled arithmetic word problems so it is right part of the time,
+and its verdict, greedy accuracy and format on held-out problems before vs after GRPO with their noise."""
 from __future__ import annotations
 
 DEMO_ARCH = dict(hidden=96, layers=3, heads=4, kv_heads=2, intermediate=192)
@@ -61,3 +62,39 @@ def build_demo_base(cache_dir=None, steps: int = DEMO_PRETRAIN_STEPS, seed: int 
     tok.save_pretrained(out)
     (out / "DONE").write_text("ok\n")
     return str(out)
+
+
+def heldout_scores(model, tok, rows, max_new_tokens: int = 48, batch: int = 100) -> dict[str, list[float]]:
+    """Greedy answers of `model` to held-out `rows` (prompt + answer), scored 1/0 per row by the demo's two
+    rewards: {"accuracy": [...], "format": [...]}."""
+    import torch
+
+    from .rewards import accuracy_reward, format_reward
+
+    was_training = model.training
+    model.eval()
+    out = {"accuracy": [], "format": []}
+    for i in range(0, len(rows), batch):
+        part = rows[i:i + batch]
+        enc = tok([r["prompt"] for r in part], return_tensors="pt", padding=True, padding_side="left")
+        with torch.no_grad():
+            gen = model.generate(**enc.to(next(model.parameters()).device), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        texts = tok.batch_decode(gen[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        out["accuracy"] += accuracy_reward(texts, answer=[r["answer"] for r in part])
+        out["format"] += format_reward(texts)
+    model.train(was_training)
+    return out
+
+
+def verdict(before: list[float], after: list[float]) -> tuple[float, float, str]:
+    """Paired change in held-out accuracy, its noise (two standard errors of the mean paired difference) and a
+    one-word reading: "improved" / "got worse" only when the change exceeds that noise."""
+    n = len(before)
+    if n != len(after) or n < 2:
+        raise ValueError(f"verdict: needs two equal-length score lists of >= 2 prompts, got {n} and {len(after)}")
+    d = [a - b for a, b in zip(after, before)]
+    mean = sum(d) / n
+    noise = 2 * (sum((x - mean) ** 2 for x in d) / (n - 1) / n) ** 0.5
+    word = "improved" if mean > noise else "got worse" if mean < -noise else "no change beyond noise"
+    return mean, noise, word
