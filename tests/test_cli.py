@@ -57,7 +57,7 @@ def test_plot_leaves_out_panels_that_show_only_rounding_noise(tmp_path):
             for s in range(1, 6)]
     assert [p[0] for p in shown_panels(rows)] == ["reward", "entropy"]
     assert all(p[2] for p in shown_panels(rows))  # every panel has a y-axis label
-    path = plot_curves(rows, str(tmp_path / "c.png"), heldout={"problems": 200, "before": 0.1, "after": 0.3})
+    path = plot_curves(rows, str(tmp_path / "c.png"), heldout={"before": 0.7, "after": 0.9, "before_2se": 0.05, "after_2se": 0.04})
     assert (tmp_path / "c.png").stat().st_size > 0 and path.endswith("c.png")
 
 
@@ -72,7 +72,7 @@ def test_demo_explains_itself_and_ends_with_a_heldout_verdict(tmp_path, capsys):
     assert "What this shows" in text and "stage 0 adds no noise" in text and "reward  = accuracy" in text
     assert "AQN stage 0/4 sigma 0.0e+00" in text
     summary = json.loads((out / "metrics.json").read_text())["summary"]
-    for key in ("accuracy", "format"):
+    for key in ("reward", "accuracy", "format"):
         held = summary[f"heldout_{key}"]
         assert held["problems"] == 200 and held["noise_2se"] >= 0
         assert f"held-out {key} {held['before']:.3f} -> {held['after']:.3f}" in text.split("verdict")[-1]

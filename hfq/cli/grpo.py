@@ -4,7 +4,8 @@ With no arguments: the offline demo. It builds (deterministically, cached under 
 Qwen2-architecture model with hfq's character tokenizer, pre-trains it briefly on the bundled arithmetic
 word problems so it is right part of the time, reloads it quantized to NVFP4, adds LoRA, runs QeRL GRPO
 (AQN on) for a few dozen steps on the CPU, prints + plots reward, entropy and sigma, and ends with a verdict:
-greedy accuracy and format on held-out problems before vs after training, with their noise.
+accuracy and format of answers sampled as in training, on held-out problems, before vs after training, with
+their noise.
 
 With `--model` / `--dataset` / `--config` it trains a real model (e.g. Qwen2.5-7B-Instruct on GSM8K): in bf16 on a
 GPU, in fp32 on a CPU-only machine (settings picked from the hardware; `--config` overrides them).
@@ -29,7 +30,8 @@ _EXPLAIN = """\
     AQN     = the run is cut into {stages} stages of equal length: stage 0 adds no noise (sigma 0), stages 1..{K} add
               Gaussian noise of std sigma to the RMSNorm weights while sampling, {s0:g} decaying to {s1:g}
   A step's reward is a mean over its {samples} samples, so it moves from step to step by sampling alone; the verdict
-  at the end compares greedy accuracy and format on {n} held-out problems before and after training."""
+  at the end compares accuracy and format on {n} held-out problems (2 answers each, sampled the same way) before
+  and after training."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -168,7 +170,7 @@ def main(args) -> int:
     import torch
     from transformers import PrinterCallback, TrainerCallback
 
-    from hfq.qerl.demo import heldout_scores, verdict
+    from hfq.qerl.demo import heldout_scores, two_se, verdict
     from hfq.qerl.entropy import sampling_entropy
     from hfq.qerl.plot import plot_curves
     from hfq.qerl.rewards import accuracy_reward, format_reward
@@ -205,7 +207,7 @@ def main(args) -> int:
               f"broadly): " + ", ".join(f"{k} {v:.4f}" for k, v in entropy_note.items()))
         heldout = _heldout_rows(set(dataset["prompt"]), args.seed)
         before = heldout_scores(model, tok, heldout)
-        print(f"[hfq grpo] before training, greedy on {len(heldout)} held-out problems: " +
+        print(f"[hfq grpo] before training, on {len(heldout)} held-out problems: " +
               ", ".join(f"{k} {sum(v) / len(v):.3f}" for k, v in before.items()))
 
     class _Print(TrainerCallback):
@@ -236,22 +238,23 @@ def main(args) -> int:
     verdicts = []
     if demo:
         after = heldout_scores(trainer.model, tok, heldout)
-        for key in ("accuracy", "format"):
+        for key in ("reward", "accuracy", "format"):
             b, a = before[key], after[key]
             change, noise, word = verdict(b, a)
             summary[f"heldout_{key}"] = {"problems": len(b), "before": sum(b) / len(b), "after": sum(a) / len(a),
+                                         "before_2se": two_se(b), "after_2se": two_se(a),
                                          "change": change, "noise_2se": noise, "verdict": word}
             verdicts.append(f"held-out {key} {sum(b) / len(b):.3f} -> {sum(a) / len(a):.3f} ({change:+.3f} +- "
                             f"{noise:.3f}): {word}")
     summary["seconds"] = round(time.time() - t0, 1)
     (out / "metrics.json").write_text(json.dumps({"summary": summary, "history": history}, indent=1))
     if not args.no_plot:
-        plot_curves(trainer.state.log_history, str(out / "curves.png"), heldout=summary.get("heldout_accuracy"))
+        plot_curves(trainer.state.log_history, str(out / "curves.png"), heldout=summary.get("heldout_reward"))
     print(f"[hfq grpo] training reward, first quarter {summary['first_quarter_reward']:.3f} -> last quarter "
           f"{summary['last_quarter_reward']:.3f}; {summary['seconds']} s; wrote {out}/metrics.json"
           + ("" if args.no_plot else f" and {out}/curves.png"))
     if demo:
-        print("[hfq grpo] verdict (greedy, before vs after, +- two standard errors of the paired change): "
+        print("[hfq grpo] verdict (before -> after, +- two standard errors of the paired change): "
               + "; ".join(verdicts))
     if not demo:
         trainer.save_model(str(out / "final"))

@@ -19,7 +19,7 @@ def shown_panels(rows: list[dict]) -> list[tuple[str, str, str]]:
 def plot_curves(log_history: list[dict], path: str, heldout: dict | None = None) -> str:
     """Plot `trainer.state.log_history` (entries with a "step") to `path`; missing metrics show as gaps, a metric
     that is never logged or stays within FLAT of zero (the loss of a one-update-per-rollout GRPO, sigma without
-    AQN) gets no panel. `heldout` ({"problems", "before", "after"}) adds held-out accuracy to the reward panel."""
+    AQN) gets no panel. `heldout` ({"before", "after", "before_2se", "after_2se"}) adds the held-out reward to the reward panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -35,9 +35,8 @@ def plot_curves(log_history: list[dict], path: str, heldout: dict | None = None)
         a.plot(steps, [h.get(key, math.nan) for h in rows], marker=".", label="training samples")
         if key == "reward" and heldout:
             for x, k in ((0, "before"), (steps[-1], "after")):
-                p = heldout[k]
-                a.errorbar([x], [p], yerr=[2 * math.sqrt(p * (1 - p) / heldout["problems"])], fmt="s", color="C3",
-                           capsize=3, label="held-out accuracy (greedy, 2 SE)" if k == "before" else None)
+                a.errorbar([x], [heldout[k]], yerr=[heldout[f"{k}_2se"]], fmt="s", color="C3", capsize=3,
+                           label="held-out reward (2 SE)" if k == "before" else None)
             a.legend(fontsize=8)
         a.set_title(title)
         a.set_xlabel("GRPO step")
