@@ -1,5 +1,6 @@
-"""Model surgery shared by NVFP4, QuEST and QFT: which linears are converted, the swap itself, and the
-checkpoint guard that stops a plain transformers load (without `import hfq`) from loading silently wrong.
+"""Model surgery shared by NVFP4, QuEST and QFT: which linears are converted, the swap itself, the check of what
+a conversion left out (`check_conversion`), and the checkpoint guard that stops a plain transformers load (without
+`import hfq`) from loading silently wrong.
 
 Skip rule (`modules_to_not_convert`): transformers' own (`should_convert_module` of the installed version,
 called, so hfq and transformers' quantizers always agree) — a module is skipped when an entry, read as a regular
