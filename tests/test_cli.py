@@ -37,3 +37,44 @@ def test_grpo_device_settings_follow_the_hardware():
     else:
         assert (kw["use_cpu"], kw["bf16"], dtype) == (True, False, torch.float32)
     assert _device_settings(demo=True)[1] == torch.float32
+
+
+def test_demo_verdict_reads_the_change_against_its_noise():
+    from hfq.qerl.demo import verdict
+
+    assert verdict([0.0] * 100, [1.0] * 50 + [0.0] * 50)[2] == "improved"
+    assert verdict([1.0] * 50 + [0.0] * 50, [0.0] * 100)[2] == "got worse"
+    change, noise, word = verdict([1.0, 0.0] * 50, [0.0, 1.0] * 50)  # same accuracy, answers swapped
+    assert (change, word) == (0.0, "no change beyond noise") and noise > 0.15
+    with pytest.raises(ValueError, match="equal-length"):
+        verdict([1.0] * 3, [1.0] * 4)
+
+
+def test_plot_leaves_out_panels_that_show_only_rounding_noise(tmp_path):
+    from hfq.qerl.plot import plot_curves, shown_panels
+
+    rows = [{"step": s, "reward": 0.5 + s / 100, "loss": 3e-8 * (-1) ** s, "entropy": 0.4, "aqn/sigma": 0.0}
+            for s in range(1, 6)]
+    assert [p[0] for p in shown_panels(rows)] == ["reward", "entropy"]
+    assert all(p[2] for p in shown_panels(rows))  # every panel has a y-axis label
+    path = plot_curves(rows, str(tmp_path / "c.png"), heldout={"before": 0.7, "after": 0.9, "before_2se": 0.05, "after_2se": 0.04})
+    assert (tmp_path / "c.png").stat().st_size > 0 and path.endswith("c.png")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the demo's CPU path")
+def test_demo_explains_itself_and_ends_with_a_heldout_verdict(tmp_path, capsys):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(dict(num_generations=4, per_device_train_batch_size=8, max_completion_length=8)))
+    out = tmp_path / "run"
+    assert main(["grpo", "--steps", "2", "--pretrain-steps", "2", "--cache-dir", str(tmp_path / "cache"),
+                 "--config", str(cfg), "--output-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "What this shows" in text and "stage 0 adds no noise" in text and "reward  = accuracy" in text
+    assert "AQN stage 0/4 sigma 0.0e+00" in text
+    summary = json.loads((out / "metrics.json").read_text())["summary"]
+    for key in ("reward", "accuracy", "format"):
+        held = summary[f"heldout_{key}"]
+        assert held["problems"] == 200 and held["noise_2se"] >= 0
+        assert f"held-out {key} {held['before']:.3f} -> {held['after']:.3f}" in text.split("verdict")[-1]
+        assert held["verdict"] in text.split("verdict")[-1]
+    assert (out / "curves.png").stat().st_size > 0

@@ -6,7 +6,8 @@ as they are (`to_dict` is what config.json stores, `from_dict` rebuilds and re-v
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -31,6 +32,11 @@ def check_positive(field: str, value, allow_none: bool = False) -> None:
         raise ValueError(f"{field}: must be a positive number{' or None' if allow_none else ''}, got {value!r}")
 
 
+def warn_unused(field: str, value, why: str) -> None:
+    """A field set to something that the rest of the config makes irrelevant: say so instead of ignoring it."""
+    warnings.warn(f"{field}={value!r} has no effect: {why}", UserWarning, stacklevel=4)
+
+
 def check_module_names(field: str, value) -> list[str] | None:
     """None or a list of module names/patterns (a bare string is refused: it is one name, not a list)."""
     if value is None:
@@ -44,8 +50,9 @@ def check_module_names(field: str, value) -> list[str] | None:
 class HfqConfig(QuantizationConfigMixin):
     """Base of NVFP4Config, QuESTConfig and QFTConfig.
 
-    Subclasses declare `modules_to_not_convert` and `quant_method` fields. `modules_to_not_convert` entries
-    follow transformers' own rule for that option (hfq._base.surgery.should_convert): a module is kept in
+    Subclasses declare `modules_to_not_convert`, `strict` and `quant_method` fields. `strict`: a linear layer the
+    method cannot convert (other than by `modules_to_not_convert`) is an error instead of a warning.
+    `modules_to_not_convert` entries follow transformers' own rule for that option (hfq._base.surgery.should_convert): a module is kept in
     high precision when an entry (a regular expression) matches the start of its full name or the name ends
     with it, so "lm_head" keeps `lm_head` and "model.layers.0" keeps that whole block.
     """
@@ -53,11 +60,18 @@ class HfqConfig(QuantizationConfigMixin):
     QUANT_METHOD: ClassVar[str] = ""
     # None = transformers' defaults (the output embedding and tied modules) are added to the list
     ADD_DEFAULT_SKIPS: ClassVar[bool] = False
+    BY_METHOD: ClassVar[dict[str, type]] = {}  # quant_method -> config class, filled as each method is imported
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.QUANT_METHOD:
+            HfqConfig.BY_METHOD[cls.QUANT_METHOD] = cls
 
     def __post_init__(self):
         if self.quant_method != self.QUANT_METHOD:
             raise ValueError(f"quant_method: expected {self.QUANT_METHOD!r}, got {self.quant_method!r}")
         self.modules_to_not_convert = check_module_names("modules_to_not_convert", self.modules_to_not_convert)
+        check_bool("strict", self.strict)
         self.validate()
 
     def validate(self) -> None:
@@ -65,6 +79,20 @@ class HfqConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
+        """Rebuild from a config.json `quantization_config`. Fields this method does not have are a ValueError
+        naming them and the hfq method they belong to (a config whose quant_method was changed by hand)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(config_dict) - known)
+        if unknown:
+            owners = sorted(m for m, c in HfqConfig.BY_METHOD.items()
+                            if c is not cls and set(unknown) <= {f.name for f in fields(c)})
+            held = f"; they are fields of {' / '.join(owners)}, so it was written by that method" if owners else ""
+            raise ValueError(f"quantization_config says quant_method {cls.QUANT_METHOD!r} but has fields {unknown} "
+                             f"that {cls.QUANT_METHOD} does not know{held}. Allowed: {sorted(known)}")
+        return super().from_dict(config_dict, return_unused_kwargs, **kwargs)
 
     def to_diff_dict(self) -> dict:
         return self.to_dict()

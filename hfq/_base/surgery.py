@@ -1,5 +1,6 @@
-"""Model surgery shared by NVFP4, QuEST and QFT: which linears are converted, the swap itself, and the
-checkpoint guard that stops a plain transformers load (without `import hfq`) from loading silently wrong.
+"""Model surgery shared by NVFP4, QuEST and QFT: which linears are converted, the swap itself, the check of what
+a conversion left out (`check_conversion`), and the checkpoint guard that stops a plain transformers load (without
+`import hfq`) from loading silently wrong.
 
 Skip rule (`modules_to_not_convert`): transformers' own (`should_convert_module` of the installed version,
 called, so hfq and transformers' quantizers always agree) — a module is skipped when an entry, read as a regular
@@ -10,6 +11,7 @@ transformers 5.23 adds that the match must end at a module boundary) or when the
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Callable
 
 import torch
@@ -40,6 +42,49 @@ def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+NOT_CONVERTED = "modules_to_not_convert"
+
+
+def _linear_like(mod: nn.Module) -> bool:
+    """A layer a user would expect a linear quantization to cover: nn.Linear (or a subclass) or transformers'
+    Conv1D (GPT-2 style [in, out] linear)."""
+    return isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D"
+
+
+def check_conversion(method: str, model: nn.Module, converted: list[str], skip: list[str] | None,
+                     reasons: dict[str, str] | None = None, strict: bool = False, warn: bool = True) -> dict:
+    """The one check after a conversion: every linear-like layer left unconverted gets a reason (the method's
+    own from `reasons`, the skip rule's, or its type). Layers skipped only by `modules_to_not_convert` are the
+    user's choice; any other is a UserWarning naming it (with `warn`), a ValueError under `strict`, and a
+    ValueError when nothing at all was converted. Returns the report {"quantized": [...], "skipped": {...}}."""
+    done = set(converted)
+    skipped = {}
+    for name, mod in model.named_modules():
+        if name in done or not _linear_like(mod):
+            continue
+        if reasons and name in reasons:
+            skipped[name] = reasons[name]
+        elif not should_convert(name, skip):
+            skipped[name] = NOT_CONVERTED
+        else:
+            skipped[name] = f"{type(mod).__name__} is not an nn.Linear (hfq converts exactly nn.Linear)"
+    unexpected = {n: r for n, r in skipped.items() if r != NOT_CONVERTED}
+    listing = "; ".join(f"{n}: {r}" for n, r in list(unexpected.items() or skipped.items())[:8])
+    more = f" (+{len(unexpected or skipped) - 8} more)" if len(unexpected or skipped) > 8 else ""
+    if not converted:
+        raise ValueError(f"{method}: no layer was converted, so the model would load unquantized under a "
+                         f"quantized config. Left as they were: {listing or 'no linear layers found'}{more}. "
+                         f"Change the config (modules_to_not_convert, format) for this model; with strict=True "
+                         f"any layer that cannot be converted is an error naming it")
+    if unexpected and strict:
+        raise ValueError(f"{method}: {len(unexpected)} layer(s) cannot be converted (strict=True): {listing}{more}")
+    if unexpected and warn:
+        warnings.warn(f"{method}: {len(unexpected)} of {len(unexpected) + len(converted)} linear layers left "
+                      f"unquantized: {listing}{more}. strict=True refuses this instead; "
+                      f"model.hfq_quantization_report['skipped'] lists them", UserWarning, stacklevel=3)
+    return {"quantized": list(converted), "skipped": skipped}
+
+
 def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None], skip: list[str] | None,
                     skipped: dict[str, str] | None = None) -> list[str]:
     """Swap every `nn.Linear` (exact type) that the skip rule converts for `make(name, linear)`.
@@ -53,7 +98,7 @@ def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module
         if type(mod) is not nn.Linear:
             continue
         if not should_convert(name, skip):
-            skipped[name] = "modules_to_not_convert"
+            skipped[name] = NOT_CONVERTED
             continue
         new = make(name, mod)
         if new is not None:
@@ -89,6 +134,21 @@ class QuantizeOnLoad(ConversionOps):
         except ValueError as e:
             self.hf_quantizer.errors[name] = str(e)
             return {}
+
+
+def checkpoint_index(files) -> dict[str, tuple[str, tuple]]:
+    """key -> (safetensors dtype, shape) of a checkpoint's files, read from their headers only."""
+    from safetensors import safe_open
+
+    index = {}
+    for f in files or []:
+        if not str(f).endswith(".safetensors"):
+            raise ValueError(f"{f}: hfq checkpoints are safetensors only (pickle is never loaded)")
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                sl = h.get_slice(k)
+                index[k] = (sl.get_dtype(), tuple(sl.get_shape()))
+    return index
 
 
 def raise_load_errors(method: str, errors: dict[str, str]) -> None:
@@ -157,14 +217,44 @@ class HfqQuantizer(HfQuantizer):
     `checkpoint_state(model)` is what the method saves (the model's state_dict unless it overrides it)."""
 
     requires_calibration = False
+    # tensor names (after the layer's prefix) that only this method's checkpoints hold, all of them together
+    SIGNATURES: dict[str, frozenset] = {}
+    QUANT_METHOD = ""
+    signature: frozenset = frozenset()
     layer_types: tuple = ()
     variable_tensors: tuple = ()
     qat_trainable = False
     compileable = False
     _guard_key: str | None = None
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.QUANT_METHOD and cls.signature:
+            HfqQuantizer.SIGNATURES[cls.QUANT_METHOD] = cls.signature
+
     def validate_environment(self, *args, **kwargs):
         return
+
+    def conversion_report(self, model: nn.Module, converted: list[str], skip: list[str] | None,
+                          reasons: dict[str, str] | None = None) -> dict:
+        """`check_conversion` for this load (warnings on a fresh load only: a reload would repeat them), kept as
+        `model.hfq_quantization_report`."""
+        cfg = self.quantization_config
+        report = check_conversion(cfg.quant_method, model, converted, skip, reasons, cfg.strict,
+                                  warn=not self.pre_quantized)
+        model.hfq_quantization_report = report
+        return report
+
+    def check_checkpoint_method(self, index: dict) -> None:
+        """A pre-quantized checkpoint whose tensors are another hfq method's than the one its config names is a
+        ValueError saying which method it holds and which was asked for."""
+        suffixes = {k.rpartition(".")[2] for k in index}
+        asked = self.quantization_config.quant_method
+        held = [m for m, sig in HfqQuantizer.SIGNATURES.items() if sig <= suffixes]
+        if held and asked not in held:
+            example = next(k for k in index if k.rpartition(".")[2] in HfqQuantizer.SIGNATURES[held[0]])
+            raise ValueError(f"this checkpoint holds {' / '.join(held)} tensors (e.g. {example}) but its "
+                             f"quantization_config asks for {asked}: the config does not belong to these weights")
 
     def is_serializable(self, *args, **kwargs):
         return True

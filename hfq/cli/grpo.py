@@ -3,7 +3,9 @@
 With no arguments: the offline demo. It builds (deterministically, cached under `--cache-dir`) a tiny
 Qwen2-architecture model with hfq's character tokenizer, pre-trains it briefly on the bundled arithmetic
 word problems so it is right part of the time, reloads it quantized to NVFP4, adds LoRA, runs QeRL GRPO
-(AQN on) for a few dozen steps on the CPU, and prints + plots reward, entropy and sigma.
+(AQN on) for a few dozen steps on the CPU, prints + plots reward, entropy and sigma, and ends with a verdict:
+accuracy and format of answers sampled as in training, on held-out problems, before vs after training, with
+their noise.
 
 With `--model` / `--dataset` / `--config` it trains a real model (e.g. Qwen2.5-7B-Instruct on GSM8K): in bf16 on a
 GPU, in fp32 on a CPU-only machine (settings picked from the hardware; `--config` overrides them).
@@ -12,10 +14,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
-from hfq.qerl.demo import DEMO_PRETRAIN_STEPS, build_demo_base
+from hfq.qerl.demo import DEMO_ARCH, DEMO_PRETRAIN_STEPS, build_demo_base
+
+HELDOUT = 200
+_EXPLAIN = """\
+[hfq grpo] What this shows: QeRL = GRPO on a quantized base + LoRA, with Adaptive Quantization Noise (AQN), teaching
+  a tiny pre-trained model ({layers} layers, {hidden} wide, fp32 -> {quant}) one-digit word problems, offline on the CPU.
+  Each step samples {gens} answers to each of {prompts} prompts and rewards them:
+    reward  = accuracy (1 if the answer is right) + format (1 for <think>..</think><answer>..</answer>); at most 2
+    entropy = the policy's mean entropy per sampled token (nats)
+    AQN     = the run is cut into {stages} stages of equal length: stage 0 adds no noise (sigma 0), stages 1..{K} add
+              Gaussian noise of std sigma to the RMSNorm weights while sampling, {s0:g} decaying to {s1:g}
+  A step's reward is a mean over its {samples} samples, so it moves from step to step by sampling alone; the verdict
+  at the end compares accuracy and format on {n} held-out problems (2 answers each, sampled the same way) before
+  and after training."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +83,27 @@ def _load_dataset(args):
 
 
 # --------------------------------------------------------------------------- main
+def _one_thread_if_busy() -> str | None:
+    """On a CPU machine already running more than it has cores, torch's spinning OpenMP threads fight the other
+    jobs for them and the run slows several-fold: use one thread there, unless OMP_NUM_THREADS chooses. Returns
+    a note saying so, or None."""
+    import torch
+
+    cores, load = os.cpu_count() or 1, os.getloadavg()[0]
+    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ or cores < 2 or load < cores - 0.5:
+        return None
+    torch.set_num_threads(1)
+    return f"this machine is busy (load {load:.1f} on {cores} cores): 1 torch thread (OMP_NUM_THREADS overrides)"
+
+
+def _heldout_rows(train_prompts: set, seed: int) -> list[dict]:
+    """HELDOUT demo problems whose question is not among the training prompts."""
+    from hfq.qerl.data import make_dataset
+
+    rows = [r for r in make_dataset(4 * HELDOUT, seed=seed + 1000) if r["prompt"] not in train_prompts]
+    return rows[:HELDOUT]
+
+
 def _device_settings(demo: bool) -> tuple[dict, "torch.dtype"]:
     """QeRLConfig fields and load dtype for this machine: bf16 on a GPU that has it, fp32 on the CPU
     (and always for the tiny fp32 demo model)."""
@@ -133,6 +170,7 @@ def main(args) -> int:
     import torch
     from transformers import PrinterCallback, TrainerCallback
 
+    from hfq.qerl.demo import heldout_scores, two_se, verdict
     from hfq.qerl.entropy import sampling_entropy
     from hfq.qerl.plot import plot_curves
     from hfq.qerl.rewards import accuracy_reward, format_reward
@@ -141,13 +179,22 @@ def main(args) -> int:
     torch.manual_seed(args.seed)
     demo = args.model is None
     t0 = time.time()
+    note = _one_thread_if_busy()
+    if note:
+        print(f"[hfq grpo] {note}")
     path = build_demo_base(args.cache_dir, steps=args.pretrain_steps, seed=args.seed) if demo else args.model
     model, tok = _load_policy(args, path, demo)
     dataset, _ = _load_dataset(args)
     cfg = _build_config(args, demo)
 
-    entropy_note = {}
-    if demo:  # entropy experiment: same prompts, BF16-path (fp32) base vs quantized base, adapters off
+    entropy_note, heldout, before = {}, [], {}
+    if demo:
+        K = cfg.aqn_num_stages
+        print(_EXPLAIN.format(quant=args.quant, gens=cfg.num_generations, n=HELDOUT, stages=K + 1, K=K,
+                              samples=cfg.per_device_train_batch_size,
+                              prompts=cfg.per_device_train_batch_size // cfg.num_generations,
+                              s0=cfg.aqn_sigma_start, s1=cfg.aqn_sigma_end, **DEMO_ARCH))
+        # the paper's Fig. 5 on this model: same prompts, fp32 base vs quantized base, adapters off
         from transformers import AutoModelForCausalLM
 
         prompts = [dataset[i]["prompt"] for i in range(32)]
@@ -156,14 +203,22 @@ def main(args) -> int:
             entropy_note = {"fp32": sampling_entropy(clean, tok, prompts),
                             args.quant: sampling_entropy(model.eval(), tok, prompts)}
         model.train()
-        print(f"[hfq grpo] sampling entropy on 32 prompts: " +
-              ", ".join(f"{k} {v:.4f}" for k, v in entropy_note.items()))
+        print(f"[hfq grpo] sampling entropy of the base on 32 prompts (QeRL's claim: quantized samples more "
+              f"broadly): " + ", ".join(f"{k} {v:.4f}" for k, v in entropy_note.items()))
+        heldout = _heldout_rows(set(dataset["prompt"]), args.seed)
+        before = heldout_scores(model, tok, heldout)
+        print(f"[hfq grpo] before training, on {len(heldout)} held-out problems: " +
+              ", ".join(f"{k} {sum(v) / len(v):.3f}" for k, v in before.items()))
 
     class _Print(TrainerCallback):
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "reward" in logs:
-                print(f"step {state.global_step:3d}  reward {logs['reward']:.3f}  entropy {logs.get('entropy', 0):.3f}"
-                      f"  sigma {logs.get('aqn/sigma', 0):.2e}  stage {int(logs.get('aqn/stage', 0))}", flush=True)
+                parts = [logs.get(f"rewards/{f.__name__}/mean") for f in (accuracy_reward, format_reward)]
+                split = f" (= {parts[0]:.3f} + {parts[1]:.3f})" if None not in parts else ""
+                print(f"step {state.global_step:3d}  reward {logs['reward']:.3f}{split}  "
+                      f"entropy {logs.get('entropy', 0):.3f}"
+                      f"  AQN stage {int(logs.get('aqn/stage', 0))}/{cfg.aqn_num_stages if cfg.aqn else 0} sigma "
+                      f"{logs.get('aqn/sigma', 0):.1e}", flush=True)
 
     trainer = QeRLGRPOTrainer(model=model, reward_funcs=[accuracy_reward, format_reward], args=cfg,
                               train_dataset=dataset, processing_class=tok, callbacks=[_Print()])
@@ -178,14 +233,29 @@ def main(args) -> int:
     rewards = [h["reward"] for h in history]
     k = max(1, len(rewards) // 4)
     summary = {"first_quarter_reward": sum(rewards[:k]) / k, "last_quarter_reward": sum(rewards[-k:]) / k,
-               "steps": len(rewards), "seconds": round(time.time() - t0, 1), "aqn_scope": cfg.aqn_scope,
+               "steps": len(rewards), "aqn_scope": cfg.aqn_scope,
                "aqn": cfg.aqn, "quant": args.quant, "sampling_entropy": entropy_note}
+    verdicts = []
+    if demo:
+        after = heldout_scores(trainer.model, tok, heldout)
+        for key in ("reward", "accuracy", "format"):
+            b, a = before[key], after[key]
+            change, noise, word = verdict(b, a)
+            summary[f"heldout_{key}"] = {"problems": len(b), "before": sum(b) / len(b), "after": sum(a) / len(a),
+                                         "before_2se": two_se(b), "after_2se": two_se(a),
+                                         "change": change, "noise_2se": noise, "verdict": word}
+            verdicts.append(f"held-out {key} {sum(b) / len(b):.3f} -> {sum(a) / len(a):.3f} ({change:+.3f} +- "
+                            f"{noise:.3f}): {word}")
+    summary["seconds"] = round(time.time() - t0, 1)
     (out / "metrics.json").write_text(json.dumps({"summary": summary, "history": history}, indent=1))
     if not args.no_plot:
-        plot_curves(trainer.state.log_history, str(out / "curves.png"))
-    print(f"[hfq grpo] reward first quarter {summary['first_quarter_reward']:.3f} -> last quarter "
-          f"{summary['last_quarter_reward']:.3f} in {summary['seconds']} s; wrote {out}/metrics.json"
+        plot_curves(trainer.state.log_history, str(out / "curves.png"), heldout=summary.get("heldout_reward"))
+    print(f"[hfq grpo] training reward, first quarter {summary['first_quarter_reward']:.3f} -> last quarter "
+          f"{summary['last_quarter_reward']:.3f}; {summary['seconds']} s; wrote {out}/metrics.json"
           + ("" if args.no_plot else f" and {out}/curves.png"))
+    if demo:
+        print("[hfq grpo] verdict (before -> after, +- two standard errors of the paired change): "
+              + "; ".join(verdicts))
     if not demo:
         trainer.save_model(str(out / "final"))
     return 0

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._base.config import HfqConfig, check_bool, check_choice
+from .._base.config import HfqConfig, check_choice
 
 QUANT_METHOD = "hfq_nvfp4"
 FORMATS = ("nvfp4", "mxfp4")
@@ -22,7 +22,8 @@ class NVFP4Config(HfqConfig):
         transformers' defaults for the model (output embedding, tied modules) are always added.
     format: "nvfp4" (E4M3 scale per 16 + fp32 global scale) or "mxfp4" (E8M0 scale per 32).
     compute_dtype: activation dtype for the matmul ("bfloat16" | "float16" | "float32"; None = input dtype).
-    strict: raise instead of skipping a linear whose in_features is not a multiple of the block size.
+    strict: raise instead of skipping a linear whose in_features is not a multiple of the block size (or that
+        is not an nn.Linear); without it such layers stay dense with a warning naming them.
     scales: NVFP4 scale rule: "amax" (global 448*6/amax, block amax/6: round-to-nearest) or "mse" (global and
         block scales searched for the least reconstruction error; same format, slower load).
     """
@@ -43,7 +44,6 @@ class NVFP4Config(HfqConfig):
             self.compute_dtype = str(self.compute_dtype).removeprefix("torch.")
         if self.compute_dtype is not None:
             check_choice("compute_dtype", self.compute_dtype, sorted(_DTYPES) + [None])
-        check_bool("strict", self.strict)
         check_choice("scales", self.scales, SCALE_RULES)
         if self.scales != "amax" and self.format != "nvfp4":
             raise ValueError(f"scales={self.scales!r} applies to format='nvfp4' only (MXFP4's scales are powers of two)")

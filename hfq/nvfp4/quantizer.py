@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from .._base.lora import dense_linear
-from .._base.surgery import HfqQuantizer, QuantizeOnLoad, modules_to_skip, raise_load_errors, replace_linears
+from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, checkpoint_index, modules_to_skip, raise_load_errors,
+                             replace_linears)
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
 
@@ -49,24 +50,12 @@ class NVFP4Quantize(QuantizeOnLoad):
         return out
 
 
-def _checkpoint_index(files) -> dict[str, tuple[str, tuple]]:
-    from safetensors import safe_open
-
-    index = {}
-    for f in files or []:
-        if not str(f).endswith(".safetensors"):
-            raise ValueError(f"{f}: hfq checkpoints are safetensors only (pickle is never loaded)")
-        with safe_open(str(f), framework="pt") as h:
-            for k in h.keys():
-                sl = h.get_slice(k)
-                index[k] = (sl.get_dtype(), tuple(sl.get_shape()))
-    return index
-
-
 class NVFP4HfQuantizer(HfqQuantizer):
     """Declarative quantizer: which linears become NVFP4Linear, and how their weights get there."""
 
     quantization_config: NVFP4Config
+    QUANT_METHOD = NVFP4Config.QUANT_METHOD
+    signature = frozenset({"weight_packed"})
     layer_types = (NVFP4Linear,)
     compileable = True
 
@@ -95,10 +84,14 @@ class NVFP4HfQuantizer(HfqQuantizer):
         skip = modules_to_skip(model, cfg, cfg.ADD_DEFAULT_SKIPS)
         self.converted = replace_linears(model, _make_layer(cfg, not self.pre_quantized, self.skipped), skip,
                                          self.skipped)
+        if self.pre_quantized and checkpoint_files:
+            index = checkpoint_index(checkpoint_files)
+            self.check_checkpoint_method(index)
+        self.conversion_report(model, self.converted, skip, self.skipped)
         if self.pre_quantized:
             self.expect_guard(model)
             if checkpoint_files:
-                self._validate_checkpoint(model, _checkpoint_index(checkpoint_files))
+                self._validate_checkpoint(model, index)
 
     def _validate_checkpoint(self, model, index):
         problems = []
@@ -124,8 +117,7 @@ class NVFP4HfQuantizer(HfqQuantizer):
         leftover = [n for n in self.converted if "weight" in model.get_submodule(n)._parameters]
         if leftover:
             raise ValueError(f"NVFP4: no weight was found in the checkpoint for {leftover[:10]}")
-        model.hfq_quantization_report = {"quantized": list(self.converted), "skipped": dict(self.skipped),
-                                         "rel_error": dict(self.rel_error)}
+        model.hfq_quantization_report["rel_error"] = dict(self.rel_error)
         for name in self.converted:  # where the Gluon kernel runs: its layout only, no second copy
             mod = model.get_submodule(name)
             if mod.g4_wanted(mod.qweight.device):

@@ -28,7 +28,10 @@ class QeRLConfig(RolloutArguments, GRPOConfig):
     `aqn_scope`: "rollout" (default, as public QeRL ports do) perturbs the norms only while sampling, so old
     log-probs and the update see the clean policy (parameter-space exploration); "rollout_and_old_logprobs"
     also computes the old-policy log-probs under the same noise, so the clipped importance ratio
-    pi_clean / pi_noisy accounts for the perturbation."""
+    pi_clean / pi_noisy accounts for the perturbation.
+
+    `bf16` left unset (None) means "where the device has it": True on a GPU with bf16 (TRL's default), False on a
+    CPU-only machine or with `use_cpu` / `fp16`, so the same script runs on both; an explicit value is kept."""
 
     aqn: bool = field(default=True, metadata={"help": "Enable Adaptive Quantization Noise on the norms."})
     aqn_sigma_start: float = field(default=1e-2, metadata={"help": "Noise std of the first noisy stage."})
@@ -41,6 +44,10 @@ class QeRLConfig(RolloutArguments, GRPOConfig):
         default=None, metadata={"help": "Norm attribute names in a decoder block (default: by model_type)."})
 
     def __post_init__(self):
+        if self.bf16 is None:
+            from transformers.utils import is_torch_bf16_gpu_available
+
+            self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
         super().__post_init__()
         if self.aqn_scope not in SCOPES:
             raise ValueError(f"aqn_scope: unknown {self.aqn_scope!r}; allowed {SCOPES}")

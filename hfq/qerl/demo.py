@@ -1,5 +1,6 @@
-"""The offline QeRL demo's base model: a tiny Qwen2 with hfq's character tokenizer, briefly pre-trained on the
-bundled arithmetic word problems so it is right part of the time (what `hfq grpo` trains with no `--model`)."""
+"""The offline QeRL demo (what `hfq grpo` trains with no `--model`): its base model, a tiny Qwen2 with hfq's
+character tokenizer briefly pre-trained on the bundled arithmetic word problems so it is right part of the time,
+and its verdict, the rewards on held-out problems before vs after GRPO with their noise."""
 from __future__ import annotations
 
 DEMO_ARCH = dict(hidden=96, layers=3, heads=4, kv_heads=2, intermediate=192)
@@ -61,3 +62,51 @@ def build_demo_base(cache_dir=None, steps: int = DEMO_PRETRAIN_STEPS, seed: int 
     tok.save_pretrained(out)
     (out / "DONE").write_text("ok\n")
     return str(out)
+
+
+def heldout_scores(model, tok, rows, samples: int = 2, max_new_tokens: int = 48, seed: int = 0,
+                   batch: int = 100) -> dict[str, list[float]]:
+    """The demo's two rewards on held-out `rows` (prompt + answer), each row's mean over `samples` answers
+    sampled as in training (temperature 1): {"accuracy": [...], "format": [...], "reward": their sum}. Same seed before and after
+    training, so the comparison is paired."""
+    import torch
+
+    from .rewards import accuracy_reward, format_reward
+
+    was_training = model.training
+    model.eval()
+    torch.manual_seed(seed)
+    out = {"accuracy": [], "format": []}
+    for i in range(0, len(rows), batch):
+        part = rows[i:i + batch]
+        enc = tok([r["prompt"] for r in part], return_tensors="pt", padding=True, padding_side="left")
+        with torch.no_grad():
+            gen = model.generate(**enc.to(next(model.parameters()).device), max_new_tokens=max_new_tokens,
+                                 do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=samples,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        texts = tok.batch_decode(gen[:, enc.input_ids.shape[1]:], skip_special_tokens=True)
+        answers = [r["answer"] for r in part for _ in range(samples)]
+        for key, score in (("accuracy", accuracy_reward(texts, answer=answers)), ("format", format_reward(texts))):
+            out[key] += [sum(score[j:j + samples]) / samples for j in range(0, len(score), samples)]
+    model.train(was_training)
+    out["reward"] = [a + f for a, f in zip(out["accuracy"], out["format"])]
+    return out
+
+
+def two_se(xs: list[float]) -> float:
+    """Two standard errors of the mean of `xs`."""
+    n = len(xs)
+    m = sum(xs) / n
+    return 2 * (sum((x - m) ** 2 for x in xs) / max(n - 1, 1) / n) ** 0.5
+
+
+def verdict(before: list[float], after: list[float]) -> tuple[float, float, str]:
+    """Paired change in held-out accuracy, its noise (two standard errors of the mean paired difference) and a
+    one-word reading: "improved" / "got worse" only when the change exceeds that noise."""
+    n = len(before)
+    if n != len(after) or n < 2:
+        raise ValueError(f"verdict: needs two equal-length score lists of >= 2 prompts, got {n} and {len(after)}")
+    d = [a - b for a, b in zip(after, before)]
+    mean, noise = sum(d) / n, two_se(d)
+    word = "improved" if mean > noise else "got worse" if mean < -noise else "no change beyond noise"
+    return mean, noise, word

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from hfq_kernels.reference.fp8 import ROUNDINGS
 
-from .._base.config import HfqConfig, check_choice
+from .._base.config import HfqConfig, check_choice, warn_unused
 from ..qparam import FORMATS, check_format
 
 QUANT_METHOD = "hfq_qft"
@@ -25,7 +25,8 @@ class QFTConfig(HfqConfig):
 
     weight_format: "int8_dense_sparse" (QFT: INT8 per channel + bf16 outliers), "fp8_e4m3_row" (ECO),
         "int4_tensor" or "int4_group" (ECO fine-tuning).
-    group_size: int4_group's group (input elements per scale). outlier_fraction: int8_dense_sparse's tails, in
+    group_size: int4_group's group (input elements per scale); None (default) picks per layer 128 when it divides
+        in_features, else the largest divisor of in_features below 128 (576 -> 96), with a warning saying which. outlier_fraction: int8_dense_sparse's tails, in
         [0, 0.2] (checked for every format): per weight, the thresholds (T_min, T_max) are its fraction/2 lower and
         upper quantiles, set at load; elements outside them are kept as bf16 (int32 flat index + value, 6 bytes each,
         counted by hfq.qft.state_bytes), the rest is INT8 per row.
@@ -48,16 +49,19 @@ class QFTConfig(HfqConfig):
         Under FSDP2 it is reduce-scattered in fp32 and quantized once per shard (the rows this rank holds).
     modules_to_not_convert: modules kept in high precision, matched by transformers' rule (hfq._base.surgery);
         None = transformers' defaults (the output embedding and modules tied to it).
+    strict: raise instead of leaving a linear-like layer that is not an nn.Linear (e.g. GPT-2's Conv1D) in high
+        precision with a warning.
     Train with hfq.qft.QLion (QFT) or hfq.eco.ECOAdamW / ECOSGD: plain torch optimizers are refused.
     """
 
     weight_format: str = "int8_dense_sparse"
-    group_size: int = 128
+    group_size: int | None = None
     outlier_fraction: float = 0.01
     outlier_refresh_steps: int = 0
     rounding: str = "rtn"
     gradient_bits: int | None = None
     modules_to_not_convert: list[str] | None = field(default_factory=lambda: ["lm_head", "embed_tokens"])
+    strict: bool = False
     quant_method: str = QUANT_METHOD
 
     QUANT_METHOD = QUANT_METHOD
@@ -68,6 +72,13 @@ class QFTConfig(HfqConfig):
         check_format(self.weight_format, None, self.format_options)
         check_format("int8_dense_sparse", None, self._outlier_options)  # any format: fail early
         check_gradient_bits(self.gradient_bits)
+        fmt = f"weight_format={self.weight_format!r}"
+        if self.weight_format != "int4_group" and self.group_size is not None:
+            warn_unused("group_size", self.group_size, f"{fmt} has no groups (int4_group only)")
+        if self.weight_format != "int8_dense_sparse":
+            for f, default in (("outlier_fraction", 0.01), ("outlier_refresh_steps", 0)):
+                if getattr(self, f) != default:
+                    warn_unused(f, getattr(self, f), f"{fmt} has no outliers (int8_dense_sparse only)")
 
     @property
     def format_options(self) -> dict:

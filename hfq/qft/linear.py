@@ -68,6 +68,7 @@ def convert_linears_(model: nn.Module, config, placeholder: bool = False, genera
     return replace_linears(model, layer_maker(config, placeholder, generator), modules_to_skip(model, config, False))
 
 
+
 def finalize_(model: nn.Module) -> None:
     for name, m in model.named_modules():
         if isinstance(m, QLinear):

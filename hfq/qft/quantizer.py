@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, modules_to_skip, raise_load_errors, set_submodule,
-                             should_convert)
+from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, checkpoint_index, modules_to_skip,
+                             raise_load_errors, replace_linears, set_submodule, should_convert)
 from ..qparam import QLinear, ddp_ignore_int8_grad_weights_, name_qparams_
 from .config import QFTConfig
 from .linear import convert_linears_, finalize_, layer_maker
@@ -29,6 +29,8 @@ class QFTQuantize(QuantizeOnLoad):
 
 class QFTHfQuantizer(HfqQuantizer):
     quantization_config: QFTConfig
+    QUANT_METHOD = QFTConfig.QUANT_METHOD
+    signature = frozenset({"weight_codes", "weight_scales"})
     layer_types = (QLinear,)
     qat_trainable = True
     variable_tensors = ("weight_sparse_idx", "weight_sparse_val")
@@ -50,12 +52,18 @@ class QFTHfQuantizer(HfqQuantizer):
         except AttributeError:
             return False
 
-    def _process_model_before_weight_loading(self, model, **kwargs):
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         cfg = self.quantization_config
         self._skip = modules_to_skip(model, cfg, False)
         if self.pre_quantized:
+            if checkpoint_files:
+                self.check_checkpoint_method(checkpoint_index(checkpoint_files))
             self.converted = convert_linears_(model, cfg, placeholder=True)
             self.expect_guard(model)
+        else:  # the loader converts these as their weights arrive (param_needs_quantization)
+            self.converted = [n for n, m in model.named_modules()
+                              if type(m) is nn.Linear and should_convert(n, self._skip)]
+        self.conversion_report(model, self.converted, self._skip)
         return model
 
     def get_quantize_ops(self):
@@ -78,7 +86,9 @@ class QFTHfQuantizer(HfqQuantizer):
 def quantize_model_(model: nn.Module, config) -> list[str]:
     """Quantize an already-built model (e.g. from_config for pretraining) in place per a QFTConfig; the model is
     marked quantized with `hfq_qft` so that save_pretrained writes an hfq checkpoint."""
-    names = convert_linears_(model, config)
+    skip = modules_to_skip(model, config, False)
+    names = replace_linears(model, layer_maker(config), skip)
+    model.hfq_quantization_report = check_conversion(config.quant_method, model, names, skip, strict=config.strict)
     ddp_ignore_int8_grad_weights_(model)
     name_qparams_(model)
     if hasattr(model, "config"):

@@ -2,6 +2,8 @@
 hfq_kernels.reference, or hfq_kernels.int8 for QFT's INT8 decode on CUDA), and checks of loaded tensors."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from hfq_kernels import int8 as _int8k
@@ -20,9 +22,22 @@ _VARIABLE = {"int8_dense_sparse": ("sparse_idx", "sparse_val")}  # stored tensor
 _DEFAULT_META = {
     "fp8_e4m3_row": {},
     "int4_tensor": {},
-    "int4_group": {"group_size": 128},
+    "int4_group": {"group_size": None},  # None: default_group_size of the weight's width
     "int8_dense_sparse": {"outlier_fraction": 0.01, "outlier_refresh_steps": 0},
 }
+
+
+DEFAULT_GROUP = 128
+
+
+def default_group_size(in_features: int) -> int:
+    """int4_group's group when none was chosen: DEFAULT_GROUP when it divides the width, else the largest divisor
+    of the width below it (so a model of any width loads), announced with a warning."""
+    g = next(d for d in range(min(DEFAULT_GROUP, in_features), 0, -1) if in_features % d == 0)
+    if g != DEFAULT_GROUP:
+        warnings.warn(f"int4_group: in_features {in_features} is not a multiple of {DEFAULT_GROUP}; using "
+                      f"group_size {g} for it (pass group_size to choose)", UserWarning, stacklevel=3)
+    return g
 
 
 def check_format(fmt: str, shape=None, meta: dict | None = None) -> dict:
@@ -36,8 +51,9 @@ def check_format(fmt: str, shape=None, meta: dict | None = None) -> dict:
                 continue
             raise ValueError(f"{fmt}: unknown option {k!r}; allowed {tuple(full)}")
         full[k] = v
-    if fmt == "int4_group" and (not isinstance(full["group_size"], int) or full["group_size"] <= 0):
-        raise ValueError(f"int4_group: group_size must be a positive int, got {full['group_size']!r}")
+    g = full.get("group_size")
+    if fmt == "int4_group" and g is not None and (isinstance(g, bool) or not isinstance(g, int) or g <= 0):
+        raise ValueError(f"int4_group: group_size must be a positive int or None (per layer), got {g!r}")
     if fmt == "int8_dense_sparse":
         f = full["outlier_fraction"]
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= MAX_OUTLIER_FRACTION:
@@ -50,6 +66,8 @@ def check_format(fmt: str, shape=None, meta: dict | None = None) -> dict:
     if shape is not None:
         if len(shape) != 2:
             raise ValueError(f"{fmt}: weight must be 2-D [out, in], got shape {tuple(shape)}")
+        if fmt == "int4_group" and full["group_size"] is None:
+            full["group_size"] = default_group_size(shape[-1])
         if fmt.startswith("int4"):
             _intq.check_int4_shape(shape, full.get("group_size"))
     return full

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from hfq_kernels.reference import gaussian
 from hfq_kernels.reference.hadamard import DEFAULT_BLOCK, check_block_size, effective_block
 
-from .._base.config import HfqConfig, check_bool, check_choice, check_positive
+from .._base.config import HfqConfig, check_bool, check_choice, check_positive, warn_unused
 
 ESTIMATORS = ("trust", "ste")
 SAVE_FORMATS = ("codes", "master")
@@ -29,6 +29,8 @@ class QuESTConfig(HfqConfig):
         "master" (the master weights: reloads as a QAT model and resumes training exactly) or "codes"
         (packed low-bit codes + fp32 per-row scales in the Hadamard domain: a smaller inference checkpoint
         that reloads as packed layers and cannot resume QAT).
+    strict: raise instead of leaving a linear-like layer that is not an nn.Linear (e.g. GPT-2's Conv1D) in full
+        precision with a warning.
     """
 
     weight_bits: int = 4
@@ -40,6 +42,7 @@ class QuESTConfig(HfqConfig):
     estimator: str = "trust"
     modules_to_not_convert: list[str] | None = None
     save_format: str = "master"
+    strict: bool = False
     quant_method: str = field(default="hfq_quest")
 
     QUANT_METHOD = "hfq_quest"
@@ -61,6 +64,10 @@ class QuESTConfig(HfqConfig):
         check_positive("trust_scale", self.trust_scale, allow_none=True)
         check_choice("estimator", self.estimator, ESTIMATORS)
         check_choice("save_format", self.save_format, SAVE_FORMATS)
+        if self.trust_scale is not None and 1 not in (self.weight_bits, self.activation_bits):
+            warn_unused("trust_scale", self.trust_scale, "the outer trust scale applies at 1 bit only")
+        if self.hadamard_block_size is not None and not self.hadamard:
+            warn_unused("hadamard_block_size", self.hadamard_block_size, "hadamard=False")
 
     # -- derived settings used by the layers
     def block_for(self, in_features: int, layer: str = "linear") -> int:

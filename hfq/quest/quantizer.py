@@ -4,7 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._base.surgery import HfqQuantizer, modules_to_skip, replace_linears, unguard_weight
+from hfq_kernels.reference.fp4 import check_finite
+
+from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, modules_to_skip, replace_linears,
+                             unguard_weight)
 from .config import QuESTConfig
 from .linear import QuESTLinear, layer_maker
 
@@ -14,6 +17,8 @@ class QuESTHfQuantizer(HfqQuantizer):
     A checkpoint saved with save_format="codes" reloads into packed (inference) QuESTLinear layers."""
 
     quantization_config: QuESTConfig
+    QUANT_METHOD = QuESTConfig.QUANT_METHOD
+    signature = frozenset({"weight_codes", "weight_scale"})
     layer_types = (QuESTLinear,)
     qat_trainable = True
     compileable = True
@@ -25,20 +30,26 @@ class QuESTHfQuantizer(HfqQuantizer):
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         return self.shape_may_differ(param_name)
 
-    def _process_model_before_weight_loading(self, model, **kwargs):
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         cfg = self.quantization_config
+        if self.pre_quantized and checkpoint_files:
+            self.check_checkpoint_method(checkpoint_index(checkpoint_files))
         self.modules_to_not_convert = modules_to_skip(model, cfg, cfg.ADD_DEFAULT_SKIPS)
         packed = self.pre_quantized and cfg.save_format == "codes"
-        replace_linears(model, layer_maker(cfg, packed=packed), self.modules_to_not_convert)
+        converted = replace_linears(model, layer_maker(cfg, packed=packed), self.modules_to_not_convert)
+        self.conversion_report(model, converted, self.modules_to_not_convert)
         if self.pre_quantized:
             self.expect_guard(model)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        for mod in model.modules():  # the guarded master weight arrives as [1, out, in]
+        for name, mod in model.named_modules():  # the guarded master weight arrives as [1, out, in]
             if isinstance(mod, QuESTLinear) and not mod.packed and mod.weight.dim() == 3:
                 mod.weight = nn.Parameter(unguard_weight(mod.weight.data, mod.out_features, mod.in_features),
                                           requires_grad=mod.weight.requires_grad)
+            if (isinstance(mod, QuESTLinear) and not mod.packed and not self.pre_quantized
+                    and mod.weight.device.type != "meta"):
+                check_finite(mod.weight.detach(), f"{name}.weight")
         return model
 
     def checkpoint_state(self, model):
@@ -62,8 +73,11 @@ def quantize_model(model: torch.nn.Module, config: QuESTConfig | None = None) ->
     config = config or QuESTConfig()
     quantizer = QuESTHfQuantizer(config, pre_quantized=False)
     quantizer.modules_to_not_convert = modules_to_skip(model, config, config.ADD_DEFAULT_SKIPS)
-    replace_linears(model, layer_maker(config, reuse=True), quantizer.modules_to_not_convert)
+    converted = replace_linears(model, layer_maker(config, reuse=True), quantizer.modules_to_not_convert)
+    report = check_conversion(config.quant_method, model, converted, quantizer.modules_to_not_convert,
+                              strict=config.strict)
     if hasattr(model, "config"):
+        model.hfq_quantization_report = report
         model.config.quantization_config = config
         model.hf_quantizer = quantizer
         model.is_quantized = True

@@ -1,0 +1,138 @@
+"""No silent no-op at conversion: what a method leaves unconverted is warned about (or refused), non-finite
+weights are refused by every method, options a format ignores are announced, int4_group fits any width, and a
+checkpoint whose config does not match its tensors says what it holds."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+import hfq
+from hfq.nvfp4 import NVFP4Linear
+from hfq.qparam import QLinear
+from hfq.quest import QuESTLinear
+from hfq.tiny import save_tiny
+
+CONFIGS = {"nvfp4": hfq.NVFP4Config, "quest": hfq.QuESTConfig, "qft": hfq.QFTConfig}
+LAYERS = {"nvfp4": NVFP4Linear, "quest": QuESTLinear, "qft": QLinear}
+
+
+def test_nothing_converted_is_refused_naming_layers_and_strict(tmp_path):
+    d = save_tiny(tmp_path / "odd", arch="qwen2", hidden=40, heads=2, kv_heads=1, intermediate=72)
+    with pytest.raises(ValueError, match=r"hfq_nvfp4: no layer was converted.*q_proj: in_features=40 not a "
+                                         r"multiple of block size 16.*strict=True"):
+        AutoModelForCausalLM.from_pretrained(d, quantization_config=hfq.NVFP4Config())
+
+
+def test_partial_conversion_warns_naming_the_layers(tmp_path):
+    d = save_tiny(tmp_path / "odd", arch="qwen2", intermediate=72)  # only down_proj (in 72) misfits
+    with pytest.warns(UserWarning, match=r"2 of 14 linear layers left unquantized: model\.layers\.0\.mlp\.down_proj"):
+        m = AutoModelForCausalLM.from_pretrained(d, quantization_config=hfq.NVFP4Config())
+    assert m.hfq_quantization_report["skipped"]["model.layers.1.mlp.down_proj"].startswith("in_features=72")
+    assert m.hfq_quantization_report["skipped"]["lm_head"] == "modules_to_not_convert"
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_a_layer_kind_hfq_does_not_convert_is_named(method, tmp_path):
+    """GPT-2's projections are transformers' Conv1D, not nn.Linear: nothing to convert is an error saying so."""
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(
+        tmp_path / "gpt2")
+    with pytest.raises(ValueError, match=r"no layer was converted.*attn\.c_attn: Conv1D is not an nn\.Linear"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", quantization_config=CONFIGS[method]())
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_every_method_reports_what_it_converted(method, tiny_dir):
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=CONFIGS[method]())
+    rep = m.hfq_quantization_report
+    assert len(rep["quantized"]) == 14 and all(isinstance(m.get_submodule(n), LAYERS[method]) for n in rep["quantized"])
+    assert rep["skipped"] == {"lm_head": "modules_to_not_convert"}
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_every_method_refuses_non_finite_weights_naming_the_layer(method, tiny_dir, tmp_path):
+    sd = load_file(os.path.join(tiny_dir, "model.safetensors"))
+    sd["model.layers.1.mlp.up_proj.weight"][3, 7] = float("nan")
+    d = tmp_path / "nan"
+    d.mkdir()
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    for f in ("config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(tiny_dir, f)):
+            (d / f).write_text(open(os.path.join(tiny_dir, f)).read())
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj.*NaN/Inf"):
+        AutoModelForCausalLM.from_pretrained(d, quantization_config=CONFIGS[method]())
+
+
+def test_options_the_format_ignores_are_announced():
+    with pytest.warns(UserWarning, match=r"group_size=64 has no effect: weight_format='fp8_e4m3_row'"):
+        hfq.QFTConfig(weight_format="fp8_e4m3_row", group_size=64)
+    with pytest.warns(UserWarning, match=r"outlier_fraction=0\.05 has no effect"):
+        hfq.QFTConfig(weight_format="int4_tensor", outlier_fraction=0.05)
+    with pytest.warns(UserWarning, match=r"trust_scale=1\.5 has no effect"):
+        hfq.QuESTConfig(weight_bits=4, activation_bits=4, trust_scale=1.5)
+    with pytest.warns(UserWarning, match=r"hadamard_block_size=64 has no effect"):
+        hfq.QuESTConfig(hadamard=False, hadamard_block_size=64)
+
+
+def test_int4_group_default_fits_the_width_and_says_which(tmp_path):
+    d = save_tiny(tmp_path / "w48", arch="llama", hidden=48, heads=2, kv_heads=1, intermediate=160)
+    with pytest.warns(UserWarning, match=r"in_features 48 is not a multiple of 128; using group_size 48"):
+        m = AutoModelForCausalLM.from_pretrained(d, quantization_config=hfq.QFTConfig(weight_format="int4_group"))
+    assert m.model.layers[0].mlp.down_proj.weight_meta["group_size"] == 80  # 160: largest divisor below 128
+    assert m.model.layers[0].self_attn.q_proj.weight_meta["group_size"] == 48
+    m.save_pretrained(tmp_path / "saved")
+    re = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    x = torch.randint(3, 60, (1, 8))
+    assert torch.equal(re(x).logits, m(x).logits)
+
+
+@pytest.mark.real_model
+def test_int4_group_default_loads_smollm2(smollm2):
+    """SmolLM2's width 576 is not a multiple of 128: the default picks 96 (and 128 for the MLP's 1536)."""
+    with pytest.warns(UserWarning, match="in_features 576 is not a multiple of 128; using group_size 96"):
+        m = AutoModelForCausalLM.from_pretrained(smollm2, quantization_config=hfq.QFTConfig(weight_format="int4_group"))
+    assert m.model.layers[0].self_attn.q_proj.weight_meta["group_size"] == 96
+    assert m.model.layers[0].mlp.down_proj.weight_meta["group_size"] == 128
+    ids = torch.tensor([[1, 504, 3458, 314]])
+    assert torch.isfinite(m(ids).logits).all()
+
+
+def _saved(tmp_path, tiny_dir, cfg):
+    out = tmp_path / "ckpt"
+    AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=cfg).save_pretrained(out)
+    return out
+
+
+def test_config_of_another_method_names_both(tiny_dir, tmp_path):
+    out = _saved(tmp_path, tiny_dir, hfq.NVFP4Config())
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["quant_method"] = "hfq_qft"  # fields stay NVFP4's
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"quant_method 'hfq_qft' but has fields \['compute_dtype', 'format'\]"
+                                         r".*fields of hfq_nvfp4"):
+        AutoModelForCausalLM.from_pretrained(out)
+
+
+@pytest.mark.parametrize("held,asked", [("nvfp4", "qft"), ("qft", "quest"), ("quest", "nvfp4")])
+def test_tensors_of_another_method_name_what_they_hold(held, asked, tiny_dir, tmp_path):
+    kw = {"save_format": "codes"} if held == "quest" else {}
+    out = _saved(tmp_path, tiny_dir, CONFIGS[held](**kw))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = CONFIGS[asked]().to_dict()
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"holds hfq_{held} tensors .* asks for hfq_{asked}"):
+        AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_qerl_config_turns_bf16_on_only_where_the_device_has_it(tmp_path):
+    from transformers.utils import is_torch_bf16_gpu_available
+
+    from hfq.qerl import QeRLConfig
+
+    has = is_torch_bf16_gpu_available()
+    assert QeRLConfig(output_dir=str(tmp_path)).bf16 is has
+    assert QeRLConfig.paper_preset("gsm8k", output_dir=str(tmp_path)).bf16 is has
+    assert QeRLConfig(output_dir=str(tmp_path), use_cpu=True).bf16 is False
+    assert QeRLConfig(output_dir=str(tmp_path), bf16=False).bf16 is False  # an explicit choice is kept
