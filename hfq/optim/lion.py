@@ -170,7 +170,7 @@ class QLion(QParamOptimizer):
         """An ordinary parameter's step in two Triton launches (INT8 momentum, bf16/fp32 contiguous tensors)."""
         if self.fused is False or self.momentum_bits != 8 or isinstance(local(p), QParam) or p.numel() >= 2 ** 31:
             return False
-        if local(p) is not p:
+        if local(p) is not p or "exp_avg" in self.state.get(p, {}):  # fp32 momentum (resumed from a 1-D shard)
             return False
         if not self._kernels_for(p):
             return False

@@ -180,6 +180,10 @@ def post_all_gather(q, outputs, metadata, param_dtype, out=None):
     fixed-size tensors are views of FSDP2's buffers, refilled in place by later gathers (then `out` is the
     QParam built the first time, and only its outliers are replaced)."""
     names, dtypes, group, param = metadata
+    if len(outputs) != len(names):
+        raise RuntimeError(f"FSDP2 all-gather of a {q.fmt} QParam {tuple(q.shape)}: expected {len(names)} gathered "
+                           f"tensors {names}, got {len(outputs)} "
+                           f"{[(tuple(t.shape), t.dtype) for t in outputs]}")
     data = {k: (t.view(dt) if t.dtype != dt else t) for k, t, dt in zip(names, outputs, dtypes)}
     if q.fmt == "int8_dense_sparse":
         data["sparse_idx"], data["sparse_val"] = gather_outliers(q, group)
