@@ -58,6 +58,9 @@ def test_nccl_fsdp2_matches_one_gpu_and_resumes_on_another_world_size(gpu_runs, 
     _close_losses(on_two["losses"], one["losses"][2:], QP_LOSS_TOL)
 
 
+@pytest.mark.xfail(strict=True, reason="open (2 x H100, 3b36148): the checkpoint saved from the NCCL FSDP2 run holds "
+                   "a 0-element `weight` key per QLinear, so from_pretrained stops on a size mismatch (loud, not "
+                   "silent); passes on 2 gloo processes (tests/test_scaleout.py)")
 @pytest.mark.parametrize("method", QPARAM_FSDP2)
 def test_nccl_fsdp2_save_pretrained_loads_on_one_gpu(gpu_runs, method):
     from transformers import AutoModelForCausalLM
@@ -76,7 +79,10 @@ def _trainer(out, method, n, resume=None):
           str(_free_port()), TRAINER, str(out), method] + ([str(resume)] if resume else []))
 
 
-@pytest.mark.parametrize("method", ["eco_bf16", pytest.param("qft_bf16", marks=pytest.mark.xfail(
+@pytest.mark.parametrize("method", [pytest.param("eco_bf16", marks=pytest.mark.xfail(
+    strict=True, reason="open (2 x H100, 3b36148): under accelerate's fsdp2.yaml FSDP2's all-gather hands the "
+    "fp8_e4m3_row QParam one gathered tensor where it sent two (codes, scales); post_all_gather raises naming "
+    "it")), pytest.param("qft_bf16", marks=pytest.mark.xfail(
     strict=True, reason="not done: torch.distributed.checkpoint loads into a template of the current model's shapes, "
     "and QFT's outlier lists change length with the weights (tests/test_scaleout.py shows it on CPU)"))])
 def test_trainer_fsdp2_sharded_checkpoint_resumes_on_another_world_size(tmp_path, method):

@@ -110,7 +110,7 @@ def test_config_of_another_method_names_both(tiny_dir, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"]["quant_method"] = "hfq_qft"  # fields stay NVFP4's
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"quant_method 'hfq_qft' but has fields \['compute_dtype', 'format'\]"
+    with pytest.raises(ValueError, match=r"quant_method 'hfq_qft' but has fields \['compute_dtype', 'format', 'scales'\]"
                                          r".*fields of hfq_nvfp4"):
         AutoModelForCausalLM.from_pretrained(out)
 

@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+from hfq._settings import SETTINGS
 from hfq.qerl.demo import DEMO_ARCH, DEMO_PRETRAIN_STEPS, build_demo_base
 
 HELDOUT = 200
@@ -90,7 +91,7 @@ def _one_thread_if_busy() -> str | None:
     import torch
 
     cores, load = os.cpu_count() or 1, os.getloadavg()[0]
-    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ or cores < 2 or load < cores - 0.5:
+    if torch.cuda.is_available() or SETTINGS.omp_threads_set or cores < 2 or load < cores - 0.5:
         return None
     torch.set_num_threads(1)
     return f"this machine is busy (load {load:.1f} on {cores} cores): 1 torch thread (OMP_NUM_THREADS overrides)"
