@@ -40,3 +40,20 @@ def compile_for_sm90(code: str, *args) -> list[str]:
         pytest.skip(r.stderr[-200:])
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout.split()
+
+
+def assert_ct_export_matches(sd: dict, name: str, mod, theirs_weight: torch.Tensor, rel_tol: float) -> None:
+    """One NVFP4 layer's compressed-tensors export against the layer: identical codes (decoded by compressed-tensors'
+    own unpacker), scales and global scale, and compressed-tensors' dequantized weight within rel_tol of ours."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+    from hfq_kernels.reference import fp4
+
+    n, k = mod.out_features, mod.in_features
+    assert torch.equal(unpack_fp4_from_uint8(sd[f"{name}.weight_packed"], n, k, torch.float32),
+                       fp4.e2m1_decode(fp4.unpack_fp4(mod.weight_packed))), name
+    assert torch.equal(sd[f"{name}.weight_scale"].view(torch.uint8), mod.weight_scale.view(torch.uint8)), name
+    assert torch.equal(sd[f"{name}.weight_global_scale"], mod.weight_global_scale), name
+    ours = mod.dequantize(torch.float32)
+    err = (theirs_weight.float() - ours).abs().max() / ours.abs().max()
+    assert err < rel_tol, f"{name}: dequantized weights differ beyond bf16 ({err})"

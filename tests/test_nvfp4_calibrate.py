@@ -119,7 +119,7 @@ def test_calibrate_converts_like_a_load_and_beats_rtn_per_layer(tiny, calibrated
 
 
 def test_calibrated_roundtrips_save_load_and_compressed_tensors_bit_exactly(calibrated, tmp_path):
-    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from _hfq_test_utils import assert_ct_export_matches
     from transformers import CompressedTensorsConfig
 
     m, _ = calibrated
@@ -138,13 +138,7 @@ def test_calibrated_roundtrips_save_load_and_compressed_tensors_bit_exactly(cali
         for buf in ("weight_packed", "weight_scale", "weight_global_scale"):
             a, b = getattr(mod, buf), getattr(back, buf)
             assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, buf)
-        n, k = mod.out_features, mod.in_features
-        assert torch.equal(unpack_fp4_from_uint8(sd[f"{name}.weight_packed"], n, k, torch.float32),
-                           fp4.e2m1_decode(fp4.unpack_fp4(mod.weight_packed)))
-        assert torch.equal(sd[f"{name}.weight_scale"].view(torch.uint8), mod.weight_scale.view(torch.uint8))
-        assert torch.equal(sd[f"{name}.weight_global_scale"], mod.weight_global_scale)
-        ours = mod.dequantize(torch.float32)
-        assert (ct.get_submodule(name).weight.float() - ours).abs().max() <= 2 ** -7 * ours.abs().max()
+        assert_ct_export_matches(sd, name, mod, ct.get_submodule(name).weight, 2 ** -7)
     assert n_layers == 14
     ids = torch.tensor([[4, 5, 6, 7, 8, 9]])
     assert torch.equal(m2(ids).logits, m(ids).logits)

@@ -114,7 +114,7 @@ def test_mxfp4_format_roundtrip(tiny, tmp_path):
 
 
 def test_compressed_tensors_interop(tiny, tmp_path):
-    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from _hfq_test_utils import assert_ct_export_matches
     from transformers import CompressedTensorsConfig
 
     m = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=NVFP4Config(), dtype=torch.bfloat16)
@@ -127,16 +127,7 @@ def test_compressed_tensors_interop(tiny, tmp_path):
     for name, mod in m.named_modules():
         if not isinstance(mod, NVFP4Linear):
             continue
-        theirs = ct.get_submodule(name)
-        n, k = mod.out_features, mod.in_features
-        # identical codes (decoded by compressed-tensors' own unpacker) and scales
-        assert torch.equal(unpack_fp4_from_uint8(sd[f"{name}.weight_packed"], n, k, torch.float32),
-                           fp4.e2m1_decode(fp4.unpack_fp4(mod.weight_packed)))
-        assert torch.equal(sd[f"{name}.weight_scale"].view(torch.uint8), mod.weight_scale.view(torch.uint8))
-        assert torch.equal(sd[f"{name}.weight_global_scale"], mod.weight_global_scale)
-        ours = mod.dequantize(torch.float32)
-        err = (theirs.weight.float() - ours).abs().max() / ours.abs().max()
-        assert err < 2 ** -7, f"{name}: dequantized weights differ beyond bf16 ({err})"
+        assert_ct_export_matches(sd, name, mod, ct.get_submodule(name).weight, 2 ** -7)
     x = _ids()
     cos = torch.nn.functional.cosine_similarity(ct(x).logits.float().flatten(), m(x).logits.float().flatten(), dim=0)
     assert cos > 0.999
