@@ -127,7 +127,8 @@ def test_checkpoints_load_only_with_import_hfq(llama_dir, tmp_path):
             else:  # refused (size mismatch on the guard), never re-initialised layers
                 assert lines[d] == ["ERROR", "RuntimeError"], (d, lines[d], res.stderr[-2000:])
         if with_hfq == "0":  # the load report printed with the error names the fix
-            assert res.stderr.count("import_hfq_before_loading") >= len(dirs), res.stderr[-3000:]
+            assert res.stderr.count("hfq checkpoint: run `import hfq` before from_pretrained") >= len(dirs), \
+                res.stderr[-3000:]
         if with_hfq == "1":
             assert "UNEXPECTED" not in res.stderr and "MISSING" not in res.stderr, res.stderr[-3000:]
 

@@ -163,11 +163,11 @@ def raise_load_errors(method: str, errors: dict[str, str]) -> None:
 # whose shape differs from the model's (size mismatch, an error). So each hfq checkpoint stores the `weight`
 # of its first converted layer in a shape no plain model has: empty when the layer keeps no `weight` (codes
 # only), else with a leading dim of 1; hfq reads it back (`unguard_weight`). A second entry, NOTE_KEY (the
-# note below as bytes), is listed among the unexpected keys of the load report that transformers prints
-# with that error, so the report says to `import hfq`. hfq's own loads ignore both.
+# note below as bytes), is named by the instruction itself: transformers lists it among the unexpected keys of
+# the load report it logs just before that error, so the report says to `import hfq`. hfq's loads ignore both.
 GUARD_DOC = ("this checkpoint was written by hfq; `import hfq` before loading it (without it transformers "
              "skips the unknown quant_method and would re-initialise the quantized layers)")
-NOTE_KEY = "hfq_checkpoint.import_hfq_before_loading"
+NOTE_KEY = "hfq checkpoint: run `import hfq` before from_pretrained, without it its quantized layers cannot load"
 
 
 def converted_names(model: nn.Module, layer_types: tuple) -> list[str]:

@@ -56,6 +56,11 @@ class QParam(torch.Tensor):
         """The stored tensors (name -> tensor), e.g. {'codes': float8 [out,in], 'scales': fp32 [out,1]}."""
         return {k: getattr(self, k) for k in _formats._NAMES[self.fmt]}
 
+    def data_ptr(self) -> int:
+        """The address of the codes. A wrapper subclass has no storage of its own (torch answers 0 for every
+        QParam), and accelerate's FSDP2 prepare matches optimizer parameters to model parameters by data_ptr."""
+        return self.codes.data_ptr()
+
     @property
     def storage_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.qtensors().values())

@@ -1,7 +1,7 @@
 """Worker for tests/test_scaleout.py: train tiny models of each hfq method on several processes and save what the
 test compares. DDP: under `accelerate launch --config_file examples/accelerate/ddp.yaml` (or one plain process).
-FSDP2: under `torchrun` with SCALEOUT_FSDP2=1 (the `FSDP2` class below stands in for accelerate, which runs FSDP on
-GPUs only); gloo on CPU, or NCCL with one GPU per process when SCALEOUT_DEVICE=cuda.
+FSDP2: under `torchrun` with SCALEOUT_FSDP2=1, accelerate's Accelerator with examples/accelerate/fsdp2.yaml's plugin
+(`fsdp2_accelerator`); gloo on CPU, or NCCL with one GPU per process when SCALEOUT_DEVICE=cuda.
 
 python scaleout.py OUT TINY_DIR METHODS [RESUME_FROM_WORLD]
   METHODS: comma-separated, of quest, nvfp4_lora, eco, qft, eco_bf16, qft_bf16 (ECO / QFT on a bf16 model, SR keyed
@@ -167,8 +167,8 @@ def qerl_trainer(acc, tiny_dir, out):
     from hfq.qerl import QeRLConfig, QeRLGRPOTrainer
 
     model, _ = build("nvfp4_lora", tiny_dir)
-    if acc.is_fsdp2:
-        model, _ = acc.prepare(model, lambda m: None)
+    if acc.is_fsdp2:  # accelerate's FSDP2 prepare takes a model only together with its optimizer
+        model, _ = acc.prepare(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0))
     args = QeRLConfig(output_dir=f"{out}/qerl", num_generations=2, per_device_train_batch_size=2,
                       max_completion_length=4, max_steps=1, report_to="none", use_cpu=True, bf16=False)
     QeRLGRPOTrainer(model=model, reward_funcs=[lambda completions, **kw: [0.0] * len(completions)], args=args,
@@ -183,10 +183,9 @@ def run(acc, method, tiny_dir, out, resume):
 
     world, rank = acc.num_processes, acc.process_index
     model, make_opt = build(method, tiny_dir)
-    if acc.is_fsdp2:  # the optimizer is built on the sharded parameters, as Trainer does under FSDP
-        model, opt = acc.prepare(model, make_opt)
-    else:
-        model, opt = acc.prepare(model, make_opt(model))
+    if acc.is_fsdp2:  # the plugin keeps the decoder layer class of the first model it wrapped
+        acc.state.fsdp_plugin = fsdp2_plugin()
+    model, opt = acc.prepare(model, make_opt(model))  # as Trainer does (under FSDP2 too)
     first = 0
     if resume is not None and resume.startswith("dcp"):
         load_dcp(model, opt, os.path.join(out, f"{method}_w{resume[3:]}.dcp"))
@@ -230,7 +229,7 @@ def run(acc, method, tiny_dir, out, resume):
     if method in BF16:
         extra = final_logits_and_storage(acc, method, model, out, tag, pretrained=resume is None)
     torch.save({"losses": losses, "norms": norms, "snap": snap, "world": world, "wrapper": type(model).__name__,
-                "strategy": str(acc.distributed_type),
+                "strategy": "FSDP2" if acc.is_fsdp2 else str(acc.distributed_type),
                 "sharded": sharded, "sharded_buffers": sharded_bufs, "numel": numel, **extra},
                os.path.join(out, f"{tag}_rank{rank}.pt"))
     acc.wait_for_everyone()
@@ -260,50 +259,42 @@ def final_logits_and_storage(acc, method, model, out, tag, pretrained):
     return {"logits": logits, "qparam_bytes": stored, "probe": x}
 
 
-class FSDP2:
-    """The part of accelerate's Accelerator this script uses, for FSDP2 on CPU (accelerate runs FSDP on GPUs
-    only): a gloo process group from torchrun's environment and `fully_shard` on every decoder layer, then on the
-    root (what examples/accelerate/fsdp2.yaml's TRANSFORMER_BASED_WRAP does)."""
+def fsdp2_plugin():
+    """accelerate's FSDP2 plugin with examples/accelerate/fsdp2.yaml's settings."""
+    import yaml
+    from accelerate.utils import FullyShardedDataParallelPlugin
 
-    is_fsdp2, distributed_type = True, "FSDP2"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "examples", "accelerate", "fsdp2.yaml")) as f:
+        cfg = yaml.safe_load(f)["fsdp_config"]
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=cfg["fsdp_version"], auto_wrap_policy=cfg["fsdp_auto_wrap_policy"].lower(),
+        reshard_after_forward=cfg["fsdp_reshard_after_forward"], state_dict_type=cfg["fsdp_state_dict_type"],
+        cpu_ram_efficient_loading=cfg["fsdp_cpu_ram_efficient_loading"], cpu_offload=cfg["fsdp_offload_params"])
 
-    def __init__(self):
-        import torch.distributed as dist
 
-        cuda = os.environ.get("SCALEOUT_DEVICE") == "cuda"
-        if cuda:
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl" if cuda else "gloo")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.num_processes, self.process_index = dist.get_world_size(), dist.get_rank()
-        self.is_main_process = self.process_index == 0
+def fsdp2_accelerator():
+    """accelerate's Accelerator with the FSDP2 plugin (one process per device, under torchrun). On GPUs
+    (SCALEOUT_DEVICE=cuda, NCCL) as `accelerate launch` builds it. accelerate runs FSDP on GPUs only, so on CPU
+    (gloo) its state is switched to FSDP after construction: model and optimizer then take accelerate's own FSDP2
+    route (fsdp2_prepare_model, then the optimizer's parameters swapped for the sharded ones), as Trainer does."""
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
 
-    def prepare(self, model, make_opt):
-        from torch.distributed.fsdp import fully_shard
-
-        model.to(self.device)
-        for m in model.modules():
-            if type(m).__name__.endswith("DecoderLayer"):
-                fully_shard(m)
-        fully_shard(model)
-        return model, make_opt(model)
-
-    def backward(self, loss):
-        loss.backward()
-
-    def unwrap_model(self, model):
-        return model
-
-    def wait_for_everyone(self):
-        import torch.distributed as dist
-
-        dist.barrier()
+    if os.environ.get("SCALEOUT_DEVICE") == "cuda":
+        return Accelerator(fsdp_plugin=fsdp2_plugin())
+    acc = Accelerator(cpu=True)
+    acc.state.fsdp_plugin = fsdp2_plugin()
+    # both singletons: each AcceleratorState() call copies PartialState's fields over its own
+    PartialState().distributed_type = acc.state.distributed_type = DistributedType.FSDP
+    return acc
 
 
 def main(out, tiny_dir, methods, resume=None):
     torch.set_num_threads(1)
     if os.environ.get("SCALEOUT_FSDP2") == "1":
-        acc = FSDP2()
+        acc = fsdp2_accelerator()
     else:
         from accelerate import Accelerator
 
