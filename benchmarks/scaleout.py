@@ -144,10 +144,13 @@ def build(method: str, shape: str, layers: int | None, dev, dtype):
         mod.to_empty(device=dev)
         _init_(mod, gen)
     model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg, device=dev)
-    for layer in model.model.layers:
+    t0, n = time.perf_counter(), len(model.model.layers)
+    for i, layer in enumerate(model.model.layers):
         layer.to_empty(device=dev)
         _init_(layer, gen)
         convert_layer(method, layer)
+        if (i + 1) % 16 == 0 or i + 1 == n:
+            log(f"built {i + 1}/{n} layers in {time.perf_counter() - t0:.0f} s")
     model = finish_model(method, model, dtype)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -317,6 +320,7 @@ def worker(a) -> None:
             step()
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
+        log(f"{a.job}: {a.warmup} warm-up steps done")
         if cuda:  # build and warm-up (the 32B's unsharded layers, autotuning) apart from the timed steps
             part["build_warmup_peak_gb"] = round(d.max(torch.cuda.max_memory_allocated() / GIB), 2)
             torch.cuda.reset_peak_memory_stats()
@@ -334,6 +338,8 @@ def worker(a) -> None:
                     tokens_per_s_max=round(tps[-1], 1), spread=round(s["spread"], 3),
                     step_s=round(s["median"] * tokens / a.steps, 3), windows=a.rounds, steps_per_window=a.steps,
                     tokens_per_step=tokens // a.steps, s_per_token=s, status="ok")
+        if a.profile:
+            profile_step(step, d, os.path.join(a.parts, f"{a.job}.profile.txt"))
         if cuda:
             part["peak_gb_per_gpu"] = round(d.max(torch.cuda.max_memory_allocated() / GIB), 2)
             part["peak_reserved_gb_per_gpu"] = round(d.max(torch.cuda.max_memory_reserved() / GIB), 2)
@@ -350,6 +356,23 @@ def worker(a) -> None:
     if d.rank == 0:
         _dump(part, os.path.join(a.parts, f"{a.job}.json"))
     d.close()
+
+
+def profile_step(step, d, path):
+    """One step under torch.profiler; rank 0 writes the ops by device time and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    if d.rank == 0:
+        ka = prof.key_averages()
+        with open(path, "w") as f:
+            if torch.cuda.is_available():
+                f.write(ka.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70) + "\n")
+            f.write(ka.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70) + "\n")
 
 
 def _dump(obj, path):
@@ -387,7 +410,8 @@ def command(job, a, cuda: bool) -> list[str]:
             "--warmup", str(a.qerl_warmup_steps if method == "qerl" else a.warmup_steps),
             "--steps", str(a.qerl_steps if method == "qerl" else 1 if "32b" in shape else a.train_steps), "--batch",
             str(a.qerl_batch if method == "qerl" else a.batch), "--seq", str(a.seq), "--prompt", str(a.prompt),
-            "--new", str(a.new)] + (["--layers", str(a.layers)] if a.layers else [])
+            "--new", str(a.new)] + (["--layers", str(a.layers)] if a.layers else []) \
+        + (["--profile"] if a.profile else [])
     port = str(_free_port())
     if strategy == "fsdp2" and not cuda:
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", port]\
@@ -593,6 +617,8 @@ def main():
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--new", type=int, default=256, help="completion tokens per prompt (qerl)")
     ap.add_argument("--layers", type=int, default=None, help="override every shape's decoder layer count")
+    ap.add_argument("--profile", action="store_true", help="after the timed windows, one more step under "
+                    "torch.profiler; rank 0 writes the top kernels and host ops to PARTS/<job>.profile.txt")
     # worker side (set by the driver)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--job", help=argparse.SUPPRESS)

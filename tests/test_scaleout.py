@@ -54,8 +54,8 @@ def _ddp(out, tiny, methods, resume=None):
          + ([str(resume)] if resume else []))
 
 
-def _fsdp2(out, tiny, methods, ok=True, resume=None):
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+def _fsdp2(out, tiny, methods, ok=True, resume=None, nproc=2):
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
                  str(_free_port()), WORKER, str(out), tiny, ",".join(methods)] + ([str(resume)] if resume else []),
                 env=_env(SCALEOUT_FSDP2="1"), ok=ok)
 
@@ -68,9 +68,9 @@ def runs(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("scaleout")
     tiny = str(save_tiny(base / "tiny", arch="qwen2"))
-    ddp, fsdp = base / "ddp", base / "fsdp2"
-    ddp.mkdir()
-    fsdp.mkdir()
+    ddp, fsdp, fsdp_one = base / "ddp", base / "fsdp2", base / "fsdp2_one_rank"
+    for d in (ddp, fsdp, fsdp_one):
+        d.mkdir()
     _single(ddp, tiny, METHODS)
     _ddp(ddp, tiny, METHODS)
     _single(ddp, tiny, METHODS, resume=2)
@@ -81,9 +81,11 @@ def runs(tmp_path_factory):
     _fsdp2(fsdp, tiny, QPARAM_FSDP2, resume=1)
     _fsdp2(fsdp, tiny, ["eco_bf16"], resume="dcp2")  # sharded checkpoints (torch.distributed.checkpoint)
     _single(fsdp, tiny, ["eco_bf16"], resume="dcp2")
+    _fsdp2(fsdp_one, tiny, QPARAM_FSDP2, nproc=1)  # what `accelerate launch --num_processes 1` with fsdp2.yaml runs
 
     def load(kind, tag, method, rank=0):
-        return torch.load((ddp if kind == "ddp" else fsdp) / f"{method}_{tag}_rank{rank}.pt", weights_only=False)
+        where = {"ddp": ddp, "fsdp2": fsdp, "fsdp2_one_rank": fsdp_one}[kind]
+        return torch.load(where / f"{method}_{tag}_rank{rank}.pt", weights_only=False)
 
     load.fsdp_dir = fsdp
     return load
@@ -187,6 +189,15 @@ def test_fsdp2_shards_eco_and_qft_and_matches_single_process(runs, method):
 
 
 @pytest.mark.parametrize("method", QPARAM_FSDP2)
+def test_fsdp2_on_one_rank_equals_one_process(runs, method):
+    """FSDP2 over a mesh of one rank takes its own unshard route (it copies only the first all-gather input);
+    the QParams' row metadata must come along: the run equals the plain one process bit for bit."""
+    one, fsdp = runs("fsdp2", "w1", method), runs("fsdp2_one_rank", "w1", method)
+    assert fsdp["strategy"] == "FSDP2" and fsdp["world"] == 1 and fsdp["wrapper"].startswith("FSDP")
+    assert fsdp["losses"] == one["losses"] and torch.equal(fsdp["logits"], one["logits"])
+
+
+@pytest.mark.parametrize("method", QPARAM_FSDP2)
 def test_fsdp2_eco_qft_checkpoints_resume_on_another_world_size(runs, method):
     """Written by 2 FSDP2 ranks (whole tensors: hfq's optimizers gather their states), resumed on 1; written by 1,
     resumed on 2 ranks: each ends where the uninterrupted run of the new world size ends."""
@@ -222,6 +233,8 @@ def test_fsdp2_save_pretrained_loads_in_one_process(runs, method):
     """The sharded run's whole state dict, saved with save_pretrained, loads through from_pretrained in one
     process (hfq_qft, pre-quantized) and gives the sharded run's final logits."""
     from transformers import AutoModelForCausalLM
+
+    import hfq  # noqa: F401  (registers hfq_qft with transformers, as a user's script does)
 
     two = runs("fsdp2", "w2", method)
     model = AutoModelForCausalLM.from_pretrained(runs.fsdp_dir / f"{method}_w2_pretrained", dtype=torch.bfloat16)

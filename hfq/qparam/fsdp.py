@@ -180,6 +180,8 @@ def post_all_gather(q, outputs, metadata, param_dtype, out=None):
     fixed-size tensors are views of FSDP2's buffers, refilled in place by later gathers (then `out` is the
     QParam built the first time, and only its outliers are replaced)."""
     names, dtypes, group, param = metadata
+    if len(outputs) == 1 < len(names) and _group_size(group) == 1:
+        outputs = _one_rank_outputs(q, outputs, names, out)
     if len(outputs) != len(names):
         raise RuntimeError(f"FSDP2 all-gather of a {q.fmt} QParam {tuple(q.shape)}: expected {len(names)} gathered "
                            f"tensors {names}, got {len(outputs)} "
@@ -199,6 +201,28 @@ def post_all_gather(q, outputs, metadata, param_dtype, out=None):
                    place=RowPlace(q.place.name, 0, rows))
     full.fsdp_shard = (param, group)  # QFT's INT8 gradient goes to the sharded parameter (hfq.qparam.int8grad)
     return full, tuple(data[k] for k in names)
+
+
+def _group_size(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def _one_rank_outputs(q, outputs, names, out):
+    """FSDP2 on a mesh of one rank copies only the first all-gather input (the codes) into its buffer. The other
+    fixed-size tensors (row metadata) come from the shard, which is then the whole weight: cloned the first time
+    (FSDP2 frees and reallocates them with the codes between unshards), copied into `out`'s afterwards."""
+    rest = []
+    for k in names[1:]:
+        t = getattr(q, k)
+        if out is None:
+            t = t.clone()
+        else:
+            getattr(out, k).copy_(t)
+            t = getattr(out, k)
+        rest.append(t.view(_WIRE[t.dtype]) if t.dtype in _WIRE else t)
+    return (outputs[0], *rest)
 
 
 def gather_whole(param):
