@@ -208,3 +208,11 @@ def test_trainer_callback_refreshes_once_per_epoch(tmp_path):
             torch.zeros(1))], lr=0.1), train_dataloader=[0])
     with pytest.raises(ValueError, match="outlier_refresh_steps"):
         OutlierRefreshPerEpoch().on_train_begin(args, None, None, optimizer=opt, train_dataloader=iter([0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA route of outlier_thresholds (sort)")
+@pytest.mark.parametrize("shape", [(1, 1000), (37, 129), (512, 2048)])
+def test_outlier_thresholds_on_cuda_equal_the_cpu_kthvalue(shape):
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.02
+    for fraction in (0.0, 0.001, 0.01, 0.2):
+        assert torch.equal(outlier_thresholds(w.cuda(), fraction).cpu(), outlier_thresholds(w, fraction))

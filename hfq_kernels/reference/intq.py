@@ -130,6 +130,9 @@ def outlier_thresholds(w: torch.Tensor, fraction: float = 0.01) -> torch.Tensor:
     k = int(n * fraction / 2)
     if k == 0:
         return torch.stack((flat.min(), flat.max())).to(torch.float32)
+    if flat.is_cuda:  # CUDA's kthvalue scans a single slice with one thread block; a radix sort uses the whole GPU
+        s = flat.sort().values
+        return torch.stack((s[k], s[n - k - 1])).to(torch.float32)
     t_min = torch.kthvalue(flat, k + 1).values
     t_max = torch.kthvalue(flat, n - k).values
     return torch.stack((t_min, t_max)).to(torch.float32)
