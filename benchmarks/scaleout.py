@@ -522,11 +522,13 @@ def add_scaling(rows) -> None:
 DRIVER_SETTINGS = ("tiny", "rounds", "warmup_steps", "qerl_warmup_steps", "train_steps", "qerl_steps", "batch", "seq", "qerl_batch",
                    "prompt", "new", "layers", "budget_s", "job_cap_s", "job_cap_32b_s")
 COLUMNS = ["method", "strategy", "world", "model", "params_b", "tokens_per_s", "spread", "tokens_per_s_min",
-           "tokens_per_s_max", "x_world1", "x_world1_range", "peak_gb_per_gpu", "ddp_fits_up_to_b", "step_s", "status"]
+           "tokens_per_s_max", "x_world1", "x_world1_range", "peak_gb_per_gpu", "ddp_fits_up_to_b", "step_s", "card",
+           "status"]
 
 
 def notes(a, gpus: int) -> str:
     return "\n".join([
+        "card: the GPU each row ran on; x_world1 compares rows of one card only.",
         f"tokens_per_s: all ranks together; eco / qft / quest: tokens trained ({a.batch} x {a.seq} per rank per "
         f"optimizer step); qerl: completion tokens generated per GRPO step ({a.qerl_batch} prompts of {a.prompt} "
         f"tokens x {a.new} new per rank, AQN on, hfq RolloutEngine; the step also scores and trains them in "
@@ -563,7 +565,8 @@ def merge(name: str, rows: list, out: str | None) -> tuple[list, list]:
         old = json.load(f)
     key = lambda r: (r["method"], r["strategy"], r["world"], r["model"])  # noqa: E731
     new = {key(r) for r in rows}
-    kept = [dict(r, call=r.get("call", old["facts"]["date"])) for r in old["rows"] if key(r) not in new]
+    kept = [dict(r, call=r.get("call", old["facts"]["date"]), card=r.get("card", old["facts"].get("card")))
+            for r in old["rows"] if key(r) not in new]
     return kept + rows, old.get("earlier_calls", []) + [old["facts"]]
 
 
@@ -581,6 +584,8 @@ def driver(a) -> None:
     rows = run_jobs(jobs, a, cuda, gpus)
     name, facts = "scaleout" + ("_tiny" if a.tiny else ""), run_facts()
     extra = dict(settings={k: v for k, v in vars(a).items() if k in DRIVER_SETTINGS})
+    for r in rows:
+        r["card"] = facts.get("card")
     if a.append:
         rows, extra["earlier_calls"] = merge(name, rows, a.out)
     add_scaling(rows)

@@ -8,9 +8,9 @@ parameters.
                           lr, beta1, beta2, eps, weight_decay, step, rounding, seed) -> None (all in place)
 
 Layout. The launcher writes an int64 table (one record per tensor: the five data pointers, rows, cols, the
-tensor's random-stream id) and an int32 work list (tensor, first row) with one entry per program; a program
-updates ROWS rows of one tensor, each row held in registers as [W, 8] (column = 8*j + k), so a row's absmax and
-new scale come from one pass over memory: codes 1 B + grad + both moments read and written once. Rows wider
+tensor's random-stream id, the global index of its first row) and an int32 work list (tensor, first row) with one
+entry per program; a program updates ROWS rows of one tensor, each row held in registers as [W, 8] (column =
+8*j + k), so a row's absmax and new scale come from one pass over memory: codes 1 B + grad + both moments read and written once. Rows wider
 than MAX_ONE_PASS (8192) take two passes (absmax, then update). Tensors are grouped per launch by block width
 and dtypes; the tables are cached by their contents, so a steady training loop uploads nothing.
 
@@ -21,8 +21,10 @@ on a GPU the reference's own kernels may round a last bit differently (see tests
 Divisions are IEEE (div_rn) where the reference divides (m/denom, tmp/scale, amax/448); the E4M3 grid step is a
 power of two and is applied by multiplication.
 
-SR: Philox (counter = column group, row, tensor stream; key = seed): one call serves 8 elements with 16-bit uniforms
-u = (h + 1/2)/2^16. Rounding up when u < frac (frac = exact fractional distance to the lower grid point) happens
+SR: Philox (counter = column group, global row, tensor stream; key = seed): one call serves 8 elements with 16-bit
+uniforms
+u = (h + 1/2)/2^16. A row shard (FSDP2) given its first global row and the whole weight's stream draws
+what the whole weight draws. Rounding up when u < frac (frac = exact fractional distance to the lower grid point) happens
 with probability within 2^-17 of frac, so E[Q(x)] is unbiased to that. On the H100 one call per 8 elements made the
 1B-shaped SR step 7.2-7.5 ms against 9.3-11.6 ms for one call (24-bit uniform) per element
 (benchmarks/results/eco_sweep.md). Draws differ from the reference's generator.
@@ -164,7 +166,7 @@ def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, ep
     pid = tl.program_id(0)
     t = tl.load(work_ptr + 2 * pid).to(tl.int64)
     row0 = tl.load(work_ptr + 2 * pid + 1)
-    rec = tab_ptr + t * 8
+    rec = tab_ptr + t * 9
     codes_ptr = table_ptr(rec, 0, 3, ALIGNED)
     scales_ptr = table_ptr(rec, 1, 0, False)
     g_ptr = table_ptr(rec, 2, G_DT, ALIGNED)
@@ -175,6 +177,7 @@ def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, ep
     if ALIGNED:
         n_cols = tl.multiple_of(n_cols, 16)
     stream = tl.load(rec + 7)
+    grows = tl.load(rec + 8) + row0 + tl.arange(0, ROWS)  # global rows: the SR counter
 
     rows = row0 + tl.arange(0, ROWS)
     rmask = rows < n_rows
@@ -190,7 +193,7 @@ def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, ep
         amax = tl.max(tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=2), axis=1)
         s_new = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
         s3 = s_new[:, None, None]
-        _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows, jj,
+        _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, grows, jj,
                        stream, SR, INTERP)
     else:
         nb = tl.cdiv(n_cols, BLOCK)
@@ -206,7 +209,7 @@ def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, ep
             mask, offs = _block_offs(b, cols0, rmask, base, n_cols, BLOCK)
             tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1,
                                          beta2, omb2, eps, step_size, inv_sqrt_bc2)
-            _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows,
+            _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, grows,
                            b * W + jj, stream, SR, INTERP)
     tl.store(scales_ptr + rows, s_new, mask=rmask)
 
@@ -260,12 +263,17 @@ class _Plan:
         self.device, self.buckets, self.moments = device, buckets, moments
 
 
-def eco_adamw_fp8_prepare(codes, scales, grads, exp_avgs, exp_avg_sqs, *, check=True) -> _Plan:
+def eco_adamw_fp8_prepare(codes, scales, grads, exp_avgs, exp_avg_sqs, *, streams=None, first_rows=None,
+                          check=True) -> _Plan:
     """Host half of a multi-tensor step: checks, buckets by (block width, dtypes), pointer tables and work lists
     (cached by content: a steady training loop uploads nothing). The optimizer runs it while the GPU is still
-    busy with the gradients' finite check. The tensors must not be replaced before `eco_adamw_fp8_launch`."""
+    busy with the gradients' finite check. The tensors must not be replaced before `eco_adamw_fp8_launch`.
+    streams[i] (default i) names tensor i's SR stream, first_rows[i] (default 0) the global index of its first
+    row: a row shard of a weight with its weight's stream and first row draws what the whole weight draws."""
     n = len(codes)
-    if not (len(scales) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
+    streams = list(range(n)) if streams is None else list(streams)
+    first_rows = [0] * n if first_rows is None else list(first_rows)
+    if not (len(scales) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(streams) == len(first_rows) == n):
         raise ValueError("eco_adamw_fp8: lists of different lengths")
     buckets: dict = {}
     device = codes[0].device if n else None
@@ -283,7 +291,8 @@ def eco_adamw_fp8_prepare(codes, scales, grads, exp_avgs, exp_avg_sqs, *, check=
         ptrs = (c.data_ptr(), scales[i].data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr())
         aligned = cols % 16 == 0 and all(p % 16 == 0 for p in ptrs)
         block = _block(cols)
-        buckets.setdefault((block, cols > MAX_ONE_PASS, dts, aligned), []).append(ptrs + (r, cols, i))
+        buckets.setdefault((block, cols > MAX_ONE_PASS, dts, aligned), []).append(
+            ptrs + (r, cols, int(streams[i]), int(first_rows[i])))
     out = []
     for (block, two_pass, dts, aligned), recs in buckets.items():
         rows_per_prog, warps = LAUNCH.get(block, (1, 4))
@@ -314,12 +323,12 @@ def eco_adamw_fp8_launch(plan: _Plan, *, lr, beta1, beta2, eps, weight_decay, st
 
 
 def eco_adamw_fp8_multi_step_(codes, scales, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,
-                              step, rounding="rtn", seed=0) -> None:
+                              step, rounding="rtn", seed=0, streams=None, first_rows=None) -> None:
     """In-place fused ECO-AdamW step (memory-free rule) over lists of fp8_e4m3_row weights that share the
-    hyper-parameters and step count; the i-th tensor draws its SR noise from stream i of `seed`. CUDA tensors,
-    or CPU tensors under TRITON_INTERPRET=1."""
+    hyper-parameters and step count; the i-th tensor draws its SR noise from stream streams[i] (default i) of
+    `seed`, its rows counted from first_rows[i] (default 0). CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
     _fp8.check_rounding(rounding)
-    plan = eco_adamw_fp8_prepare(codes, scales, grads, exp_avgs, exp_avg_sqs)
+    plan = eco_adamw_fp8_prepare(codes, scales, grads, exp_avgs, exp_avg_sqs, streams=streams, first_rows=first_rows)
     eco_adamw_fp8_launch(plan, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
                          rounding=rounding, seed=seed)
 

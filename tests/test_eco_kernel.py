@@ -113,6 +113,23 @@ def test_sr_streams_differ_between_tensors():
     assert not torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
 
 
+@pytest.mark.parametrize("rows, cols, pieces", [(8, 256, 2), (12, 96, 3), (6, 9000, 2)])
+def test_sr_row_shards_draw_what_the_whole_weight_draws(rows, cols, pieces):
+    """FSDP2 row shards stepped with their first global row and the weight's stream end bit-identical to the
+    whole weight stepped at once (one-pass and two-pass rows)."""
+    s = _state(rows, cols, seed=4)
+    whole = _clone(s)
+    K.eco_adamw_fp8_multi_step_(*[[t] for t in whole], rounding="sr", seed=11, streams=[5], **KW)
+    n = rows // pieces
+    parts = [[t[i * n:(i + 1) * n].clone() for t in s] for i in range(pieces)]
+    K.eco_adamw_fp8_multi_step_(*[list(x) for x in zip(*parts)], rounding="sr", seed=11, streams=[5] * pieces,
+                                first_rows=[i * n for i in range(pieces)], **KW)
+    for k in range(5):
+        got = torch.cat([p[k] for p in parts])
+        assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                           whole[k].view(torch.uint8) if got.dtype == torch.float8_e4m3fn else whole[k]), k
+
+
 def test_sr_neighbours_and_unbiased():
     s = _state(16, 96, seed=1)
     ref = _clone(s)

@@ -83,8 +83,8 @@ class ECOAdamW(_ECOBase):
     Args as torch.optim.AdamW (lr, betas, eps, weight_decay: decoupled) plus rule ("memory_free" default /
     "exact"), rounding ("sr" default / "rtn"), state_dtype (fp32 / bf16 moments), state_bits (None / 8:
     blockwise 8-bit moments), seed, fused (None: the Triton step for fp8_e4m3_row QParams on CUDA;
-    True forces it, also on CPU under TRITON_INTERPRET; False: torch reference; FSDP2-sharded weights take the
-    torch step, whose SR is keyed by global element), keyed_sr (as ECOSGD).
+    True forces it, also on CPU under TRITON_INTERPRET; False: torch reference; FSDP2-sharded weights too, their
+    SR keyed by global element in either), keyed_sr (as ECOSGD).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
@@ -99,18 +99,21 @@ class ECOAdamW(_ECOBase):
             raise ValueError("fused=True supports rule='memory_free' with fp32/bf16 states only")
 
     def _use_fused(self, p) -> bool:
-        if not (isinstance(p, QParam) and p.fmt == "fp8_e4m3_row") or int8_grad(p) is not None:
+        q = local(p)
+        if not (isinstance(q, QParam) and q.fmt == "fp8_e4m3_row") or int8_grad(p) is not None:
             return False
-        if self.keyed_sr and self.rounding == "sr":
-            return False  # the kernel draws its own SR stream
         if self.fused is None:
-            return p.device.type == "cuda" and self.rule == "memory_free" and self._store.bits is None
+            return q.device.type == "cuda" and self.rule == "memory_free" and self._store.bits is None
         if not self.fused:
             return False
         # fused=True: Triton on CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; elsewhere the torch
         # reference of the same step (CPU tensors on a CUDA machine)
         from hfq_kernels.eco import HAS_TRITON, INTERPRET
-        return HAS_TRITON and (p.device.type == "cuda" or INTERPRET)
+        return HAS_TRITON and (q.device.type == "cuda" or INTERPRET)
+
+    def _keyed(self, p) -> bool:
+        """SR keyed by (seed, parameter, step, global element) for p: sharded, or keyed_sr=True."""
+        return self.rounding == "sr" and (bool(self.keyed_sr) or (self.keyed_sr is None and local(p) is not p))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -129,25 +132,27 @@ class ECOAdamW(_ECOBase):
                     continue
                 state = self.state.get(p)
                 step = int(state["step"]) + 1 if state else 1
-                fused.setdefault((lr, b1, b2, eps, wd, step), []).append((p, state))
+                fused.setdefault((lr, b1, b2, eps, wd, step, self._keyed(p)), []).append((p, state))
         plans = []
         if fused:
             from hfq_kernels.eco import eco_adamw_fp8_prepare
             for key, ps in fused.items():
                 ready = all(state for _, state in ps)
-                plans.append((key, ps, self._fused_plan(ps, eco_adamw_fp8_prepare) if ready else None))
+                plans.append((key, ps, self._fused_plan(ps, eco_adamw_fp8_prepare, key[-1]) if ready else None))
         self._finish_check(pending)
         if plans:
             from hfq_kernels.eco import eco_adamw_fp8_launch, eco_adamw_fp8_prepare
-            for (lr, b1, b2, eps, wd, step), ps, plan in plans:
+            for (lr, b1, b2, eps, wd, step, keyed), ps, plan in plans:
                 if plan is None:  # first step of some of them: make their states, then plan
                     for p, state in ps:
                         if not state:
-                            self._init_state(p, self.state[p])
+                            self._init_state(local(p), self.state[p])
                     ps = [(p, self.state[p]) for p, _ in ps]
-                    plan = self._fused_plan(ps, eco_adamw_fp8_prepare)
+                    plan = self._fused_plan(ps, eco_adamw_fp8_prepare, keyed)
                 seed = 0
-                if self.rounding == "sr":
+                if keyed:  # the same on every rank and world size: a function of (seed, step) only
+                    seed = (self._seed * 1_000_003 + step) % (2 ** 31 - 1)
+                elif self.rounding == "sr":
                     seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=self._generator("cpu")))
                 eco_adamw_fp8_launch(plan, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step,
                                      rounding=self.rounding, seed=seed)
@@ -180,7 +185,11 @@ class ECOAdamW(_ECOBase):
         self._store.init(state, "exp_avg_sq", p, False)
         self._new_residual(state, p)
 
-    @staticmethod
-    def _fused_plan(ps, prepare):
-        return prepare([p.codes for p, _ in ps], [p.scales for p, _ in ps], [p.grad for p, _ in ps],
-                       [state["exp_avg"] for _, state in ps], [state["exp_avg_sq"] for _, state in ps])
+    def _fused_plan(self, ps, prepare, keyed: bool):
+        """The kernel's plan over the local shards; keyed: each weight's SR stream is its position in the
+        optimizer and its rows count from its shard's first global row."""
+        qs = [local(p) for p, _ in ps]
+        return prepare([q.codes for q in qs], [q.scales for q in qs], [local(p.grad) for p, _ in ps],
+                       [state["exp_avg"] for _, state in ps], [state["exp_avg_sq"] for _, state in ps],
+                       streams=[self._ordinal(p) for p, _ in ps] if keyed else None,
+                       first_rows=[q.place.row0 for q in qs] if keyed else None)

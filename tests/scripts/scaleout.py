@@ -4,8 +4,9 @@ FSDP2: under `torchrun` with SCALEOUT_FSDP2=1, accelerate's Accelerator with exa
 (`fsdp2_accelerator`); gloo on CPU, or NCCL with one GPU per process when SCALEOUT_DEVICE=cuda.
 
 python scaleout.py OUT TINY_DIR METHODS [RESUME_FROM_WORLD]
-  METHODS: comma-separated, of quest, nvfp4_lora, eco, qft, eco_bf16, qft_bf16 (ECO / QFT on a bf16 model, SR keyed
-  by element: what FSDP2 shards, FSDP2 needing one dtype per layer) and qerl (only builds QeRLGRPOTrainer).
+  METHODS: comma-separated, of quest, nvfp4_lora, eco, qft, eco_bf16, eco_bf16_fused, qft_bf16 (ECO / QFT on a bf16
+  model, SR keyed by element: what FSDP2 shards, FSDP2 needing one dtype per layer; eco_bf16_fused: ECO's Triton
+  step) and qerl (only builds QeRLGRPOTrainer).
   For each method: STEPS optimizer steps on a fixed global batch split over the ranks (eco_bf16 / qft_bf16: two
   micro-steps of gradient accumulation and clip_grad_norm_ per step, the norms saved too). The mean loss over ranks per
   step, every parameter and buffer (full, gathered under FSDP2) and what was sharded go to
@@ -21,7 +22,7 @@ import sys
 import torch
 
 STEPS, SAVE_AT, GLOBAL_BATCH, SEQ = 4, 2, 8, 16
-BF16 = ("eco_bf16", "qft_bf16")
+BF16 = ("eco_bf16", "eco_bf16_fused", "qft_bf16")
 CLIP = 0.5  # max_grad_norm of the eco_bf16 / qft_bf16 runs (their gradient norms are ~1.3: clipping acts)
 
 
@@ -56,9 +57,11 @@ def build(method, tiny_dir):
 
     if method in BF16:
         model = tiny_model("llama", seed=0, hidden=64, intermediate=128, kv_heads=4, dtype=torch.bfloat16).train()
-        if method == "eco_bf16":
+        if method in ("eco_bf16", "eco_bf16_fused"):  # fused: the Triton step (interpreted on CPU)
             quantize_model_(model, QFTConfig(weight_format="fp8_e4m3_row"))
-            return model, lambda m: ECOAdamW(m.parameters(), lr=1e-2, rounding="sr", seed=3, keyed_sr=True)
+            fused = True if method == "eco_bf16_fused" else None
+            return model, lambda m: ECOAdamW(m.parameters(), lr=1e-2, rounding="sr", seed=3, keyed_sr=True,
+                                             fused=fused)
         quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
         return model, lambda m: QLion(m.parameters(), lr=1e-3, seed=3, keyed_sr=True)
     model = tiny_model("llama", seed=0, hidden=64, intermediate=128, kv_heads=4).train()
