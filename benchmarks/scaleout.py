@@ -506,13 +506,15 @@ def run_jobs(jobs, a, cuda: bool, gpus: int) -> list[dict]:
 
 
 def add_scaling(rows) -> None:
-    """x_world1: a world-2 row's tokens/s over the world-1 row of its method and model (same strategy if measured,
-    else DDP's, which is one process without a wrapper), with the range the windows allow."""
-    ok = {(r["method"], r["strategy"], r["world"], r["model"]): r for r in rows if r.get("status") == "ok"}
+    """x_world1: a world-2 row's tokens/s over the world-1 row of its method, model and card (same strategy if
+    measured, else DDP's, which is one process without a wrapper), with the range the windows allow."""
+    ok = {(r["method"], r["strategy"], r["world"], r["model"], r.get("card")): r for r in rows
+          if r.get("status") == "ok"}
     for r in rows:
         if r.get("status") != "ok" or r["world"] == 1:
             continue
-        base = ok.get((r["method"], r["strategy"], 1, r["model"])) or ok.get((r["method"], "ddp", 1, r["model"]))
+        c = r.get("card")
+        base = ok.get((r["method"], r["strategy"], 1, r["model"], c)) or ok.get((r["method"], "ddp", 1, r["model"], c))
         if base:
             q = ratio(base["s_per_token"], r["s_per_token"])
             r.update(x_world1=round(q["ratio"], 3), x_world1_range=f"{q['ratio_min']:.2f}-{q['ratio_max']:.2f}",
@@ -553,7 +555,7 @@ def notes(a, gpus: int) -> str:
 
 def merge(name: str, rows: list, out: str | None) -> tuple[list, list]:
     """The earlier call's rows (from <out or benchmarks/results>/<name>.json) with this call's replacing those of
-    the same method, strategy, world and model; each earlier row keeps the facts of its call."""
+    the same method, strategy, world, model and card; each earlier row keeps the facts of its call."""
     from _harness import RESULTS
 
     path = os.path.join(out or RESULTS, f"{name}.json")
@@ -563,10 +565,11 @@ def merge(name: str, rows: list, out: str | None) -> tuple[list, list]:
         raise SystemExit(f"--append: no earlier {name}.json in {out or RESULTS} or {RESULTS}")
     with open(path) as f:
         old = json.load(f)
-    key = lambda r: (r["method"], r["strategy"], r["world"], r["model"])  # noqa: E731
+    key = lambda r: (r["method"], r["strategy"], r["world"], r["model"], r.get("card"))  # noqa: E731
     new = {key(r) for r in rows}
-    kept = [dict(r, call=r.get("call", old["facts"]["date"]), card=r.get("card", old["facts"].get("card")))
-            for r in old["rows"] if key(r) not in new]
+    old_rows = [dict(r, call=r.get("call", old["facts"]["date"]), card=r.get("card", old["facts"].get("card")))
+                for r in old["rows"]]
+    kept = [r for r in old_rows if key(r) not in new]
     return kept + rows, old.get("earlier_calls", []) + [old["facts"]]
 
 

@@ -22,7 +22,7 @@ Between the passes one host sync per step reads every weight's new list length (
 Arithmetic follows the references op for op, compiled without FMA contraction; codes are x * (1 / scale), the
 reciprocal (IEEE division) once per row as reference.intq computes it; RTN results equal the references' on CPU
 (tests/test_qft_kernels.py). SR draws: a 24-bit uniform per element from a 32-bit integer hash (murmur3's finalizer)
-of the weight's seed and the element's flat index (old outliers: another key); on the H100 QLion's step of 8
+of the weight's seed and the element's global flat index (old outliers: another key); on the H100 QLion's step of 8
 7B-shaped layers took 31.6 ms with it against 33.8 ms with Philox (tl.rand, SR_DRAW = "philox").
 Launch shapes (benchmarks/qft_kernels.py --sweep, one 7B layer's seven weights on the H100): one-warp statistics
 programs and two-warp write programs, the next block's loads issued before this block's arithmetic, and the
@@ -43,7 +43,7 @@ OB = 64  # outliers per inner step of a row program
 SR_DRAW = "hash"  # SR uniforms: "hash" (integer hash of seed and index) or "philox" (tl.rand)
 PREFETCH = True  # issue the next block's loads before this block's arithmetic (stats and write kernels)
 SORT_MAX = 4096  # longest row segment sorted inside the write kernel; longer ones are sorted by torch
-NF = 22  # int64 fields per weight record
+NF = 23  # int64 fields per weight record
 
 
 # ---- shared arithmetic ------------------------------------------------------------------------------------------
@@ -291,6 +291,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
     thr, sidx, rowptr = table_ptr(rec, 9, 0, False), table_ptr(rec, 10, 5, False), table_ptr(rec, 12, 5, False)
     vb = vbuf + tl.load(rec + 15)
     seed = tl.load(rec + 16)
+    e0 = tl.load(rec + 22)  # global flat index of the weight's first element (a row shard's offset): SR position
     new_idx, new_val, new_ptr = table_ptr(rec, 17, 5, False), table_ptr(rec, 18, 1, False), table_ptr(rec, 19, 5, False)
     base = row * C
     t0 = tl.load(thr)
@@ -315,7 +316,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
         raw, nxt = _next_raw(wc, g, mc, base, k, C, nxt, BLOCK, G_DT == 3, PREFETCH)
         _, w, m = _lion_values(raw, sw, zw, sg, zg, sm, zm, decay, lr, b1, omb1, b2, omb2, G_DT == 3)
         out = ((w < t0) | (w > t1)) & mask
-        r = _round(tl.where(out, 0.0, w) * r_w, seed, base + offs, SR, HASH)
+        r = _round(tl.where(out, 0.0, w) * r_w, seed, e0 + base + offs, SR, HASH)
         tl.store(wc + base + offs, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=mask)
         qm = tl.minimum(tl.maximum(_rint(m * r_m) + z_m, 0.0), 255.0)
         tl.store(mc + base + offs, qm.to(tl.uint8), mask=mask)
@@ -329,7 +330,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
         pos = tl.load(sidx + j, mask=jmask, other=0).to(tl.int64)
         v = tl.load(vb + j, mask=jmask, other=0.0)
         stay = ((v < t0) | (v > t1)) & jmask
-        r = _round(tl.where(stay, 0.0, v) * r_w, seed ^ 0x2545F491, pos, SR, HASH)  # a stream of its own
+        r = _round(tl.where(stay, 0.0, v) * r_w, seed ^ 0x2545F491, e0 + pos, SR, HASH)  # a stream of its own
         tl.store(wc + pos, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=jmask)
         at = _append(new_idx, new_val, at, stay, pos, v)
     if SEG > 0:
@@ -401,14 +402,16 @@ def zero_may_cross(thr: torch.Tensor, lr: float) -> bool:
 def qlion_dense_sparse_begin(items, *, lr: float, beta1: float, beta2: float, weight_decay: float,
                              rounding: str = "sr") -> dict:
     """First half of a multi-tensor QLion step on int8_dense_sparse weights (nothing modified yet): the statistics
-    pass. items: (w, grad, mom, seed) per weight, one device, dicts as in qlion_dense_sparse_step_. Returns a
+    pass. items: (w, grad, mom, seed[, first]) per weight, one device, dicts as in qlion_dense_sparse_step_; first
+    (default 0): the global flat index of w's first element, where w is a row shard (SR draws are keyed by the
+    global index, so shards draw what the whole weight draws). Returns a
     context whose "sync" (device int64) the caller reads with .tolist() (one host sync per step; several contexts
     may be read together) and hands to qlion_dense_sparse_finish."""
-    items = [it for it in items if it[0]["codes"].numel()]
+    items = [tuple(it) + (0,) * (5 - len(it)) for it in items if it[0]["codes"].numel()]
     dev = items[0][0]["codes"].device if items else torch.device("cpu")
     recs, keep, rows_l, codes_l = [], [], [], []
     rb = vb = 0
-    for w, grad, mom, seed in items:
+    for w, grad, mom, seed, _ in items:
         rows, cols = w["codes"].shape
         if "value" in grad:
             grad = {"value": grad["value"].reshape(rows, cols).contiguous()}
@@ -453,13 +456,13 @@ def qlion_dense_sparse_finish(ctx: dict, synced: list) -> list:
     ends, need = synced[:-1], synced[-1]
     seg = _seg_bucket(need)
     out, recs, start = [], [], 0
-    for (w, *_), rec, rows, end in zip(items, ctx["recs"], ctx["rows"], ends):
+    for (w, *_, first), rec, rows, end in zip(items, ctx["recs"], ctx["rows"], ends):
         n = end - start
         idx = torch.empty(n, dtype=torch.int32, device=dev)
         val = torch.empty(n, dtype=torch.bfloat16, device=dev)
         ptr = torch.empty(rows + 1, dtype=torch.int32, device=dev)
         out.append((idx, val, ptr))
-        recs.append(rec + [idx.data_ptr(), val.data_ptr(), ptr.data_ptr(), start, rows])
+        recs.append(rec + [idx.data_ptr(), val.data_ptr(), ptr.data_ptr(), start, rows, int(first)])
         start = end
     tab = upload_table(recs, dev)
     block, warps = LAUNCH["write"]

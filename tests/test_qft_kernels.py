@@ -340,3 +340,31 @@ def test_plain_multi_step_equals_reference_per_parameter():
                 assert torch.equal(m[k], m2[k]), k
         else:
             torch.testing.assert_close(p, p2, rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows,cols,pieces,int8_grad", [(12, 301, 2, True), (9, 96, 3, False)])
+def test_qlion_sr_row_shards_step_as_the_whole_weight(rows, cols, pieces, int8_grad):
+    """FSDP2 row shards, each given the global flat index of its first element, take the SR step the whole
+    weight takes: codes, row scales, momentum and outliers (rebased) bit-identical."""
+    d, grad, mom = _lion_case(rows, cols, 40 + rows, int8_grad)
+    kw = dict(lr=2e-2, beta1=0.9, beta2=0.99, weight_decay=0.0, rounding="sr")
+    whole_d, whole_m = clone(d), clone(mom)
+    whole_idx, whole_val = Q.qlion_dense_sparse_step_(whole_d, grad, whole_m, seed=9, **kw)
+    n = rows // pieces
+    items = []
+    for i in range(pieces):
+        r0, r1 = i * n, (i + 1) * n
+        keep = (d["sparse_idx"] >= r0 * cols) & (d["sparse_idx"] < r1 * cols)
+        piece = {k: (v.clone() if k == "thresholds" else v[r0:r1].clone()) for k, v in d.items()
+                 if k not in ("sparse_idx", "sparse_val")}
+        piece["sparse_idx"] = (d["sparse_idx"][keep] - r0 * cols).to(torch.int32)
+        piece["sparse_val"] = d["sparse_val"][keep].clone()
+        items.append((piece, {k: v[r0:r1].clone() for k, v in grad.items()},
+                      {k: v[r0:r1].clone() for k, v in mom.items()}, 9, r0 * cols))
+    ctx = Q.qlion_dense_sparse_begin(items, **kw)
+    new = Q.qlion_dense_sparse_finish(ctx, ctx["sync"].tolist())
+    for k in ("codes", "scales", "zeros"):
+        assert torch.equal(torch.cat([it[0][k] for it in items]), whole_d[k]), k
+        assert torch.equal(torch.cat([it[2][k] for it in items]), whole_m[k]), k
+    assert torch.equal(torch.cat([idx + i * n * cols for i, (idx, _, _) in enumerate(new)]), whole_idx)
+    assert torch.equal(torch.cat([val for _, val, _ in new]), whole_val) and whole_idx.numel() > 0

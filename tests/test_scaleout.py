@@ -22,7 +22,8 @@ WORKER = os.path.join(ROOT, "tests", "scripts", "scaleout.py")
 CONFIGS = os.path.join(ROOT, "examples", "accelerate")
 METHODS = ("quest", "nvfp4_lora", "eco", "qft")
 FSDP2_METHODS = ("quest", "nvfp4_lora")
-QPARAM_FSDP2 = ("eco_bf16", "eco_bf16_fused", "qft_bf16")  # on bf16 models (FSDP2 wants one dtype per layer)
+# ECO / QFT on bf16 models (FSDP2 wants one dtype per layer); eco_bf16_fused: ECOAdamW's Triton step
+QPARAM_FSDP2 = ("eco_bf16", "eco_bf16_fused", "qft_bf16")
 TIMEOUT = 240
 
 

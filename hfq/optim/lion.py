@@ -50,9 +50,9 @@ class QLion(QParamOptimizer):
     with INT8 momentum on CUDA take the fused multi-tensor Triton step, hfq_kernels.qlion, which reads the INT8
     gradient store as it is; False: always the torch ops; True: also CPU tensors under TRITON_INTERPRET=1). The
     fused step's RTN results equal the torch ops'; its SR draws come from a hashed counter stream per step and weight
-    (keyed by seed, the weight's position in the optimizer and its step count, so resumed runs and DDP ranks draw the
-    same), not from the torch generator. FSDP2-sharded weights take the torch ops, SR keyed by global element;
-    keyed_sr=True does that for every weight (a one-process run then draws what a sharded one does).
+    (keyed by seed, the weight's position in the optimizer, its step count and the element's global index, so
+    resumed runs, DDP ranks and FSDP2 row shards draw what the whole weight draws), not from the torch generator.
+    The torch ops' SR is keyed by global element for FSDP2-sharded weights, and for every weight with keyed_sr=True.
     """
 
     def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,
@@ -128,7 +128,7 @@ class QLion(QParamOptimizer):
                     continue
                 if self._use_fused(p, group):
                     g = pop_int8_grad(p)
-                    dense.setdefault(p.device, []).append((p, self._fused_item(p, p.grad if g is None else g)))
+                    dense.setdefault(p.device, []).append((p, self._fused_item(p, local(p.grad) if g is None else g)))
                     continue
                 q8 = pop_int8_grad(p)
                 g = local(p.grad) if q8 is None else q8.dequantize(torch.float32)
@@ -152,19 +152,18 @@ class QLion(QParamOptimizer):
         """The fused Triton step applies: an int8_dense_sparse QParam, INT8 momentum, lr > 0, no outlier refresh
         due on this step (a refresh re-selects thresholds from the whole weight: the torch ops do it), thresholds
         not within lr of zero (hfq_kernels.qlion.zero_may_cross; never seen on real weights)."""
-        if self.fused is False or self.momentum_bits != 8 or not isinstance(p, QParam):
+        q = local(p)
+        if self.fused is False or self.momentum_bits != 8 or not isinstance(q, QParam):
             return False
-        if self.keyed_sr and self.rounding == "sr":
-            return False  # the kernel draws its own SR stream
-        if p.fmt != "int8_dense_sparse" or group["lr"] == 0 or p.numel() >= 2 ** 31:
+        if q.fmt != "int8_dense_sparse" or group["lr"] == 0 or p.numel() >= 2 ** 31:
             return False
-        if not self._kernels_for(p.codes):
+        if not self._kernels_for(q.codes):
             return False
-        n = getattr(self, "refresh_thresholds_every", None) or p.meta.get("outlier_refresh_steps", 0)
+        n = getattr(self, "refresh_thresholds_every", None) or q.meta.get("outlier_refresh_steps", 0)
         step = int(self.state[p]["step"]) + 1 if self.state.get(p) else 1
         if n and step % n == 0:
             return False
-        return not _q.zero_may_cross(p.thresholds, group["lr"])
+        return not _q.zero_may_cross(q.thresholds, group["lr"])
 
     def _plain_fused(self, p, g) -> bool:
         """An ordinary parameter's step in two Triton launches (INT8 momentum, bf16/fp32 contiguous tensors)."""
@@ -219,7 +218,7 @@ class QLion(QParamOptimizer):
     def _momentum(self, p) -> dict:
         state = self.state[p]
         if not state:
-            self._init_state(state, p)
+            self._init_state(state, local(p), sharded=local(p) is not p)
         return {"codes": state["exp_avg_codes"], "scales": state["exp_avg_scales"], "zeros": state["exp_avg_zeros"]}
 
     def _plain_step(self, items, group) -> None:
@@ -231,15 +230,17 @@ class QLion(QParamOptimizer):
         _q.lion_plain_multi_step_([p.data for p, _ in items], [g for _, g in items], moms, lr=lr, beta1=b1,
                                   beta2=b2, weight_decay=wd)
 
-    def _fused_item(self, p: QParam, g) -> tuple:
-        """(weight, gradient, momentum, seed) of p for hfq_kernels.qlion; counts p's step."""
+    def _fused_item(self, p, g) -> tuple:
+        """(weight, gradient, momentum, seed, first global element) of p (its local shard under FSDP2) for
+        hfq_kernels.qlion; counts p's step."""
         mom = self._momentum(p)
         state = self.state[p]
         state["step"] += 1
         grad = ({"codes": g.codes, "scales": g.scales, "zeros": g.zeros} if isinstance(g, Int8Grad)
                 else {"value": g})
         seed = self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(state["step"])
-        return p.qtensors(), grad, mom, seed
+        q = local(p)
+        return q.qtensors(), grad, mom, seed, q.place.row0 * q.shape[1]
 
     def _fused_begin(self, items, group) -> dict:
         lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
@@ -249,4 +250,5 @@ class QLion(QParamOptimizer):
     @staticmethod
     def _fused_finish(params, ctx: dict, synced: list) -> None:
         for p, new in zip(params, _q.qlion_dense_sparse_finish(ctx, synced)):
-            _q.store_outliers_(p.sparse_idx, p.sparse_val, new, p.codes.shape[-1])
+            q = local(p)
+            _q.store_outliers_(q.sparse_idx, q.sparse_val, new, q.codes.shape[-1])

@@ -6,7 +6,8 @@ FSDP2: under `torchrun` with SCALEOUT_FSDP2=1, accelerate's Accelerator with exa
 python scaleout.py OUT TINY_DIR METHODS [RESUME_FROM_WORLD]
   METHODS: comma-separated, of quest, nvfp4_lora, eco, qft, eco_bf16, eco_bf16_fused, qft_bf16 (ECO / QFT on a bf16
   model, SR keyed by element: what FSDP2 shards, FSDP2 needing one dtype per layer; eco_bf16_fused: ECO's Triton
-  step) and qerl (only builds QeRLGRPOTrainer).
+  step, interpreted on CPU; QLion's, interpreted, would take minutes here: its sharded route runs on the GPUs)
+  and qerl (only builds QeRLGRPOTrainer).
   For each method: STEPS optimizer steps on a fixed global batch split over the ranks (eco_bf16 / qft_bf16: two
   micro-steps of gradient accumulation and clip_grad_norm_ per step, the norms saved too). The mean loss over ranks per
   step, every parameter and buffer (full, gathered under FSDP2) and what was sharded go to
