@@ -85,9 +85,7 @@ def _trainer(out, method, n, resume=None):
           str(_free_port()), TRAINER, str(out), method] + ([str(resume)] if resume else []))
 
 
-@pytest.mark.parametrize("method", ["eco_bf16", pytest.param("qft_bf16", marks=pytest.mark.xfail(
-    strict=True, reason="not done: torch.distributed.checkpoint loads into a template of the current model's shapes, "
-    "and QFT's outlier lists change length with the weights (tests/test_scaleout.py shows it on CPU)"))])
+@pytest.mark.parametrize("method", QPARAM_FSDP2)
 def test_trainer_fsdp2_sharded_checkpoint_resumes_on_another_world_size(tmp_path, method):
     """Trainer(optimizer_cls_and_kwargs=(ECOAdamW | QLion, ...)) on 2 GPUs matches 1 GPU on the same global batch;
     its checkpoint after 2 of 4 steps resumes on 1 GPU and ends where the 1-GPU run ends."""

@@ -261,7 +261,31 @@ def load_whole_state_dict_(model, state_dict: dict, strict: bool = True):
     return model.load_state_dict(sd, strict=strict)
 
 
+# The outlier lists of a sharded weight enter its state dict as bytes: torch.distributed.checkpoint loads a tensor
+# only into a template tensor of the same shape, and these lists change length as the weights train; an object
+# (bytes) it saves and loads whole. Only sharded weights do this (save_pretrained's safetensors need tensors).
+LIST_DTYPES = {"sparse_idx": torch.int32, "sparse_val": torch.bfloat16}
+
+
+def list_to_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def list_from_bytes(b: bytes, name: str, device) -> torch.Tensor:
+    """An outlier list ("sparse_idx" / "sparse_val") back from `list_to_bytes`, on `device`."""
+    dtype = LIST_DTYPES[name]
+    if not b:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).to(device)
+
+
 def whole_state_dict(model) -> dict:
     """The state dict of an FSDP2-sharded model with every tensor whole, on every rank (a collective: call it on
     all ranks): QLinear gathers its stored tensors, DTensors are gathered here. Loads in one process."""
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
+    out = {}
+    for k, v in model.state_dict().items():
+        if isinstance(v, bytes):
+            name = k.rpartition(".")[2].removeprefix("weight_")
+            v = list_from_bytes(v, name, "cpu")
+        out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+    return out

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hfq_kernels._triton import checkpointing as _checkpointing
 from . import formats as _formats
 from .formats import check_format, check_qtensors, empty_qtensors
-from .fsdp import gather_whole, local, local_rows, rows_of
+from .fsdp import LIST_DTYPES, gather_whole, list_from_bytes, list_to_bytes, local, local_rows, rows_of
 from .int8grad import _mean_over_ranks, accumulate_int8_grad_, accumulate_sharded_int8_grad_
 from .tensor import QParam
 
@@ -138,9 +138,13 @@ class QLinear(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if self.weight is not None:
             w = self.weight
-            if local(w) is not w:  # FSDP2 shard: the whole weight's stored tensors, gathered on every rank
+            sharded = local(w) is not w
+            if sharded:  # FSDP2 shard: the whole weight's stored tensors, gathered on every rank
                 w = gather_whole(w)
             for k, t in w.qtensors().items():
+                if sharded and k in LIST_DTYPES:  # variable length: bytes (hfq.qparam.fsdp.list_to_bytes)
+                    destination[prefix + "weight_" + k] = list_to_bytes(t)
+                    continue
                 destination[prefix + "weight_" + k] = t if keep_vars else t.detach()
         for name, buf in self._buffers.items():
             if buf is not None and name not in self._non_persistent_buffers_set:
@@ -157,7 +161,9 @@ class QLinear(nn.Module):
             for k in present:
                 self._buffers["weight_" + k] = state_dict[keys[k]]
         elif len(present) == len(names):
-            data = {k: state_dict[keys[k]] for k in names}
+            dev = local(self.weight).codes.device
+            data = {k: (list_from_bytes(state_dict[keys[k]], k, dev) if isinstance(state_dict[keys[k]], bytes)
+                        else state_dict[keys[k]]) for k in names}
             try:
                 check_qtensors(self.weight_format, tuple(self.weight.shape), self.weight_meta, data, prefix + "weight_")
             except ValueError as e:
