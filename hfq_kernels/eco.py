@@ -10,9 +10,10 @@ parameters.
 Layout. The launcher writes an int64 table (one record per tensor: the five data pointers, rows, cols, the
 tensor's random-stream id, the global index of its first row) and an int32 work list (tensor, first row) with one
 entry per program; a program updates ROWS rows of one tensor, each row held in registers as [W, 8] (column =
-8*j + k), so a row's absmax and new scale come from one pass over memory: codes 1 B + grad + both moments read and written once. Rows wider
-than MAX_ONE_PASS (8192) take two passes (absmax, then update). Tensors are grouped per launch by block width
-and dtypes; the tables are cached by their contents, so a steady training loop uploads nothing.
+8*j + k), so a row's absmax and new scale come from one pass over memory: codes 1 B + grad + both moments read
+and written once. Rows wider than MAX_ONE_PASS (8192) take two passes (absmax, then update). Tensors are grouped
+per launch by block width and dtypes; the tables are cached by their contents, so a steady training loop uploads
+nothing.
 
 Arithmetic mirrors the torch reference op for op (`eco_adamw_fp8_step_ref`: hfq.eco.functional +
 hfq_kernels.reference.fp8, written with one rounding per op) and the kernel is compiled without FMA contraction
@@ -22,11 +23,10 @@ Divisions are IEEE (div_rn) where the reference divides (m/denom, tmp/scale, ama
 power of two and is applied by multiplication.
 
 SR: Philox (counter = column group, global row, tensor stream; key = seed): one call serves 8 elements with 16-bit
-uniforms
-u = (h + 1/2)/2^16. A row shard (FSDP2) given its first global row and the whole weight's stream draws
-what the whole weight draws. Rounding up when u < frac (frac = exact fractional distance to the lower grid point) happens
-with probability within 2^-17 of frac, so E[Q(x)] is unbiased to that. On the H100 one call per 8 elements made the
-1B-shaped SR step 7.2-7.5 ms against 9.3-11.6 ms for one call (24-bit uniform) per element
+uniforms u = (h + 1/2)/2^16. A row shard (FSDP2) given its first global row and the whole weight's stream draws
+what the whole weight draws. Rounding up when u < frac (frac = exact fractional distance to the lower grid point)
+happens with probability within 2^-17 of frac, so E[Q(x)] is unbiased to that. On the H100 one call per 8
+elements made the 1B-shaped SR step 7.2-7.5 ms against 9.3-11.6 ms for one call (24-bit uniform) per element
 (benchmarks/results/eco_sweep.md). Draws differ from the reference's generator.
 """
 from __future__ import annotations
@@ -177,9 +177,9 @@ def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, ep
     if ALIGNED:
         n_cols = tl.multiple_of(n_cols, 16)
     stream = tl.load(rec + 7)
-    grows = tl.load(rec + 8) + row0 + tl.arange(0, ROWS)  # global rows: the SR counter
 
     rows = row0 + tl.arange(0, ROWS)
+    grows = rows + tl.load(rec + 8)  # global rows: the SR counter
     rmask = rows < n_rows
     base = (rows.to(tl.int64) * n_cols)[:, None, None]
     jj = tl.arange(0, W)

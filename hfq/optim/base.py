@@ -222,7 +222,7 @@ class QParamOptimizer(torch.optim.Optimizer):
     def _sr_noise(self, p, q: QParam) -> torch.Tensor | None:
         """SR draws keyed by (seed, p's position in the optimizer, p's step, global element index): for sharded
         parameters (the split does not change them) and with keyed_sr=True; else None (the device generator)."""
-        if self.rounding != "sr" or self.keyed_sr is False or (not self.keyed_sr and local(p) is p):
+        if not self._keyed(p):
             return None
         state = self.state[p]
         if "step" in state:
@@ -231,6 +231,10 @@ class QParamOptimizer(torch.optim.Optimizer):
             state["sr_step"] = step = int(state.get("sr_step", 0)) + 1
         key = (self._seed * 1_000_003 + self._ordinal(p)) * 1_000_033 + step
         return keyed_uniform(q.shape, q.place.row0, key, q.device)
+
+    def _keyed(self, p) -> bool:
+        """SR keyed by (seed, parameter, step, global element) for p: sharded, or keyed_sr=True."""
+        return self.rounding == "sr" and (bool(self.keyed_sr) or (self.keyed_sr is None and local(p) is not p))
 
     def _ordinal(self, p) -> int:
         """p's position in the optimizer's flat parameter list (keys its SR draws)."""

@@ -111,10 +111,6 @@ class ECOAdamW(_ECOBase):
         from hfq_kernels.eco import HAS_TRITON, INTERPRET
         return HAS_TRITON and (q.device.type == "cuda" or INTERPRET)
 
-    def _keyed(self, p) -> bool:
-        """SR keyed by (seed, parameter, step, global element) for p: sharded, or keyed_sr=True."""
-        return self.rounding == "sr" and (bool(self.keyed_sr) or (self.keyed_sr is None and local(p) is not p))
-
     @torch.no_grad()
     def step(self, closure=None):
         loss, pending = self._begin_step(closure)

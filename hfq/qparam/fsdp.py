@@ -179,8 +179,10 @@ def post_all_gather(q, outputs, metadata, param_dtype, out=None):
     """The whole QParam from the gathered tensors (outputs[i]: every rank's input i, in rank order, along dim 0);
     fixed-size tensors are views of FSDP2's buffers, refilled in place by later gathers (then `out` is the
     QParam built the first time, and only its outliers are replaced)."""
+    import torch.distributed as dist
+
     names, dtypes, group, param = metadata
-    if len(outputs) == 1 < len(names) and _group_size(group) == 1:
+    if len(outputs) == 1 < len(names) and dist.get_world_size(group) == 1:
         outputs = _one_rank_outputs(q, outputs, names, out)
     if len(outputs) != len(names):
         raise RuntimeError(f"FSDP2 all-gather of a {q.fmt} QParam {tuple(q.shape)}: expected {len(names)} gathered "
@@ -201,12 +203,6 @@ def post_all_gather(q, outputs, metadata, param_dtype, out=None):
                    place=RowPlace(q.place.name, 0, rows))
     full.fsdp_shard = (param, group)  # QFT's INT8 gradient goes to the sharded parameter (hfq.qparam.int8grad)
     return full, tuple(data[k] for k in names)
-
-
-def _group_size(group) -> int:
-    import torch.distributed as dist
-
-    return dist.get_world_size(group)
 
 
 def _one_rank_outputs(q, outputs, names, out):
