@@ -31,7 +31,7 @@ for part in "$@"; do
   case $part in
     tests) timeout 560 $PYTEST tests/test_kernels_nvfp4.py tests/test_eco_kernel.py tests/test_quest.py \
              tests/test_eco.py tests/test_qparam.py tests/test_qft_lion.py tests/test_nvfp4_model.py \
-             tests/test_nvfp4_g4.py tests/test_rollout_kernels.py tests/test_rollout.py tests/test_hadamard.py \
+             tests/test_nvfp4_g4.py tests/test_nvfp4_grad.py tests/test_rollout_kernels.py tests/test_rollout.py tests/test_hadamard.py \
              tests/test_kernels_imports.py tests/test_peft_routes.py tests/test_optim_guard.py \
              tests/test_qft_kernels.py tests/test_qft_grads.py tests/test_qft_outliers.py tests/test_qft.py \
              > "$OUT/tests.txt" 2>&1 ;;

@@ -16,6 +16,8 @@ the weight's [out, in]); CPU runs the torch reference (unrepack + fp4), CUDA the
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -37,20 +39,56 @@ _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
+class _KeptDense:
+    """Bytes of dequantized weights that _PlanFn forwards keep alive for their grad-input, held under
+    SETTINGS.grad_dense_gb. A kept weight is released when autograd frees it: after its backward, or right after
+    the forward under activation checkpointing (whose recompute keeps it again until that layer's backward)."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def take(self, w: torch.Tensor) -> bool:
+        nbytes = w.numel() * w.element_size()
+        if self.bytes + nbytes > SETTINGS.grad_dense_gb * 2**30:
+            return False
+        self.bytes += nbytes
+        weakref.finalize(w, self._release, nbytes)
+        return True
+
+    def _release(self, nbytes: int) -> None:
+        self.bytes -= nbytes
+
+
+KEPT_DENSE = _KeptDense()
+
+
 class _PlanFn(torch.autograd.Function):
     """hfq::nvfp4_linear's autograd on a LinearPlan (NVFP4Linear's eager path): forward(x, bias, plan). The plan
-    holds the (frozen) weight, so nothing goes through save_for_backward."""
+    holds the (frozen) weight. A dense plan's forward keeps the weight it dequantized for grad-input where
+    KEPT_DENSE allows (saved for backward, so activation checkpointing drops and recomputes it); otherwise the
+    backward runs the plan's grad."""
 
     @staticmethod
     def forward(ctx, x, bias, plan):
         ctx.plan = plan
         ctx.has_bias = bias is not None
-        return plan.forward(x, bias)
+        ctx.kept = False
+        if plan.dequant is None:
+            return plan.forward(x, bias)
+        w = plan.dequant(x.dtype)
+        if ctx.needs_input_grad[0] and KEPT_DENSE.take(w):
+            ctx.save_for_backward(w)
+            ctx.kept = True
+        return F.linear(x, w, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        gx = ctx.plan.grad(grad) if ctx.needs_input_grad[0] else None
-        gb = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[1] else None
+        gx = gb = None
+        if ctx.needs_input_grad[0]:
+            w = ctx.saved_tensors[0] if ctx.kept else None
+            gx = grad @ w if w is not None and w.dtype == grad.dtype else ctx.plan.grad(grad)
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            gb = grad.reshape(-1, grad.shape[-1]).sum(0)
         return gx, gb, None
 
 
@@ -251,5 +289,5 @@ nvfp4_g4_linear.register_autograd(_g4_backward, setup_context=_g4_setup)
 
 __all__ = ["nvfp4_quantize", "nvfp4_dequantize", "nvfp4_linear", "nvfp4_linear_grad_input", "quantize",
            "dequantize", "grad_input", "plain_eager", "check_packed", "m_bucket", "Tuner", "LINEAR_TUNER", "KINDS",
-           "LinearPlan", "plan_linear", "plan_apply", "nvfp4_g4_dequantize", "nvfp4_g4_linear",
+           "LinearPlan", "plan_linear", "plan_apply", "KEPT_DENSE", "nvfp4_g4_dequantize", "nvfp4_g4_linear",
            "nvfp4_g4_linear_grad_input", "plan_linear_g4"]

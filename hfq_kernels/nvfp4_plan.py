@@ -3,7 +3,7 @@
 A LinearPlan holds what y = x @ dequant(W)^T + bias needs for one weight and one input (shape, dtype, device),
 decided once: validation, the config (gluon default / tuned table / autotuning), split-K, grids and kernel
 meta-parameters. Its `forward` does only the per-call work (views, output allocation, launches) and its `grad`
-is grad-input (dequantize + cuBLAS). NVFP4Linear keeps a plan per input shape for its eager calls; the
+is grad-input (g4 weights: the fused kernel of nvfp4_grad for few rows; else dequantize + cuBLAS). NVFP4Linear keeps a plan per input shape for its eager calls; the
 torch.library ops (torch.compile, CUDA graphs, direct callers) make one per call. Canonical compressed-tensors
 weights: plan_linear; weights in the g4 layout (hfq_kernels.nvfp4_gluon): plan_linear_g4.
 """
@@ -18,6 +18,8 @@ from hfq_kernels._autotune import _capturing as _autotune_capturing
 from hfq_kernels._triton import INTERPRET, cdiv, pdl_bound, sm_count
 from hfq_kernels.nvfp4_configs import (KINDS, LINEAR_TUNER, MM_DTYPES, candidates, default_config, gluon_config,
                                        splits, words_default)
+from hfq_kernels.nvfp4_grad import fused_ok as fused_grad_ok
+from hfq_kernels.nvfp4_grad import grad_input_g4_fused as fused_grad
 from hfq_kernels.nvfp4_matmul import _gemv_kernel, _mm_kernel, _splitk_reduce_kernel, _words_kernel
 from hfq_kernels.nvfp4_quant import _dequantize_kernel, check_packed, recip
 
@@ -75,10 +77,19 @@ def grad_input(g, packed, scale, global_scale):
     return g @ dequantizer(packed, scale, global_scale)(g.dtype)
 
 
+def g4_grad(g, wr, sr, global_scale, n: int, k: int, dequant):
+    """grad_x = g @ dequant(W) for a weight in the g4 layout: for at most nvfp4_grad.MAX_ROWS bf16 rows the fused
+    kernel reading the 4-bit weight, else dequant(g.dtype) (Triton) then cuBLAS."""
+    g2 = g.reshape(-1, n)
+    if fused_grad_ok(g2):
+        return fused_grad(g2, wr, sr, global_scale, n, k).view(*g.shape[:-1], k)
+    return g @ dequant(g.dtype)
+
+
 def grad_input_g4(g, wr, sr, global_scale, n: int, k: int):
-    """grad_x = g @ dequant(W) for a weight in the g4 layout (a plan's `grad`): dequantize (Triton), then cuBLAS."""
+    """grad_x = g @ dequant(W) for a weight in the g4 layout (the op's route; plans take the same g4_grad)."""
     _check_grad_width(g, n, "nvfp4_g4_linear_grad_input")
-    return g @ gluon.dequantize_g4(wr, sr, global_scale, n, k, g.dtype)
+    return g4_grad(g, wr, sr, global_scale, n, k, lambda dt: gluon.dequantize_g4(wr, sr, global_scale, n, k, dt))
 
 
 # ----------------------------------------------------------------------------------------------- launches
@@ -135,15 +146,17 @@ def _atomic_launch(x2, packed, scale, rcp, bias, cfg):
 # ----------------------------------------------------------------------------------------------- plans
 class LinearPlan:
     """What one weight and one input (shape, dtype, device) need, decided once (see the module doc).
-    `forward(x, bias)` and `grad(g)` do only the per-call work. `final` is False for a config picked while nothing
+    `forward(x, bias)` and `grad(g)` do only the per-call work; a dense plan (dequantize + cuBLAS) also hands out
+    `dequant(dtype)`, so that a training forward can keep the weight it made for its grad-input. `final` is False for a config picked while nothing
     may be tuned (graph capture): such a plan serves its call and is not kept. `gen` is LINEAR_TUNER.gen when it
     was made (a plan is stale once the tuned table changes). Callers keep plans per weight and rebuild them when
     the weight tensors are replaced."""
 
-    __slots__ = ("forward", "grad", "final", "gen", "config")
+    __slots__ = ("forward", "grad", "final", "gen", "config", "dequant")
 
-    def __init__(self, forward, grad, final: bool, gen: int, config):
+    def __init__(self, forward, grad, final: bool, gen: int, config, dequant=None):
         self.forward, self.grad, self.final, self.gen, self.config = forward, grad, final, gen, config
+        self.dequant = dequant  # dense plans: dtype -> the weight their forward multiplies by (F.linear)
 
 
 class _PlanCtx:
@@ -288,7 +301,7 @@ def plan_linear(x, packed, scale, global_scale, bias=None, config: dict | None =
 
     m = x.numel() // k
     if m == 0 or dt not in MM_DTYPES:
-        return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, None)
+        return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, None, dequant)
     final = True
     if config is None:
         config = LINEAR_TUNER.cached(m, n, k, dt, dev) if m > 64 else None
@@ -300,7 +313,7 @@ def plan_linear(x, packed, scale, global_scale, bias=None, config: dict | None =
     gen = LINEAR_TUNER.gen  # after the choice (tuning a new shape stores its result)
     kind = config["kind"]
     if kind == "dequant":
-        return LinearPlan(dense, grad, final, gen, config)
+        return LinearPlan(dense, grad, final, gen, config, dequant)
     c = _PlanCtx(m=m, n=n, k=k, dt=dt, dev=dev, global_scale=global_scale, packed=packed, scale=scale,
                  has_bias=bias is not None, out_shape=(*x.shape[:-1], n))
     return LinearPlan(_kind_forward(c, kind, config, x), grad, final, gen, config)
@@ -316,7 +329,7 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
         return run_dequant(recip(global_scale), dtype)
 
     def grad(g):
-        return g @ dequant(g.dtype)
+        return g4_grad(g, wr, sr, global_scale, n, k, dequant)
 
     def dense(x, b):
         return F.linear(x, dequant(x.dtype), b)
@@ -324,7 +337,7 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     x2 = x.detach().reshape(-1, k)
     m = x2.shape[0]
     if m == 0 or not gluon.supported(x2):
-        return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, {"kind": "dequant"})
+        return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, {"kind": "dequant"}, dequant)
     config = gluon_config(m, n, k, x.device)
     c = _PlanCtx(m=m, n=n, k=k, dt=x.dtype, dev=x.device, global_scale=global_scale,
                  has_bias=bias is not None, out_shape=(*x.shape[:-1], n))

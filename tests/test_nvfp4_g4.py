@@ -448,12 +448,17 @@ def test_qerl_grpo_step_on_g4(kernel_gpu, tmp_path):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpoint_recompute_same_grads(monkeypatch, reentrant):
-    """Under activation checkpointing the plan path gives the gradients of the plain call, with one dequantize each
-    for the forward, the recompute and grad-input."""
+@pytest.mark.parametrize("keep_gb", [2.0, 0.0])
+def test_checkpoint_recompute_same_grads(monkeypatch, reentrant, keep_gb):
+    """Under activation checkpointing the plan path gives the gradients of the plain call. Dequantizes: the plain
+    call's forward serves its grad-input (1), checkpointed the forward and the recompute (2); with no budget for
+    kept weights (HFQ_NVFP4_GRAD_DENSE_GB=0) grad-input dequantizes again (2 and 3). Nothing stays kept after."""
     from torch.utils.checkpoint import checkpoint
 
+    from hfq_kernels.nvfp4 import KEPT_DENSE
+
     monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
+    monkeypatch.setattr(SETTINGS, "grad_dense_gb", keep_gb)
     calls = []
     real = G4.dequantizer
 
@@ -464,12 +469,18 @@ def test_checkpoint_recompute_same_grads(monkeypatch, reentrant):
     monkeypatch.setattr(G4, "dequantizer", counting)
     lay = _layer(n=32, k=96, seed=7).to(DEV).to_g4_layout_()
     x = torch.randn(80, 96, dtype=torch.bfloat16, device=DEV, requires_grad=True)
-    lay(x).float().square().sum().backward()
+    before = KEPT_DENSE.bytes
+    loss = lay(x).float().square().sum()
+    assert KEPT_DENSE.bytes - before == (32 * 96 * 2 if keep_gb else 0)
+    loss.backward()
+    del loss
+    assert KEPT_DENSE.bytes == before and len(calls) == (1 if keep_gb else 2)
     ref, x.grad = x.grad, None
     calls.clear()
     checkpoint(lambda t: lay(t).float().square().sum(), x, use_reentrant=reentrant).backward()
     assert torch.equal(x.grad, ref)
-    assert len(calls) == 3
+    assert len(calls) == (2 if keep_gb else 3)
+    assert KEPT_DENSE.bytes == before
 
 
 @pytest.mark.real_model
