@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from test_scaleout import (CONFIGS, QP_LOGIT_TOL, QP_LOSS_TOL, ROOT, WORKER, _close_losses, _env,
+from test_scaleout import (CONFIGS, QP_LOGIT_TOL, ROOT, WORKER, _close_losses, _env,
                            _free_port, _run)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -45,6 +45,13 @@ def gpu_runs(tmp_path_factory):
     return load
 
 
+# The GPU runs compare 8 rows on one GPU with 4 + 4 reduced over NCCL in bf16: gradients differing by a bf16 ulp
+# flip codes at FP8 rounding boundaries, so the losses drift apart by about 1e-3 per few steps. The CPU tests
+# (gloo, fp32 sums) keep QP_LOSS_TOL; that the optimizer's rounding is the same on shards and on the whole weight
+# is checked bit for bit by the kernel tests (-k row_shards).
+GPU_LOSS_TOL = 5e-3
+
+
 @pytest.mark.parametrize("method", QPARAM_FSDP2)
 def test_nccl_fsdp2_matches_one_gpu_and_resumes_on_another_world_size(gpu_runs, method):
     one, a, b = gpu_runs("w1", method), gpu_runs("w2", method, 0), gpu_runs("w2", method, 1)
@@ -52,11 +59,11 @@ def test_nccl_fsdp2_matches_one_gpu_and_resumes_on_another_world_size(gpu_runs, 
     assert a["qparam_bytes"] < 0.6 * one["qparam_bytes"]
     for k in a["snap"]:
         assert torch.equal(a["snap"][k], b["snap"][k]), k
-    _close_losses(a["losses"], one["losses"], QP_LOSS_TOL)
+    _close_losses(a["losses"], one["losses"], GPU_LOSS_TOL)
     assert float((a["logits"] - one["logits"]).abs().max()) < QP_LOGIT_TOL
     on_one, on_two = gpu_runs("w1_from2", method), gpu_runs("w2_from1", method, 1)
-    _close_losses(on_one["losses"], a["losses"][2:], QP_LOSS_TOL)
-    _close_losses(on_two["losses"], one["losses"][2:], QP_LOSS_TOL)
+    _close_losses(on_one["losses"], a["losses"][2:], GPU_LOSS_TOL)
+    _close_losses(on_two["losses"], one["losses"][2:], GPU_LOSS_TOL)
 
 
 @pytest.mark.parametrize("method", QPARAM_FSDP2)
