@@ -649,3 +649,36 @@ def test_checkpoint_recompute_reuses_its_decoded_weight(monkeypatch):
         grads[ckpt] = _grads(model)
     for k in grads[False]:
         assert torch.equal(grads[False][k], grads[True][k]), k
+
+
+def test_reductions_in_flight_finish_by_the_end_of_backward():
+    """hfq.qparam.int8grad.IN_FLIGHT: a reduction launched in backward finishes once DEPTH newer ones are in
+    flight, every one by the time backward returns; one launched outside backward finishes at once."""
+    from hfq.qparam.int8grad import IN_FLIGHT
+
+    done, waited = [], []
+
+    class Work:  # what an async_op collective returns, as far as IN_FLIGHT uses it
+        def __init__(self, i):
+            self.i = i
+
+        def wait(self):
+            waited.append(self.i)
+
+    class Launch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            for i in range(4):
+                IN_FLIGHT.add(Work(i), lambda i=i: done.append(i))
+                assert done == list(range(max(0, i + 1 - IN_FLIGHT.DEPTH)))
+            return g
+
+    x = torch.ones(3, requires_grad=True)
+    Launch.apply(x).sum().backward()
+    assert done == [0, 1, 2, 3] and waited == [0, 1, 2, 3] and not IN_FLIGHT.queue
+    IN_FLIGHT.add(Work(9), lambda: done.append(9))
+    assert done[-1] == 9 and not IN_FLIGHT.queue

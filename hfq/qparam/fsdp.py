@@ -10,7 +10,8 @@ shard, and its all-gather extension needs pieces of one size).
 The all-gather (QParam.fsdp_pre_all_gather / fsdp_post_all_gather, FSDP2's tensor-subclass extension) sends the
 stored tensors: 1 byte per element plus row metadata for fp8_e4m3_row and int8_dense_sparse, half a byte for
 int4_group, where bf16 would send 2. int8_dense_sparse's outlier lists (their lengths differ per rank and step)
-are gathered beside it, padded to the longest.
+are gathered beside it, padded to the longest; their lengths are exchanged once per optimizer step for all
+weights (`note_outlier_counts_`), so an all-gather does not stop the host to learn them.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from torch.distributed.tensor import DTensor
 
 from . import formats as _formats
 
-_PAD = -1  # outlier index of a padding entry in the gather of outlier lists
 
 
 @dataclass
@@ -153,26 +153,90 @@ def pre_all_gather(q, mesh, module=None):
     return inputs, (names, [getattr(q, k).dtype for k in names], mesh.get_group(), param)
 
 
-def gather_outliers(q, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every shard's outlier list (indices rebased to whole-weight positions, in rank order: still sorted):
-    one all-reduce of the longest length, one all-gather each of the indices and values padded to it."""
+def _list_token(q) -> tuple:
+    """Identifies the current contents of q's outlier list: set_ / copy_ bump its version, a new tensor its id."""
+    idx = q.sparse_idx
+    return id(idx), idx._version, idx.numel()
+
+
+def note_outlier_counts_(params) -> None:
+    """Exchange the outlier-list lengths of the FSDP2-sharded int8_dense_sparse parameters among `params` (one
+    all-gather and one host sync per shard group, for all of them), so that their next all-gathers need neither.
+    A collective: every rank calls it with the same parameters (QLion.step does, after it changed the lists)."""
     import torch.distributed as dist
 
-    world = dist.get_world_size(group)
+    by_group: dict = {}
+    for p in params:
+        if isinstance(p, DTensor) and getattr(p._local_tensor, "fmt", None) == "int8_dense_sparse":
+            by_group.setdefault(p.device_mesh.get_group(), []).append(p._local_tensor)
+    for group, qs in by_group.items():
+        world = dist.get_world_size(group)
+        mine = torch.tensor([q.sparse_idx.numel() for q in qs], dtype=torch.int64)
+        if world == 1:
+            table = [mine.tolist()]
+        else:
+            mine = mine.to(qs[0].codes.device)
+            every = mine.new_empty((world * len(qs),))
+            dist.all_gather_into_tensor(every, mine, group=group)
+            table = every.view(world, len(qs)).tolist()
+        for j, q in enumerate(qs):
+            q.outlier_counts = (_list_token(q), [row[j] for row in table])
+
+
+def forget_outlier_counts_(q) -> None:
+    """Drop q's exchanged outlier-list lengths (its list was replaced on every rank, e.g. by a load)."""
+    q.__dict__.pop("outlier_counts", None)
+
+
+def _counts(q, group) -> list:
+    """Every rank's outlier-list length for shard q: exchanged at the last optimizer step, or now (a collective,
+    taken on every rank alike: the exchanged lengths are kept and forgotten on all ranks together)."""
+    got = q.__dict__.get("outlier_counts")
+    if got is None:
+        import torch.distributed as dist
+
+        world = dist.get_world_size(group)
+        n = torch.tensor([q.sparse_idx.numel()], dtype=torch.int64, device=q.codes.device)
+        every = n.new_empty((world,))
+        dist.all_gather_into_tensor(every, n, group=group)
+        got = q.outlier_counts = (_list_token(q), every.tolist())
+    elif got[0] != _list_token(q):
+        raise RuntimeError(f"{q.place.name or 'a quantized weight'}: its outlier list changed on this rank since "
+                           "the ranks exchanged their lengths (QLion.step and loads do that); after changing "
+                           "outliers by hand, call hfq.qparam.fsdp.note_outlier_counts_(model.parameters()) "
+                           "on every rank")
+    return got[1]
+
+
+def gather_outliers(q, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every shard's outlier list (indices rebased to whole-weight positions, in rank order: still sorted): one
+    all-gather of indices and value bits padded to the longest list, cut by lengths known on the host."""
+    import torch.distributed as dist
+
     idx, val = q.sparse_idx, q.sparse_val
-    n = torch.tensor([idx.numel()], dtype=torch.int64, device=idx.device)
-    dist.all_reduce(n, dist.ReduceOp.MAX, group=group)
-    cap = int(n.item())
+    world = dist.get_world_size(group)
+    if world == 1:
+        return idx, val
+    counts = _counts(q, group)
+    cap = max(counts)
     if cap == 0:
         return idx.new_zeros((0,)), val.new_zeros((0,))
-    pad = cap - idx.numel()
-    idx_all = idx.new_empty((world * cap,))
-    val_all = val.new_empty((world * cap,))
-    dist.all_gather_into_tensor(idx_all, torch.cat((idx, idx.new_full((pad,), _PAD))), group=group)
-    dist.all_gather_into_tensor(val_all, torch.cat((val, val.new_zeros((pad,)))), group=group)
-    keep = idx_all != _PAD
-    base = (torch.arange(world * cap, device=idx.device) // cap) * q.numel()
-    return (idx_all + base.to(idx.dtype))[keep], val_all[keep]
+    if idx.dtype != torch.int32 or val.element_size() != 2:
+        raise TypeError(f"{q.place.name or 'a quantized weight'}: outlier lists must be int32 indices and 16-bit "
+                        f"values to be gathered, got {idx.dtype} and {val.dtype}")
+    half = (cap + 1) // 2  # the bf16 values, two to an int32 word
+    buf = idx.new_zeros((cap + half,))
+    buf[:idx.numel()] = idx
+    vbits = val.new_zeros((2 * half,))
+    vbits[:val.numel()] = val
+    buf[cap:] = vbits.view(idx.dtype)
+    every = buf.new_empty((world * (cap + half),))
+    dist.all_gather_into_tensor(every, buf, group=group)
+    every = every.view(world, cap + half)
+    vals = every[:, cap:].contiguous().view(val.dtype)
+    shard = q.numel()
+    return (torch.cat([every[r, :counts[r]] + r * shard for r in range(world)]),
+            torch.cat([vals[r, :counts[r]] for r in range(world)]))
 
 
 def post_all_gather(q, outputs, metadata, param_dtype, out=None):

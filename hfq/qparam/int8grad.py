@@ -3,6 +3,8 @@ no float copy), its accumulate / pop helpers, the fp32 mean over ranks done in b
 DDP attribute that keeps DistributedDataParallel away from those weights."""
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_map
@@ -139,7 +141,9 @@ class Int8Grad(torch.Tensor):
 
 def int8_grad(p: torch.Tensor) -> Int8Grad | None:
     """The INT8 gradient stored for parameter `p` (its `.grad` when that is an Int8Grad, or an FSDP2 DTensor
-    holding this rank's shard of one; else None)."""
+    holding this rank's shard of one; else None). Reductions still in flight (IN_FLIGHT) are finished first."""
+    if IN_FLIGHT.queue:
+        IN_FLIGHT.drain()
     g = p.grad
     g = local(g) if g is not None else None
     return g if isinstance(g, Int8Grad) else None
@@ -172,8 +176,50 @@ def clear_int8_grads_(params) -> int:
     return sum(pop_int8_grad(p) is not None for p in params)
 
 
-def _mean_over_ranks(g: torch.Tensor) -> torch.Tensor:
-    """Under torch.distributed (world > 1, default group): the fp32 mean of `g` over ranks, as DDP averages a .grad.
+class _InFlight:
+    """Gradient reductions that backward launched asynchronously, each finished (waited for on the current stream,
+    then averaged and stored as INT8) once DEPTH newer ones are in flight or when the backward pass ends (an
+    autograd engine callback): the collective runs while the next layers compute their gradients. pop_int8_grad
+    finishes any still open (a backward that raised, a call outside backward) before an optimizer reads a store."""
+
+    DEPTH = 2
+
+    def __init__(self):
+        self.queue: deque = deque()
+        self.task = None  # the backward pass whose end callback is queued
+
+    def add(self, work, finish) -> None:
+        self.queue.append((work, finish))
+        task = torch._C._current_graph_task_id()
+        if task == -1:  # not inside a backward pass: nothing would finish it later
+            self.drain()
+            return
+        if task != self.task:
+            self.task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+        while len(self.queue) > self.DEPTH:
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        work, finish = self.queue.popleft()
+        work.wait()
+        finish()
+
+    def drain(self) -> None:
+        while self.queue:
+            self._finish_one()
+
+    def _end(self) -> None:
+        self.task = None
+        self.drain()
+
+
+IN_FLIGHT = _InFlight()
+
+
+def mean_over_ranks_then(g: torch.Tensor, then) -> None:
+    """`then(mean of g over ranks)`: under torch.distributed (world > 1, default group) the fp32 mean, as DDP averages
+    a .grad, from an all-reduce that overlaps the rest of backward (IN_FLIGHT); else then(g) now.
 
     Done per layer in backward, before INT8 storage: every rank then quantizes the same fp32 sum and stores
     bit-identical codes, and the only INT8 error is one rounding of the global gradient (an INT8 all-reduce would
@@ -182,39 +228,46 @@ def _mean_over_ranks(g: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return g
+        then(g)
+        return
+    world = dist.get_world_size()
     g = g.float().contiguous()
-    dist.all_reduce(g)
-    return g.div_(dist.get_world_size())
+    IN_FLIGHT.add(dist.all_reduce(g, async_op=True), lambda: then(g.div_(world)))
 
 
-def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | None = None) -> Int8Grad:
+def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | None = None) -> None:
     """FSDP2: reduce-scatter the whole-weight float gradient `g` in fp32 over the shard `group` (the mean over
-    ranks, as FSDP2 reduces a .grad), then add this rank's rows to the INT8 store of the sharded DTensor
-    parameter `param` (its .grad: a DTensor whose local tensor is an Int8Grad). One rounding per shard."""
+    ranks, as FSDP2 reduces a .grad; overlapping the rest of backward, IN_FLIGHT), then add this rank's rows to the
+    INT8 store of the sharded DTensor parameter `param` (its .grad: a DTensor whose local tensor is an Int8Grad).
+    One rounding per shard."""
     import torch.distributed as dist
-    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
 
     world = dist.get_world_size(group)
     g = g.float().contiguous()
     mine = g.new_empty((g.shape[0] // world,) + tuple(g.shape[1:]))
-    dist.reduce_scatter_tensor(mine, g, group=group)
-    mine.div_(world)
+    work = dist.reduce_scatter_tensor(mine, g, group=group, async_op=True)
+    IN_FLIGHT.add(work, lambda: _store_shard(param, mine.div_(world), name, g))
+
+
+def _store_shard(param, mine: torch.Tensor, name, _whole) -> None:
+    """Add this rank's rows `mine` to the sharded parameter's INT8 store (`_whole`, the reduced input, is held
+    until the collective that reads it is finished)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
+
     cur = param.grad
     if cur is None:
-        store = Int8Grad(mine, name, param.dtype)
-        param.grad = _from_local_no_grad(store, param._spec)
-        return store
+        param.grad = _from_local_no_grad(Int8Grad(mine, name, param.dtype), param._spec)
+        return
     store = local(cur)
     if not isinstance(store, Int8Grad):
         raise TypeError(f"{name or 'a quantized weight'}: has an ordinary .grad ({cur.dtype}) and an INT8 gradient "
                         "arrives; zero the gradients (set_to_none) before switching gradient_bits")
-    return store.accumulate_(mine)
+    store.accumulate_(mine)
 
 
 def ddp_ignore_int8_grad_weights_(model: nn.Module) -> list[str]:
     """Tell DistributedDataParallel to leave the weights whose gradient is an INT8 store (QFTConfig(gradient_bits=8))
-    alone: they are averaged over ranks in backward (see `_mean_over_ranks`) and never reach DDP's reducer. Sets
+    alone: they are averaged over ranks in backward (see `mean_over_ranks_then`) and never reach DDP's reducer. Sets
     `model._ddp_params_and_buffers_to_ignore` (DDP's own attribute, read when it wraps `model`); returns the names."""
     names = [n for n, m in model.named_modules() if getattr(m, "gradient_bits", None) == 8
              and isinstance(getattr(m, "weight", None), QParam)]
