@@ -297,7 +297,8 @@ def worker(a) -> None:
     open(os.path.join(a.parts, f"{a.job}.pid.{os.getpid()}"), "w").close()  # torchrun's workers: own sessions
     d = Dist(a.strategy)
     cuda = d.device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    # FSDP2 wants one dtype per sharded module, and ECO / QFT weights are bf16 QParams
+    dtype = torch.bfloat16 if cuda or (a.strategy == "fsdp2" and a.method in ("eco", "qft")) else torch.float32
     part = dict(method=a.method, strategy=a.strategy, world=d.world, model=a.model + (f" ({a.layers} layers)"
                                                                                       if a.layers else ""))
     try:
