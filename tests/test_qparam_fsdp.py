@@ -81,19 +81,19 @@ def test_keyed_sr_requantize_of_shards_equals_the_whole(fmt, shape, meta):
         assert torch.equal(p.dequantize(), q.dequantize()[i * rows:(i + 1) * rows])
 
 
-def test_exchanged_outlier_counts_refuse_a_list_changed_by_hand():
-    """The outlier-list lengths exchanged among ranks (note_outlier_counts_, at each QLion step) serve a gather only
-    while this rank's list is the one they were taken from; one changed elsewhere raises instead of gathering wrong
-    rows, and a load forgets them (every rank exchanges again)."""
-    from hfq.qparam.fsdp import _counts, _list_token, forget_outlier_counts_
+def test_shared_outlier_lists_refuse_a_list_changed_by_hand():
+    """The whole outlier lists shared among ranks (share_outliers_, at each QLion step) serve an unshard only while
+    this rank's list is the one they were taken from; one changed elsewhere raises instead of using stale lists,
+    and a load forgets them (every rank shares again at the next unshard)."""
+    from hfq.qparam.fsdp import _list_token, forget_outliers_, gather_outliers
 
     q = _q("int8_dense_sparse", (10, 36), {"outlier_fraction": 0.1})
     q.place.name = "layers.0.mlp.up_proj.weight"
-    n = q.sparse_idx.numel()
-    q.outlier_counts = (_list_token(q), [n, n + 3])
-    assert _counts(q, None) == [n, n + 3]
-    q.sparse_idx.set_(q.sparse_idx[:-1].clone())
+    whole = (q.sparse_idx.clone(), q.sparse_val.clone())
+    q.whole_outliers = (_list_token(q), *whole)
+    assert gather_outliers(q, None)[0] is whole[0]
+    q.sparse_val.mul_(2)
     with pytest.raises(RuntimeError, match="layers.0.mlp.up_proj.weight: its outlier list changed"):
-        _counts(q, None)
-    forget_outlier_counts_(q)
-    assert "outlier_counts" not in q.__dict__
+        gather_outliers(q, None)
+    forget_outliers_(q)
+    assert "whole_outliers" not in q.__dict__

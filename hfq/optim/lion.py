@@ -27,7 +27,7 @@ from hfq_kernels import int8 as _k
 from hfq_kernels import qlion as _q
 from hfq_kernels.reference.intq import as_rows, dequantize_int_asym, quantize_int_asym
 from ..qparam import Int8Grad, QParam, int8_kernels, pop_int8_grad
-from ..qparam.fsdp import local, note_outlier_counts_
+from ..qparam.fsdp import local, share_outliers_
 from .base import QParamOptimizer
 
 MOMENTUM_BITS = (None, 8)
@@ -146,7 +146,7 @@ class QLion(QParamOptimizer):
                 n = ctx["sync"].numel()
                 self._fused_finish([p for p, _ in items], ctx, synced[at:at + n])
                 at += n
-        note_outlier_counts_([p for group in self.param_groups for p in group["params"]])
+        share_outliers_([p for group in self.param_groups for p in group["params"]])
         return loss
 
     def _use_fused(self, p, group) -> bool:

@@ -10,8 +10,8 @@ shard, and its all-gather extension needs pieces of one size).
 The all-gather (QParam.fsdp_pre_all_gather / fsdp_post_all_gather, FSDP2's tensor-subclass extension) sends the
 stored tensors: 1 byte per element plus row metadata for fp8_e4m3_row and int8_dense_sparse, half a byte for
 int4_group, where bf16 would send 2. int8_dense_sparse's outlier lists (their lengths differ per rank and step)
-are gathered beside it, padded to the longest; their lengths are exchanged once per optimizer step for all
-weights (`note_outlier_counts_`), so an all-gather does not stop the host to learn them.
+are shared among the ranks once per optimizer step for all weights and kept whole on every rank
+(`share_outliers_`), so unsharding a weight needs no collective or host sync for them.
 """
 from __future__ import annotations
 
@@ -154,89 +154,98 @@ def pre_all_gather(q, mesh, module=None):
 
 
 def _list_token(q) -> tuple:
-    """Identifies the current contents of q's outlier list: set_ / copy_ bump its version, a new tensor its id."""
-    idx = q.sparse_idx
-    return id(idx), idx._version, idx.numel()
+    """Identifies the current contents of q's outlier list: set_ / copy_ bump a version, a new tensor its id."""
+    idx, val = q.sparse_idx, q.sparse_val
+    return id(idx), idx._version, idx.numel(), id(val), val._version
 
 
-def note_outlier_counts_(params) -> None:
-    """Exchange the outlier-list lengths of the FSDP2-sharded int8_dense_sparse parameters among `params` (one
-    all-gather and one host sync per shard group, for all of them), so that their next all-gathers need neither.
-    A collective: every rank calls it with the same parameters (QLion.step does, after it changed the lists)."""
-    import torch.distributed as dist
+_SHARE_WORDS = 1 << 26  # int32 words per all-gather of outlier lists (256 MiB a rank)
 
+
+def share_outliers_(params) -> None:
+    """Give every rank the whole outlier lists of the FSDP2-sharded int8_dense_sparse parameters among `params`,
+    kept until a list changes: the lengths in one all-gather (one host sync), then the lists in all-gathers of
+    up to 256 MiB a rank, for all weights at once. The lists change only at optimizer steps (QLion.step calls
+    this after its step) and loads, so unsharding a weight for forward and backward needs no collective for
+    them. A collective: every rank calls it with the same parameters. Replicated: 6 bytes per outlier (1% of a
+    7B model's weights: 0.46 GB a GPU)."""
     by_group: dict = {}
     for p in params:
         if isinstance(p, DTensor) and getattr(p._local_tensor, "fmt", None) == "int8_dense_sparse":
             by_group.setdefault(p.device_mesh.get_group(), []).append(p._local_tensor)
     for group, qs in by_group.items():
-        world = dist.get_world_size(group)
-        mine = torch.tensor([q.sparse_idx.numel() for q in qs], dtype=torch.int64)
-        if world == 1:
-            table = [mine.tolist()]
-        else:
-            mine = mine.to(qs[0].codes.device)
-            every = mine.new_empty((world * len(qs),))
-            dist.all_gather_into_tensor(every, mine, group=group)
-            table = every.view(world, len(qs)).tolist()
-        for j, q in enumerate(qs):
-            q.outlier_counts = (_list_token(q), [row[j] for row in table])
+        _share(qs, group)
 
 
-def forget_outlier_counts_(q) -> None:
-    """Drop q's exchanged outlier-list lengths (its list was replaced on every rank, e.g. by a load)."""
-    q.__dict__.pop("outlier_counts", None)
+def forget_outliers_(q) -> None:
+    """Drop the whole outlier lists kept for shard q (its list was replaced on every rank, e.g. by a load)."""
+    q.__dict__.pop("whole_outliers", None)
 
 
-def _counts(q, group) -> list:
-    """Every rank's outlier-list length for shard q: exchanged at the last optimizer step, or now (a collective,
-    taken on every rank alike: the exchanged lengths are kept and forgotten on all ranks together)."""
-    got = q.__dict__.get("outlier_counts")
-    if got is None:
-        import torch.distributed as dist
+def _share(qs: list, group) -> None:
+    import torch.distributed as dist
 
-        world = dist.get_world_size(group)
-        n = torch.tensor([q.sparse_idx.numel()], dtype=torch.int64, device=q.codes.device)
-        every = n.new_empty((world,))
-        dist.all_gather_into_tensor(every, n, group=group)
-        got = q.outlier_counts = (_list_token(q), every.tolist())
-    elif got[0] != _list_token(q):
-        raise RuntimeError(f"{q.place.name or 'a quantized weight'}: its outlier list changed on this rank since "
-                           "the ranks exchanged their lengths (QLion.step and loads do that); after changing "
-                           "outliers by hand, call hfq.qparam.fsdp.note_outlier_counts_(model.parameters()) "
-                           "on every rank")
-    return got[1]
+    world = dist.get_world_size(group)
+    if world == 1:
+        for q in qs:
+            q.whole_outliers = (_list_token(q), q.sparse_idx, q.sparse_val)
+        return
+    for q in qs:
+        if q.sparse_idx.dtype != torch.int32 or q.sparse_val.element_size() != 2:
+            raise TypeError(f"{q.place.name or 'a quantized weight'}: outlier lists must be int32 indices and 16-bit "
+                            f"values to be gathered, got {q.sparse_idx.dtype} and {q.sparse_val.dtype}")
+    dev = qs[0].codes.device
+    mine = torch.tensor([q.sparse_idx.numel() for q in qs], dtype=torch.int64).to(dev)
+    every = mine.new_empty((world * len(qs),))
+    dist.all_gather_into_tensor(every, mine, group=group)
+    table = every.view(world, len(qs)).tolist()
+    batch, words = [], 0
+    for j, q in enumerate(qs):
+        counts = [row[j] for row in table]
+        cap = max(counts)
+        batch.append((q, counts, cap, (cap + 1) // 2))  # two bf16 values to an int32 word
+        words += cap + (cap + 1) // 2
+        if words >= _SHARE_WORDS or j == len(qs) - 1:
+            _gather_lists(batch, words, world, group)
+            batch, words = [], 0
+
+
+def _gather_lists(batch, words: int, world: int, group) -> None:
+    """One all-gather of the padded lists of `batch` [(shard, every rank's length, longest, value words)]."""
+    import torch.distributed as dist
+
+    pieces = []
+    for q, counts, cap, half in batch:
+        idx, val = q.sparse_idx, q.sparse_val
+        pieces += [idx, idx.new_zeros((cap - idx.numel(),)),
+                   torch.cat((val, val.new_zeros((2 * half - val.numel(),)))).view(torch.int32)]
+    buf = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int32)
+    every = buf.new_empty((world * words,))
+    dist.all_gather_into_tensor(every, buf, group=group)
+    every = every.view(world, words)
+    at = 0
+    for q, counts, cap, half in batch:
+        vals = every[:, at + cap:at + cap + half].contiguous().view(q.sparse_val.dtype)
+        shard = q.numel()
+        idx_all = torch.cat([every[r, at:at + counts[r]] + r * shard for r in range(world)])
+        val_all = torch.cat([vals[r, :counts[r]] for r in range(world)])
+        q.whole_outliers = (_list_token(q), idx_all, val_all)
+        at += cap + half
 
 
 def gather_outliers(q, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every shard's outlier list (indices rebased to whole-weight positions, in rank order: still sorted): one
-    all-gather of indices and value bits padded to the longest list, cut by lengths known on the host."""
-    import torch.distributed as dist
-
-    idx, val = q.sparse_idx, q.sparse_val
-    world = dist.get_world_size(group)
-    if world == 1:
-        return idx, val
-    counts = _counts(q, group)
-    cap = max(counts)
-    if cap == 0:
-        return idx.new_zeros((0,)), val.new_zeros((0,))
-    if idx.dtype != torch.int32 or val.element_size() != 2:
-        raise TypeError(f"{q.place.name or 'a quantized weight'}: outlier lists must be int32 indices and 16-bit "
-                        f"values to be gathered, got {idx.dtype} and {val.dtype}")
-    half = (cap + 1) // 2  # the bf16 values, two to an int32 word
-    buf = idx.new_zeros((cap + half,))
-    buf[:idx.numel()] = idx
-    vbits = val.new_zeros((2 * half,))
-    vbits[:val.numel()] = val
-    buf[cap:] = vbits.view(idx.dtype)
-    every = buf.new_empty((world * (cap + half),))
-    dist.all_gather_into_tensor(every, buf, group=group)
-    every = every.view(world, cap + half)
-    vals = every[:, cap:].contiguous().view(val.dtype)
-    shard = q.numel()
-    return (torch.cat([every[r, :counts[r]] + r * shard for r in range(world)]),
-            torch.cat([vals[r, :counts[r]] for r in range(world)]))
+    """The whole weight's outlier lists (indices in whole-weight positions, sorted) for shard q: kept from the last
+    `share_outliers_`, or shared now (a collective on every rank alike: the lists are kept and forgotten on all
+    ranks together, at steps and loads). A list changed on this rank since raises, naming the weight."""
+    got = q.__dict__.get("whole_outliers")
+    if got is None:
+        _share([q], group)
+        got = q.whole_outliers
+    elif got[0] != _list_token(q):
+        raise RuntimeError(f"{q.place.name or 'a quantized weight'}: its outlier list changed on this rank since "
+                           "the ranks last shared them (QLion.step and loads do that); after changing outliers by "
+                           "hand, call hfq.qparam.fsdp.share_outliers_(model.parameters()) on every rank")
+    return got[1], got[2]
 
 
 def post_all_gather(q, outputs, metadata, param_dtype, out=None):

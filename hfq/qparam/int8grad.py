@@ -217,36 +217,42 @@ class _InFlight:
 IN_FLIGHT = _InFlight()
 
 
-def mean_over_ranks_then(g: torch.Tensor, then) -> None:
-    """`then(mean of g over ranks)`: under torch.distributed (world > 1, default group) the fp32 mean, as DDP averages
-    a .grad, from an all-reduce that overlaps the rest of backward (IN_FLIGHT); else then(g) now.
+def _wire(g: torch.Tensor) -> torch.Tensor:
+    """g as the collectives reduce it: a bf16 gradient on CUDA stays bf16 (as DDP and FSDP2 reduce an ordinary
+    bf16 .grad: half the bytes of fp32, one bf16 rounding of the sum), anything else goes as fp32."""
+    return (g if g.dtype == torch.bfloat16 and g.is_cuda else g.float()).contiguous()
 
-    Done per layer in backward, before INT8 storage: every rank then quantizes the same fp32 sum and stores
+
+def mean_over_ranks_then(g: torch.Tensor, then) -> None:
+    """`then(mean of g over ranks, fp32)`: under torch.distributed (world > 1, default group) the mean, as DDP
+    averages a .grad, from an all-reduce that overlaps the rest of backward (IN_FLIGHT); else then(g) now.
+
+    Done per layer in backward, before INT8 storage: every rank then quantizes the same sum and stores
     bit-identical codes, and the only INT8 error is one rounding of the global gradient (an INT8 all-reduce would
     add one rounding per rank and need a scale agreed on first). It runs on every micro-step, DDP's no_sync included
-    (the sum stays exact; accumulation steps cost one all-reduce each), and for any multi-rank run, DDP or not."""
+    (accumulation steps cost one all-reduce each), and for any multi-rank run, DDP or not."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         then(g)
         return
     world = dist.get_world_size()
-    g = g.float().contiguous()
-    IN_FLIGHT.add(dist.all_reduce(g, async_op=True), lambda: then(g.div_(world)))
+    g = _wire(g)
+    IN_FLIGHT.add(dist.all_reduce(g, async_op=True), lambda: then(g.float().div_(world)))
 
 
 def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | None = None) -> None:
-    """FSDP2: reduce-scatter the whole-weight float gradient `g` in fp32 over the shard `group` (the mean over
-    ranks, as FSDP2 reduces a .grad; overlapping the rest of backward, IN_FLIGHT), then add this rank's rows to the
-    INT8 store of the sharded DTensor parameter `param` (its .grad: a DTensor whose local tensor is an Int8Grad).
-    One rounding per shard."""
+    """FSDP2: reduce-scatter the whole-weight float gradient `g` over the shard `group` (the mean over ranks, as
+    FSDP2 reduces a .grad, in its dtype: `_wire`; overlapping the rest of backward, IN_FLIGHT), then add this
+    rank's rows to the INT8 store of the sharded DTensor parameter `param` (its .grad: a DTensor whose local tensor
+    is an Int8Grad). One INT8 rounding per shard."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
-    g = g.float().contiguous()
+    g = _wire(g)
     mine = g.new_empty((g.shape[0] // world,) + tuple(g.shape[1:]))
     work = dist.reduce_scatter_tensor(mine, g, group=group, async_op=True)
-    IN_FLIGHT.add(work, lambda: _store_shard(param, mine.div_(world), name, g))
+    IN_FLIGHT.add(work, lambda: _store_shard(param, mine.float().div_(world), name, g))
 
 
 def _store_shard(param, mine: torch.Tensor, name, _whole) -> None:
