@@ -3,7 +3,7 @@
 A LinearPlan holds what y = x @ dequant(W)^T + bias needs for one weight and one input (shape, dtype, device),
 decided once: validation, the config (gluon default / tuned table / autotuning), split-K, grids and kernel
 meta-parameters. Its `forward` does only the per-call work (views, output allocation, launches) and its `grad`
-is grad-input (g4 weights: the fused kernel of nvfp4_grad for few rows; else dequantize + cuBLAS). NVFP4Linear keeps a plan per input shape for its eager calls; the
+is grad-input (dequantize + cuBLAS). NVFP4Linear keeps a plan per input shape for its eager calls; the
 torch.library ops (torch.compile, CUDA graphs, direct callers) make one per call. Canonical compressed-tensors
 weights: plan_linear; weights in the g4 layout (hfq_kernels.nvfp4_gluon): plan_linear_g4.
 """
@@ -18,8 +18,6 @@ from hfq_kernels._autotune import _capturing as _autotune_capturing
 from hfq_kernels._triton import INTERPRET, cdiv, pdl_bound, sm_count
 from hfq_kernels.nvfp4_configs import (KINDS, LINEAR_TUNER, MM_DTYPES, candidates, default_config, gluon_config,
                                        splits, words_default)
-from hfq_kernels.nvfp4_grad import fused_ok as fused_grad_ok
-from hfq_kernels.nvfp4_grad import grad_input_g4_fused as fused_grad
 from hfq_kernels.nvfp4_matmul import _gemv_kernel, _mm_kernel, _splitk_reduce_kernel, _words_kernel
 from hfq_kernels.nvfp4_quant import _dequantize_kernel, check_packed, recip
 
@@ -77,19 +75,10 @@ def grad_input(g, packed, scale, global_scale):
     return g @ dequantizer(packed, scale, global_scale)(g.dtype)
 
 
-def g4_grad(g, wr, sr, global_scale, n: int, k: int, dequant):
-    """grad_x = g @ dequant(W) for a weight in the g4 layout: for at most nvfp4_grad.MAX_ROWS bf16 rows the fused
-    kernel reading the 4-bit weight, else dequant(g.dtype) (Triton) then cuBLAS."""
-    g2 = g.reshape(-1, n)
-    if fused_grad_ok(g2):
-        return fused_grad(g2, wr, sr, global_scale, n, k).view(*g.shape[:-1], k)
-    return g @ dequant(g.dtype)
-
-
 def grad_input_g4(g, wr, sr, global_scale, n: int, k: int):
-    """grad_x = g @ dequant(W) for a weight in the g4 layout (the op's route; plans take the same g4_grad)."""
+    """grad_x = g @ dequant(W) for a weight in the g4 layout (a plan's `grad`): dequantize (Triton), then cuBLAS."""
     _check_grad_width(g, n, "nvfp4_g4_linear_grad_input")
-    return g4_grad(g, wr, sr, global_scale, n, k, lambda dt: gluon.dequantize_g4(wr, sr, global_scale, n, k, dt))
+    return g @ gluon.dequantize_g4(wr, sr, global_scale, n, k, g.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- launches
@@ -329,7 +318,7 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
         return run_dequant(recip(global_scale), dtype)
 
     def grad(g):
-        return g4_grad(g, wr, sr, global_scale, n, k, dequant)
+        return g @ dequant(g.dtype)
 
     def dense(x, b):
         return F.linear(x, dequant(x.dtype), b)
