@@ -4,6 +4,7 @@ docs/settings.md lists them in one table. Code reads `SETTINGS.<field>`; tests m
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Mapping
@@ -27,8 +28,8 @@ def amount(env: Mapping[str, str], name: str, default: float) -> float:
     try:
         f = float(v)
     except ValueError:
-        f = -1.0
-    if not f >= 0 or f == float("inf"):
+        f = math.nan
+    if not (math.isfinite(f) and f >= 0):
         raise ValueError(f"{name}={v!r}: allowed values are finite numbers >= 0")
     return f
 

@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor
 from . import formats as _formats
 
 
-
 @dataclass
 class RowPlace:
     """Where a QParam's rows sit in the whole weight: `name` (module path, for errors; None if unknown), `row0`
@@ -219,7 +218,7 @@ def _gather_lists(batch, words: int, world: int, group) -> None:
         idx, val = q.sparse_idx, q.sparse_val
         pieces += [idx, idx.new_zeros((cap - idx.numel(),)),
                    torch.cat((val, val.new_zeros((2 * half - val.numel(),)))).view(torch.int32)]
-    buf = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int32)
+    buf = torch.cat(pieces)
     every = buf.new_empty((world * words,))
     dist.all_gather_into_tensor(every, buf, group=group)
     every = every.view(world, words)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from hfq_kernels._triton import checkpointing as _checkpointing
 from . import formats as _formats
 from .formats import check_format, check_qtensors, empty_qtensors
-from .fsdp import LIST_DTYPES, forget_outliers_, gather_whole, list_from_bytes, list_to_bytes, local, local_rows, rows_of
+from .fsdp import (LIST_DTYPES, forget_outliers_, gather_whole, list_from_bytes, list_to_bytes, local, local_rows,
+                   rows_of)
 from .int8grad import accumulate_int8_grad_, accumulate_sharded_int8_grad_, mean_over_ranks_then
 from .tensor import QParam
 
@@ -55,11 +56,8 @@ class _QLinearFn(torch.autograd.Function):
                 accumulate_sharded_int8_grad_(*shard, gw, ctx.name)
                 gw = None
             elif ctx.store_int8:
-                consumer, name = getattr(w, "grad_consumer", None), ctx.name
-                if consumer is not None:
-                    mean_over_ranks_then(gw, lambda g: consumer(w, g, name))
-                else:
-                    mean_over_ranks_then(gw, lambda g: accumulate_int8_grad_(w, g, name))
+                store, name = getattr(w, "grad_consumer", None) or accumulate_int8_grad_, ctx.name
+                mean_over_ranks_then(gw, lambda g: store(w, g, name))
                 gw = None
             else:
                 gw = gw.to(w.dtype)
@@ -176,7 +174,7 @@ class QLinear(nn.Module):
                 whole = QParam(data, self.weight_format, tuple(self.weight.shape), self.weight_meta)
                 data = rows_of(whole, mine.place.row0, mine.place.row0 + mine.shape[0])
             mine.load_qtensors_(data)
-            forget_outliers_(mine)  # every rank loads: the lengths are exchanged again at the next gather
+            forget_outliers_(mine)  # every rank loads: the lists are shared again at the next unshard
         for k in names:
             if k not in present:
                 missing_keys.append(keys[k])
