@@ -360,7 +360,12 @@ def worker(a) -> None:
 
 
 def profile_step(step, d, path):
-    """One step under torch.profiler; rank 0 writes the ops by device time and by host time."""
+    """One step under torch.profiler, then one under cProfile; rank 0 writes the ops by device time and by host
+    time, and the Python functions by own host time (where a host-bound step spends it)."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -368,12 +373,22 @@ def profile_step(step, d, path):
         step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    py = cProfile.Profile()
+    py.enable()
+    step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    py.disable()
     if d.rank == 0:
         ka = prof.key_averages()
         with open(path, "w") as f:
             if torch.cuda.is_available():
                 f.write(ka.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70) + "\n")
             f.write(ka.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70) + "\n")
+            text = io.StringIO()
+            pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(40)
+            pstats.Stats(py, stream=text).sort_stats("cumtime").print_stats(60)
+            f.write(text.getvalue())
 
 
 def _dump(obj, path):
