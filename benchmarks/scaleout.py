@@ -380,6 +380,7 @@ def profile_step(step, d, path):
         torch.cuda.synchronize()
     py.disable()
     if d.rank == 0:
+        prof.export_chrome_trace(path.replace(".txt", ".trace.json"))
         ka = prof.key_averages()
         with open(path, "w") as f:
             if torch.cuda.is_available():

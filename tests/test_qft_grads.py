@@ -682,22 +682,3 @@ def test_reductions_in_flight_finish_by_the_end_of_backward():
     assert done == [0, 1, 2, 3] and waited == [0, 1, 2, 3] and not IN_FLIGHT.queue
     IN_FLIGHT.add(Work(9), lambda: done.append(9))
     assert done[-1] == 9 and not IN_FLIGHT.queue
-
-
-def test_add_of_a_float_gradient_accumulates():
-    """`grad += g` (how FSDP2 accumulates a reduce-scattered shard into an existing .grad) is accumulate_, and so
-    is add_ with alpha; adding a scalar or a gradient of another shape stays refused."""
-    from hfq.qparam import Int8Grad
-
-    gen = torch.Generator().manual_seed(5)
-    a, b = torch.randn(6, 20, generator=gen), torch.randn(6, 20, generator=gen)
-    want = Int8Grad(a, "w").accumulate_(b * 0.5)
-    got = Int8Grad(a, "w")
-    got.add_(b, alpha=0.5)
-    assert got.count == 2 and torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
-    got += b
-    assert got.count == 3
-    torch.testing.assert_close(got.float(), a + 1.5 * b, atol=0.1, rtol=0)
-    for bad in (1.0, torch.ones(20)):
-        with pytest.raises(TypeError, match="INT8 gradient of w"):
-            got.add_(bad)

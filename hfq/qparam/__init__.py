@@ -15,11 +15,11 @@ before storage; DDP is told to ignore those weights (`ddp_ignore_int8_grad_weigh
 
 FSDP2 (`fully_shard`, accelerate's fsdp_version 2): a QParam shards by rows, each row with its scales / zero points
 / outliers, and FSDP2's all-gather moves the stored bytes (hfq.qparam.fsdp). hfq's optimizers step on the local
-shards; QFT's INT8 gradient is reduce-scattered by FSDP2 and quantized once per shard. FSDP1 (flattened
+shards; QFT's INT8 gradient is reduce-scattered and quantized once per shard. FSDP1 (flattened
 parameters) is refused by hfq's optimizers.
 
 Modules, by concern: formats (names, encode/decode, checks), tensor (QParam), fsdp (row shards, all-gather),
-int8grad (Int8Grad, the mean over ranks, the store after FSDP2's reduce-scatter), linear (QLinear, qlinear), distributed (broadcast), guard
+int8grad (Int8Grad, the per-rank mean and reduce-scatter), linear (QLinear, qlinear), distributed (broadcast), guard
 (the optimizer step pre-hook).
 """
 from . import guard  # noqa: F401  (registers the optimizer step pre-hook)

@@ -1,7 +1,6 @@
 """QFT's INT8 weight gradients: `Int8Grad`, held as a QParam's `.grad` (INT8 codes + per-row scale / zero point,
-no float copy), its accumulate / pop helpers, the mean over ranks before storage (DDP: an all-reduce per weight in
-backward; FSDP2: its own reduce-scatter, then a hook stores the shard), and the DDP attribute that keeps
-DistributedDataParallel away from those weights."""
+no float copy), its accumulate / pop helpers, the fp32 mean over ranks done in backward before storage, and the
+DDP attribute that keeps DistributedDataParallel away from those weights."""
 from __future__ import annotations
 
 from collections import deque
@@ -122,10 +121,6 @@ class Int8Grad(torch.Tensor):
         if func is aten._to_copy.default and isinstance(args[0], Int8Grad):
             g = args[0]
             return g.dequantize(kwargs.get("dtype") or g.dtype).to(kwargs.get("device") or g.device)
-        if (func is aten.add_.Tensor and isinstance(args[0], Int8Grad) and isinstance(args[1], torch.Tensor)
-                and not isinstance(args[1], Int8Grad) and tuple(args[1].shape) == tuple(args[0].shape)):
-            alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
-            return args[0].accumulate_(args[1] if alpha == 1 else args[1] * alpha)  # FSDP2's gradient accumulation
         if func in (aten.detach.default, aten.detach_.default, aten.alias.default):
             return args[0]
         if func is aten.zero_.default:
@@ -137,8 +132,7 @@ class Int8Grad(torch.Tensor):
             q = _written_qparam(func, args, kwargs, Int8Grad)
             if q is not None:
                 raise TypeError(f"{func} would modify the INT8 gradient of {q.param_name or 'a quantized weight'} "
-                                "in place; supported: scaling by a scalar (mul_), adding a float gradient of its "
-                                "shape (add_), zero_, or setting .grad = None. "
+                                "in place; supported: scaling by a scalar (mul_), zero_, or setting .grad = None. "
                                 "Under DistributedDataParallel: wrap the model hfq.qft converted, or call "
                                 "hfq.qft.ddp_ignore_int8_grad_weights_(module) on the module you wrap, before wrapping")
         unwrap = lambda a: a.dequantize(a.dtype) if isinstance(a, Int8Grad) else a  # noqa: E731
@@ -224,8 +218,8 @@ IN_FLIGHT = _InFlight()
 
 
 def _wire(g: torch.Tensor) -> torch.Tensor:
-    """g as the all-reduce takes it: a bf16 gradient on CUDA stays bf16 (as DDP reduces an ordinary bf16 .grad:
-    half the bytes of fp32, one bf16 rounding of the sum), anything else goes as fp32."""
+    """g as the collectives reduce it: a bf16 gradient on CUDA stays bf16 (as DDP and FSDP2 reduce an ordinary
+    bf16 .grad: half the bytes of fp32, one bf16 rounding of the sum), anything else goes as fp32."""
     return (g if g.dtype == torch.bfloat16 and g.is_cuda else g.float()).contiguous()
 
 
@@ -247,27 +241,34 @@ def mean_over_ranks_then(g: torch.Tensor, then) -> None:
     IN_FLIGHT.add(dist.all_reduce(g, async_op=True), lambda: then(g.float().div_(world)))
 
 
-def store_reduced_as_int8_(param) -> None:
-    """FSDP2: after FSDP2 has reduce-scattered a gradient into the sharded parameter `param` (its .grad: a DTensor
-    of this rank's rows, the mean over ranks, in FSDP2's reduce dtype), replace it by an INT8 store of those rows;
-    one INT8 rounding per shard. Micro-steps after the first add into the store (Int8Grad's `add_`)."""
+def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | None = None) -> None:
+    """FSDP2: reduce-scatter the whole-weight float gradient `g` over the shard `group` (the mean over ranks, as
+    FSDP2 reduces a .grad, in its dtype: `_wire`; overlapping the rest of backward, IN_FLIGHT), then add this
+    rank's rows to the INT8 store of the sharded DTensor parameter `param` (its .grad: a DTensor whose local tensor
+    is an Int8Grad). One INT8 rounding per shard."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    g = _wire(g)
+    mine = g.new_empty((g.shape[0] // world,) + tuple(g.shape[1:]))
+    work = dist.reduce_scatter_tensor(mine, g, group=group, async_op=True)
+    IN_FLIGHT.add(work, lambda: _store_shard(param, mine.float().div_(world), name, g))
+
+
+def _store_shard(param, mine: torch.Tensor, name, _whole) -> None:
+    """Add this rank's rows `mine` to the sharded parameter's INT8 store (`_whole`, the reduced input, is held
+    until the collective that reads it is finished)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
 
-    g = param.grad
-    mine = local(g) if g is not None else None
-    if mine is None or isinstance(mine, Int8Grad):
+    cur = param.grad
+    if cur is None:
+        param.grad = _from_local_no_grad(Int8Grad(mine, name, param.dtype), param._spec)
         return
-    q = local(param)
-    param.grad = _from_local_no_grad(Int8Grad(mine, getattr(getattr(q, "place", None), "name", None), param.dtype),
-                                     param._spec)
-
-
-def int8_after_fsdp_reduce_(param) -> None:
-    """Make FSDP2 hand `param`'s reduced gradient shard to `store_reduced_as_int8_` (a post-accumulate-grad hook,
-    which FSDP2 runs on each sharded parameter after its reduce-scatter); once per parameter."""
-    if not getattr(param, "_hfq_int8_after_reduce", False):
-        param.register_post_accumulate_grad_hook(store_reduced_as_int8_)
-        param._hfq_int8_after_reduce = True
+    store = local(cur)
+    if not isinstance(store, Int8Grad):
+        raise TypeError(f"{name or 'a quantized weight'}: has an ordinary .grad ({cur.dtype}) and an INT8 gradient "
+                        "arrives; zero the gradients (set_to_none) before switching gradient_bits")
+    store.accumulate_(mine)
 
 
 def ddp_ignore_int8_grad_weights_(model: nn.Module) -> list[str]:

@@ -13,7 +13,7 @@ from . import formats as _formats
 from .formats import check_format, check_qtensors, empty_qtensors
 from .fsdp import (LIST_DTYPES, forget_outliers_, gather_whole, list_from_bytes, list_to_bytes, local, local_rows,
                    rows_of)
-from .int8grad import accumulate_int8_grad_, int8_after_fsdp_reduce_, mean_over_ranks_then
+from .int8grad import accumulate_int8_grad_, accumulate_sharded_int8_grad_, mean_over_ranks_then
 from .tensor import QParam
 
 
@@ -23,10 +23,8 @@ class _QLinearFn(torch.autograd.Function):
 
     dL/dW becomes W's bf16 `.grad`, or with `store_int8` goes to W's INT8 store (W.grad, an Int8Grad), averaged over
     ranks first when distributed: the float dL/dW then exists only inside this backward (one layer at a time) and
-    autograd gets None for W. Under FSDP2 dL/dW is the gathered weight's gradient, which FSDP2 reduce-scatters with
-    the rest of the layer's; the sharded parameter's hook then stores its rows as INT8. If W has a `grad_consumer`
-    attribute (a callable(w, grad, name), set by hfq.qft.step_in_backward_), that float dL/dW goes to it instead of
-    the INT8 store."""
+    autograd gets None for W. If W has a `grad_consumer` attribute (a callable(w, grad, name), set by
+    hfq.qft.step_in_backward_), that float dL/dW goes to it instead of the INT8 store."""
 
     @staticmethod
     def forward(ctx, x, w, b, store_int8=False, name=None):
@@ -55,8 +53,8 @@ class _QLinearFn(torch.autograd.Function):
                 if getattr(w, "grad_consumer", None) is not None:
                     raise NotImplementedError(f"{ctx.name or 'a quantized weight'}: QLion's step in backward "
                                               "(step_in_backward_) does not run under FSDP2; use the optimizer step")
-                int8_after_fsdp_reduce_(shard[0])  # FSDP2 reduce-scatters gw with the layer's other gradients
-                gw = gw.to(w.dtype)
+                accumulate_sharded_int8_grad_(*shard, gw, ctx.name)
+                gw = None
             elif ctx.store_int8:
                 store, name = getattr(w, "grad_consumer", None) or accumulate_int8_grad_, ctx.name
                 mean_over_ranks_then(gw, lambda g: store(w, g, name))
