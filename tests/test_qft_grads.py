@@ -652,8 +652,8 @@ def test_checkpoint_recompute_reuses_its_decoded_weight(monkeypatch):
 
 
 def test_reductions_in_flight_finish_by_the_end_of_backward():
-    """hfq.qparam.int8grad.IN_FLIGHT: a reduction launched in backward finishes once the newer ones hold more than
-    MAX_BYTES, every one by the time backward returns; one launched outside backward finishes at once."""
+    """hfq.qparam.int8grad.IN_FLIGHT: a reduction launched in backward finishes once DEPTH newer ones are in
+    flight, every one by the time backward returns; one launched outside backward finishes at once."""
     from hfq.qparam.int8grad import IN_FLIGHT
 
     done, waited = [], []
@@ -672,17 +672,13 @@ def test_reductions_in_flight_finish_by_the_end_of_backward():
 
         @staticmethod
         def backward(ctx, g):
-            size = IN_FLIGHT.MAX_BYTES // 2  # two fit, a third finishes the oldest
             for i in range(4):
-                IN_FLIGHT.add(Work(i), lambda i=i: done.append(i), size)
-                assert done == list(range(max(0, i - 1)))
-                assert IN_FLIGHT.bytes == size * min(i + 1, 2)
-            IN_FLIGHT.add(Work(4), lambda: done.append(4), 3 * IN_FLIGHT.MAX_BYTES)  # alone over: the others finish
-            assert done == [0, 1, 2, 3] and len(IN_FLIGHT.queue) == 1
+                IN_FLIGHT.add(Work(i), lambda i=i: done.append(i))
+                assert done == list(range(max(0, i + 1 - IN_FLIGHT.DEPTH)))
             return g
 
     x = torch.ones(3, requires_grad=True)
     Launch.apply(x).sum().backward()
-    assert done == [0, 1, 2, 3, 4] and waited == [0, 1, 2, 3, 4] and not IN_FLIGHT.queue and not IN_FLIGHT.bytes
+    assert done == [0, 1, 2, 3] and waited == [0, 1, 2, 3] and not IN_FLIGHT.queue
     IN_FLIGHT.add(Work(9), lambda: done.append(9))
     assert done[-1] == 9 and not IN_FLIGHT.queue

@@ -178,22 +178,18 @@ def clear_int8_grads_(params) -> int:
 
 class _InFlight:
     """Gradient reductions that backward launched asynchronously, each finished (waited for on the current stream,
-    then averaged and stored as INT8) once newer ones hold more than MAX_BYTES of gradient in flight, or when the
-    backward pass ends (an autograd engine callback): the collectives run while the next layers compute their
-    gradients, about two 7B decoder layers behind (one for 32B). Those gradients are the memory this costs.
-    pop_int8_grad finishes any still open (a backward that raised, a call outside backward) before an optimizer
-    reads a store."""
+    then averaged and stored as INT8) once DEPTH newer ones are in flight or when the backward pass ends (an
+    autograd engine callback): the collective runs while the next layers compute their gradients. pop_int8_grad
+    finishes any still open (a backward that raised, a call outside backward) before an optimizer reads a store."""
 
-    MAX_BYTES = 1 << 30
+    DEPTH = 2
 
     def __init__(self):
         self.queue: deque = deque()
-        self.bytes = 0
         self.task = None  # the backward pass whose end callback is queued
 
-    def add(self, work, finish, nbytes: int = 0) -> None:
-        self.queue.append((work, finish, nbytes))
-        self.bytes += nbytes
+    def add(self, work, finish) -> None:
+        self.queue.append((work, finish))
         task = torch._C._current_graph_task_id()
         if task == -1:  # not inside a backward pass: nothing would finish it later
             self.drain()
@@ -201,12 +197,11 @@ class _InFlight:
         if task != self.task:
             self.task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
-        while len(self.queue) > 1 and self.bytes > self.MAX_BYTES:
+        while len(self.queue) > self.DEPTH:
             self._finish_one()
 
     def _finish_one(self) -> None:
-        work, finish, nbytes = self.queue.popleft()
-        self.bytes -= nbytes
+        work, finish = self.queue.popleft()
         work.wait()
         finish()
 
@@ -243,7 +238,7 @@ def mean_over_ranks_then(g: torch.Tensor, then) -> None:
         return
     world = dist.get_world_size()
     g = _wire(g)
-    IN_FLIGHT.add(dist.all_reduce(g, async_op=True), lambda: then(g.float().div_(world)), g.nbytes)
+    IN_FLIGHT.add(dist.all_reduce(g, async_op=True), lambda: then(g.float().div_(world)))
 
 
 def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | None = None) -> None:
@@ -257,7 +252,7 @@ def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | Non
     g = _wire(g)
     mine = g.new_empty((g.shape[0] // world,) + tuple(g.shape[1:]))
     work = dist.reduce_scatter_tensor(mine, g, group=group, async_op=True)
-    IN_FLIGHT.add(work, lambda: _store_shard(param, mine.float().div_(world), name, g), g.nbytes + mine.nbytes)
+    IN_FLIGHT.add(work, lambda: _store_shard(param, mine.float().div_(world), name, g))
 
 
 def _store_shard(param, mine: torch.Tensor, name, _whole) -> None:
