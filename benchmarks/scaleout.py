@@ -522,16 +522,24 @@ def run_jobs(jobs, a, cuda: bool, gpus: int) -> list[dict]:
     return [rows[j] for j in jobs]
 
 
+def _call_date(r) -> str:
+    return (r.get("call") or "")[:20]  # "YYYY-MM-DD HH:MM UTC" of the device call that measured the row
+
+
 def add_scaling(rows) -> None:
-    """x_world1: a world-2 row's tokens/s over the world-1 row of its method, model and card (same strategy if
-    measured, else DDP's, which is one process without a wrapper), with the range the windows allow."""
-    ok = {(r["method"], r["strategy"], r["world"], r["model"], r.get("card")): r for r in rows
+    """x_world1: a world-2 row's tokens/s over the world-1 row of its method, model and card measured in the same
+    device call (same strategy if measured, else DDP's, which is one process without a wrapper), with the range the
+    windows allow; rows without such a baseline get none (hosts of one card type differ by up to 1.5x)."""
+    ok = {(r["method"], r["strategy"], r["world"], r["model"], r.get("card"), _call_date(r)): r for r in rows
           if r.get("status") == "ok"}
     for r in rows:
+        for k in ("x_world1", "x_world1_range", "x_world1_of"):
+            r.pop(k, None)
         if r.get("status") != "ok" or r["world"] == 1:
             continue
-        c = r.get("card")
-        base = ok.get((r["method"], r["strategy"], 1, r["model"], c)) or ok.get((r["method"], "ddp", 1, r["model"], c))
+        c, when = r.get("card"), _call_date(r)
+        base = (ok.get((r["method"], r["strategy"], 1, r["model"], c, when))
+                or ok.get((r["method"], "ddp", 1, r["model"], c, when)))
         if base:
             q = ratio(base["s_per_token"], r["s_per_token"])
             r.update(x_world1=round(q["ratio"], 3), x_world1_range=f"{q['ratio_min']:.2f}-{q['ratio_max']:.2f}",
@@ -542,12 +550,13 @@ DRIVER_SETTINGS = ("tiny", "rounds", "warmup_steps", "qerl_warmup_steps", "train
                    "prompt", "new", "layers", "budget_s", "job_cap_s", "job_cap_32b_s")
 COLUMNS = ["method", "strategy", "world", "model", "params_b", "tokens_per_s", "spread", "tokens_per_s_min",
            "tokens_per_s_max", "x_world1", "x_world1_range", "peak_gb_per_gpu", "ddp_fits_up_to_b", "step_s", "card",
-           "status"]
+           "call", "status"]
 
 
 def notes(a, gpus: int) -> str:
     return "\n".join([
-        "card: the GPU each row ran on; x_world1 compares rows of one card only.",
+        "card: the GPU each row ran on; call: the device call (date, commit) that measured it; x_world1 compares rows "
+        "of one call only.",
         f"tokens_per_s: all ranks together; eco / qft / quest: tokens trained ({a.batch} x {a.seq} per rank per "
         f"optimizer step); qerl: completion tokens generated per GRPO step ({a.qerl_batch} prompts of {a.prompt} "
         f"tokens x {a.new} new per rank, AQN on, hfq RolloutEngine; the step also scores and trains them in "
@@ -584,7 +593,8 @@ def merge(name: str, rows: list, out: str | None) -> tuple[list, list]:
         old = json.load(f)
     key = lambda r: (r["method"], r["strategy"], r["world"], r["model"], r.get("card"))  # noqa: E731
     new = {key(r) for r in rows}
-    old_rows = [dict(r, call=r.get("call", old["facts"]["date"]), card=r.get("card", old["facts"].get("card")))
+    call = " ".join(str(x) for x in (old["facts"].get("date"), old["facts"].get("commit")) if x)
+    old_rows = [dict(r, call=r.get("call", call), card=r.get("card", old["facts"].get("card")))
                 for r in old["rows"]]
     kept = [r for r in old_rows if key(r) not in new]
     return kept + rows, old.get("earlier_calls", []) + [old["facts"]]
@@ -606,6 +616,7 @@ def driver(a) -> None:
     extra = dict(settings={k: v for k, v in vars(a).items() if k in DRIVER_SETTINGS})
     for r in rows:
         r["card"] = facts.get("card")
+        r["call"] = " ".join(str(x) for x in (facts.get("date"), facts.get("commit")) if x)
     if a.append:
         rows, extra["earlier_calls"] = merge(name, rows, a.out)
     add_scaling(rows)

@@ -50,3 +50,10 @@ def test_scaling_ratio_and_append_merge(tmp_path):
     assert [(r["method"], r["strategy"], r.get("call")) for r in merged] == [
         ("eco", "ddp", "earlier"), ("eco", "fsdp2", "earlier"), ("qft", "fsdp2", None)]
     assert calls == [{"date": "earlier"}]
+    other = [dict(row("eco", "ddp", 1, [2.0]), call="2026-01-01 00:00 UTC abc1234"),
+             dict(row("eco", "ddp", 2, [1.0]), call="2026-01-02 00:00 UTC abc1234")]
+    scaleout.add_scaling(other)  # ratios only within one device call
+    assert "x_world1" not in other[1]
+    other[0]["call"] = "2026-01-02 00:00 UTC def5678"
+    scaleout.add_scaling(other)
+    assert other[1]["x_world1"] == 2.0
