@@ -245,7 +245,9 @@ def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | Non
     """FSDP2: reduce-scatter the whole-weight float gradient `g` over the shard `group` (the mean over ranks, as
     FSDP2 reduces a .grad, in its dtype: `_wire`; overlapping the rest of backward, IN_FLIGHT), then add this
     rank's rows to the INT8 store of the sharded DTensor parameter `param` (its .grad: a DTensor whose local tensor
-    is an Int8Grad). One INT8 rounding per shard."""
+    is an Int8Grad). One INT8 rounding per shard. Not FSDP2's own reduce-scatter with a hook storing the shard:
+    FSDP2 keeps each layer's bf16 reduce-scatter output alive until backward ends, the 2 bytes per parameter and
+    rank that INT8 gradients exist to avoid."""
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
