@@ -522,8 +522,13 @@ def run_jobs(jobs, a, cuda: bool, gpus: int) -> list[dict]:
     return [rows[j] for j in jobs]
 
 
+def _call(facts: dict) -> str:
+    """A row's `call`: the date and commit of the device call that measured it."""
+    return " ".join(str(x) for x in (facts.get("date"), facts.get("commit")) if x)
+
+
 def _call_date(r) -> str:
-    return (r.get("call") or "")[:20]  # "YYYY-MM-DD HH:MM UTC" of the device call that measured the row
+    return (r.get("call") or "")[:20]  # the "YYYY-MM-DD HH:MM UTC" part of `_call`
 
 
 def add_scaling(rows) -> None:
@@ -593,8 +598,7 @@ def merge(name: str, rows: list, out: str | None) -> tuple[list, list]:
         old = json.load(f)
     key = lambda r: (r["method"], r["strategy"], r["world"], r["model"], r.get("card"))  # noqa: E731
     new = {key(r) for r in rows}
-    call = " ".join(str(x) for x in (old["facts"].get("date"), old["facts"].get("commit")) if x)
-    old_rows = [dict(r, call=r.get("call", call), card=r.get("card", old["facts"].get("card")))
+    old_rows = [dict(r, call=r.get("call", _call(old["facts"])), card=r.get("card", old["facts"].get("card")))
                 for r in old["rows"]]
     kept = [r for r in old_rows if key(r) not in new]
     return kept + rows, old.get("earlier_calls", []) + [old["facts"]]
@@ -616,7 +620,7 @@ def driver(a) -> None:
     extra = dict(settings={k: v for k, v in vars(a).items() if k in DRIVER_SETTINGS})
     for r in rows:
         r["card"] = facts.get("card")
-        r["call"] = " ".join(str(x) for x in (facts.get("date"), facts.get("commit")) if x)
+        r["call"] = _call(facts)
     if a.append:
         rows, extra["earlier_calls"] = merge(name, rows, a.out)
     add_scaling(rows)
