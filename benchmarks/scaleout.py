@@ -300,7 +300,8 @@ def worker(a) -> None:
     # FSDP2 wants one dtype per sharded module, and ECO / QFT weights are bf16 QParams
     dtype = torch.bfloat16 if cuda or (a.strategy == "fsdp2" and a.method in ("eco", "qft")) else torch.float32
     part = dict(method=a.method, strategy=a.strategy, world=d.world, model=a.model + (f" ({a.layers} layers)"
-                                                                                      if a.layers else ""))
+                                                                                      if a.layers else ""),
+                batch=a.batch)
     try:
         if a.method == "qerl" and a.strategy != "ddp":
             raise ValueError("qerl runs under DDP only (QeRLGRPOTrainer refuses FSDP/FSDP2)")
@@ -418,6 +419,11 @@ def job_id(method, strategy, world, shape) -> str:
     return f"{method}_{strategy}_w{world}_{shape}"
 
 
+def _batch(method: str, a) -> int:
+    """Sequences per rank per optimizer step (qerl: prompts per rank per GRPO step)."""
+    return a.qerl_batch if method == "qerl" else a.batch
+
+
 def command(job, a, cuda: bool) -> list[str]:
     """`accelerate launch` with the job's config; FSDP2 on CPU through torchrun (accelerate runs FSDP on GPUs only)."""
     method, strategy, world, shape = job
@@ -426,7 +432,7 @@ def command(job, a, cuda: bool) -> list[str]:
             "--model", model, "--parts", a.parts, "--rounds", str(a.rounds),
             "--warmup", str(a.qerl_warmup_steps if method == "qerl" else a.warmup_steps),
             "--steps", str(a.qerl_steps if method == "qerl" else 1 if "32b" in shape else a.train_steps), "--batch",
-            str(a.qerl_batch if method == "qerl" else a.batch), "--seq", str(a.seq), "--prompt", str(a.prompt),
+            str(_batch(method, a)), "--seq", str(a.seq), "--prompt", str(a.prompt),
             "--new", str(a.new)] + (["--layers", str(a.layers)] if a.layers else []) \
         + (["--profile"] if a.profile else [])
     port = str(_free_port())
@@ -449,7 +455,7 @@ def collect(job, rc, log_path, a) -> dict:
         tail = f.read()[-600:].replace("\n", " | ")
     why = "stopped at its cap or the budget's end" if rc is None else f"exit {rc}"
     return dict(method=job[0], strategy=job[1], world=job[2], model=TINY[job[3]] if a.tiny else job[3],
-                status=f"failed: {why}: {tail}")
+                batch=_batch(job[0], a), status=f"failed: {why}: {tail}")
 
 
 def stop(p, job, a) -> None:
@@ -496,7 +502,7 @@ def run_jobs(jobs, a, cuda: bool, gpus: int) -> list[dict]:
         free = [s for s in slots if s not in {r[2] for r in running}]
         if queue and time.time() - t_start > a.budget_s - 30:
             job = queue.pop(0)
-            rows[job] = dict(method=job[0], strategy=job[1], world=job[2], model=job[3],
+            rows[job] = dict(method=job[0], strategy=job[1], world=job[2], model=job[3], batch=_batch(job[0], a),
                              status=f"skipped: the driver's budget ({a.budget_s:.0f} s) was (nearly) spent")
             continue
         if queue and (not running if queue[0][2] > 1 else free):
@@ -532,19 +538,19 @@ def _call_date(r) -> str:
 
 
 def add_scaling(rows) -> None:
-    """x_world1: a world-2 row's tokens/s over the world-1 row of its method, model and card measured in the same
+    """x_world1: a world-2 row's tokens/s over the world-1 row of its method, model, batch and card measured in the same
     device call (same strategy if measured, else DDP's, which is one process without a wrapper), with the range the
     windows allow; rows without such a baseline get none (hosts of one card type differ by up to 1.5x)."""
-    ok = {(r["method"], r["strategy"], r["world"], r["model"], r.get("card"), _call_date(r)): r for r in rows
-          if r.get("status") == "ok"}
+    ok = {(r["method"], r["strategy"], r["world"], r["model"], r.get("batch"), r.get("card"), _call_date(r)): r
+          for r in rows if r.get("status") == "ok"}
     for r in rows:
         for k in ("x_world1", "x_world1_range", "x_world1_of"):
             r.pop(k, None)
         if r.get("status") != "ok" or r["world"] == 1:
             continue
-        c, when = r.get("card"), _call_date(r)
-        base = (ok.get((r["method"], r["strategy"], 1, r["model"], c, when))
-                or ok.get((r["method"], "ddp", 1, r["model"], c, when)))
+        c, when, b = r.get("card"), _call_date(r), r.get("batch")
+        base = (ok.get((r["method"], r["strategy"], 1, r["model"], b, c, when))
+                or ok.get((r["method"], "ddp", 1, r["model"], b, c, when)))
         if base:
             q = ratio(base["s_per_token"], r["s_per_token"])
             r.update(x_world1=round(q["ratio"], 3), x_world1_range=f"{q['ratio_min']:.2f}-{q['ratio_max']:.2f}",
@@ -553,7 +559,7 @@ def add_scaling(rows) -> None:
 
 DRIVER_SETTINGS = ("tiny", "rounds", "warmup_steps", "qerl_warmup_steps", "train_steps", "qerl_steps", "batch", "seq", "qerl_batch",
                    "prompt", "new", "layers", "budget_s", "job_cap_s", "job_cap_32b_s")
-COLUMNS = ["method", "strategy", "world", "model", "params_b", "tokens_per_s", "spread", "tokens_per_s_min",
+COLUMNS = ["method", "strategy", "world", "model", "batch", "params_b", "tokens_per_s", "spread", "tokens_per_s_min",
            "tokens_per_s_max", "x_world1", "x_world1_range", "peak_gb_per_gpu", "ddp_fits_up_to_b", "step_s", "card",
            "call", "status"]
 
@@ -562,8 +568,9 @@ def notes(a, gpus: int) -> str:
     return "\n".join([
         "card: the GPU each row ran on; call: the device call (date, commit) that measured it; x_world1 compares rows "
         "of one call only.",
-        f"tokens_per_s: all ranks together; eco / qft / quest: tokens trained ({a.batch} x {a.seq} per rank per "
-        f"optimizer step); qerl: completion tokens generated per GRPO step ({a.qerl_batch} prompts of {a.prompt} "
+        f"tokens_per_s: all ranks together; eco / qft / quest: tokens trained (batch sequences of {a.seq} tokens per "
+        f"rank per optimizer step, in one forward); qerl: completion tokens generated per GRPO step (batch prompts "
+        f"of {a.prompt} "
         f"tokens x {a.new} new per rank, AQN on, hfq RolloutEngine; the step also scores and trains them in "
         "micro-batches of one sequence). Median over windows, spread = (max - min) / median over the windows.",
         f"Each row: its own `accelerate launch` ({'NCCL' if gpus else 'gloo, CPU; FSDP2 rows under torchrun'}), "
@@ -586,7 +593,8 @@ def notes(a, gpus: int) -> str:
 
 def merge(name: str, rows: list, out: str | None) -> tuple[list, list]:
     """The earlier call's rows (from <out or benchmarks/results>/<name>.json) with this call's replacing those of
-    the same method, strategy, world, model and card; each earlier row keeps the facts of its call."""
+    the same method, strategy, world, model, batch and card; each earlier row keeps the facts of its call (rows
+    from before the batch column: the batch of that call's settings)."""
     from _harness import RESULTS
 
     path = os.path.join(out or RESULTS, f"{name}.json")
@@ -596,9 +604,11 @@ def merge(name: str, rows: list, out: str | None) -> tuple[list, list]:
         raise SystemExit(f"--append: no earlier {name}.json in {out or RESULTS} or {RESULTS}")
     with open(path) as f:
         old = json.load(f)
-    key = lambda r: (r["method"], r["strategy"], r["world"], r["model"], r.get("card"))  # noqa: E731
+    key = lambda r: (r["method"], r["strategy"], r["world"], r["model"], r.get("batch"), r.get("card"))  # noqa: E731
     new = {key(r) for r in rows}
-    old_rows = [dict(r, call=r.get("call", _call(old["facts"])), card=r.get("card", old["facts"].get("card")))
+    was = old.get("settings", {})
+    old_rows = [dict(r, call=r.get("call", _call(old["facts"])), card=r.get("card", old["facts"].get("card")),
+                     batch=r.get("batch", was.get("qerl_batch" if r["method"] == "qerl" else "batch")))
                 for r in old["rows"]]
     kept = [r for r in old_rows if key(r) not in new]
     return kept + rows, old.get("earlier_calls", []) + [old["facts"]]

@@ -37,15 +37,16 @@ def test_scaling_ratio_and_append_merge(tmp_path):
     from _harness import spread, write
 
     def row(method, strategy, world, spt):
-        return dict(method=method, strategy=strategy, world=world, model="m", status="ok", s_per_token=spread(spt))
+        return dict(method=method, strategy=strategy, world=world, model="m", batch=1, status="ok",
+                    s_per_token=spread(spt))
 
     rows = [row("eco", "ddp", 1, [2.0, 2.2, 2.1]), row("eco", "fsdp2", 2, [1.0, 1.1, 1.2]),
-            dict(method="qft", strategy="fsdp2", world=2, model="m", status="failed: x")]
+            dict(method="qft", strategy="fsdp2", world=2, model="m", batch=1, status="failed: x")]
     scaleout.add_scaling(rows)
     assert rows[1]["x_world1"] == round(2.1 / 1.1, 3) and rows[1]["x_world1_of"] == "ddp w1"
     assert rows[1]["x_world1_range"] == f"{2.0 / 1.2:.2f}-{2.2 / 1.0:.2f}"
     assert "x_world1" not in rows[2]
-    write("scaleout", rows, out_dir=str(tmp_path), facts={"date": "earlier"})
+    write("scaleout", rows, out_dir=str(tmp_path), facts={"date": "earlier"}, extra={"settings": {"batch": 1}})
     merged, calls = scaleout.merge("scaleout", [row("qft", "fsdp2", 2, [0.5])], str(tmp_path))
     assert [(r["method"], r["strategy"], r.get("call")) for r in merged] == [
         ("eco", "ddp", "earlier"), ("eco", "fsdp2", "earlier"), ("qft", "fsdp2", None)]
@@ -57,3 +58,9 @@ def test_scaling_ratio_and_append_merge(tmp_path):
     other[0]["call"] = "2026-01-02 00:00 UTC def5678"
     scaleout.add_scaling(other)
     assert other[1]["x_world1"] == 2.0
+    other[1]["batch"] = 4  # and only between rows of one batch
+    scaleout.add_scaling(other)
+    assert "x_world1" not in other[1]
+    merged, _ = scaleout.merge("scaleout", [dict(row("eco", "ddp", 1, [1.0]), batch=4)], str(tmp_path))
+    assert [(r["method"], r["strategy"], r["batch"]) for r in merged][:2] == [("eco", "ddp", 1), ("eco", "fsdp2", 1)]
+    assert merged[-1]["batch"] == 4 and len(merged) == 4
