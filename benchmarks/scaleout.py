@@ -49,10 +49,10 @@ SHAPES = {  # Qwen2.5 shapes (random init); the tiny ones stand in for them on C
                      num_key_value_heads=2, vocab_size=256),
 }
 TINY = {"qwen2.5-7b": "tiny", "qwen2.5-32b": "tiny-big"}
-# (method, strategy, world, shape): the world-1 rows (one process, no wrapper) are each method's one-GPU baseline,
-# for FSDP2 as well (FSDP2 on one GPU shards nothing)
-JOBS = [(m, "ddp", w, "qwen2.5-7b") for w in (1, 2) for m in ("qerl", "eco", "qft", "quest")] + \
-       [(m, "fsdp2", 2, "qwen2.5-7b") for m in ("eco", "qft")] + [("qft", "fsdp2", 2, "qwen2.5-32b")]
+# (method, strategy, world, shape, batch; None: --batch / --qerl-batch): the world-1 rows (one process, no wrapper)
+# are each method's one-GPU baseline, for FSDP2 as well (FSDP2 on one GPU shards nothing)
+JOBS = [(m, "ddp", w, "qwen2.5-7b", None) for w in (1, 2) for m in ("qerl", "eco", "qft", "quest")] + \
+       [(m, "fsdp2", 2, "qwen2.5-7b", None) for m in ("eco", "qft")] + [("qft", "fsdp2", 2, "qwen2.5-32b", None)]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GIB = 2 ** 30
 
@@ -406,33 +406,35 @@ def _free_port() -> int:
 
 
 def parse_job(spec: str):
-    """method:strategy:world[:shape], e.g. quest:fsdp2:2 or qft:fsdp2:2:qwen2.5-32b."""
+    """method:strategy:world[:shape][@batch], e.g. quest:fsdp2:2, qft:fsdp2:2:qwen2.5-32b or qft:ddp:2@4."""
+    spec, _, b = spec.partition("@")
     f = spec.split(":")
     if len(f) not in (3, 4) or f[0] not in ("qerl", "eco", "qft", "quest") or f[1] not in ("ddp", "fsdp2") \
-            or f[2] not in ("1", "2") or (len(f) == 4 and f[3] not in TINY):
-        raise SystemExit(f"--jobs: {spec!r} is not method:strategy:world[:shape] with method in qerl/eco/qft/quest, "
-                         f"strategy ddp/fsdp2, world 1/2, shape in {sorted(TINY)}")
-    return f[0], f[1], int(f[2]), f[3] if len(f) == 4 else "qwen2.5-7b"
+            or f[2] not in ("1", "2") or (len(f) == 4 and f[3] not in TINY) or (b and not b.isdigit()):
+        raise SystemExit(f"--jobs: {spec!r} is not method:strategy:world[:shape][@batch] with method in "
+                         f"qerl/eco/qft/quest, strategy ddp/fsdp2, world 1/2, shape in {sorted(TINY)}, batch a "
+                         "positive integer")
+    return f[0], f[1], int(f[2]), f[3] if len(f) == 4 else "qwen2.5-7b", int(b) if b else None
 
 
-def job_id(method, strategy, world, shape) -> str:
-    return f"{method}_{strategy}_w{world}_{shape}"
+def job_id(method, strategy, world, shape, batch) -> str:
+    return f"{method}_{strategy}_w{world}_{shape}_b{batch}"
 
 
 def _batch(method: str, a) -> int:
-    """Sequences per rank per optimizer step (qerl: prompts per rank per GRPO step)."""
+    """The default sequences per rank per optimizer step (qerl: prompts per rank per GRPO step)."""
     return a.qerl_batch if method == "qerl" else a.batch
 
 
 def command(job, a, cuda: bool) -> list[str]:
     """`accelerate launch` with the job's config; FSDP2 on CPU through torchrun (accelerate runs FSDP on GPUs only)."""
-    method, strategy, world, shape = job
+    method, strategy, world, shape, batch = job
     model = TINY[shape] if a.tiny else shape
     args = [os.path.abspath(__file__), "--worker", "--job", job_id(*job), "--method", method, "--strategy", strategy,
             "--model", model, "--parts", a.parts, "--rounds", str(a.rounds),
             "--warmup", str(a.qerl_warmup_steps if method == "qerl" else a.warmup_steps),
             "--steps", str(a.qerl_steps if method == "qerl" else 1 if "32b" in shape else a.train_steps), "--batch",
-            str(_batch(method, a)), "--seq", str(a.seq), "--prompt", str(a.prompt),
+            str(batch), "--seq", str(a.seq), "--prompt", str(a.prompt),
             "--new", str(a.new)] + (["--layers", str(a.layers)] if a.layers else []) \
         + (["--profile"] if a.profile else [])
     port = str(_free_port())
@@ -455,7 +457,7 @@ def collect(job, rc, log_path, a) -> dict:
         tail = f.read()[-600:].replace("\n", " | ")
     why = "stopped at its cap or the budget's end" if rc is None else f"exit {rc}"
     return dict(method=job[0], strategy=job[1], world=job[2], model=TINY[job[3]] if a.tiny else job[3],
-                batch=_batch(job[0], a), status=f"failed: {why}: {tail}")
+                batch=job[4], status=f"failed: {why}: {tail}")
 
 
 def stop(p, job, a) -> None:
@@ -502,7 +504,7 @@ def run_jobs(jobs, a, cuda: bool, gpus: int) -> list[dict]:
         free = [s for s in slots if s not in {r[2] for r in running}]
         if queue and time.time() - t_start > a.budget_s - 30:
             job = queue.pop(0)
-            rows[job] = dict(method=job[0], strategy=job[1], world=job[2], model=job[3], batch=_batch(job[0], a),
+            rows[job] = dict(method=job[0], strategy=job[1], world=job[2], model=job[3], batch=job[4],
                              status=f"skipped: the driver's budget ({a.budget_s:.0f} s) was (nearly) spent")
             continue
         if queue and (not running if queue[0][2] > 1 else free):
@@ -622,6 +624,7 @@ def driver(a) -> None:
     os.makedirs(a.parts, exist_ok=True)
     only = set(a.only.split(",")) if a.only else None
     jobs = [parse_job(j) for j in a.jobs.split(",")] if a.jobs else JOBS
+    jobs = [j[:4] + (j[4] or _batch(j[0], a),) for j in jobs]
     jobs = [j for j in jobs if (only is None or j[0] in only) and (a.with_32b or "32b" not in j[3])
             and (cuda and gpus >= j[2] or not cuda)]
     log(f"{len(jobs)} jobs on {'%d GPUs' % gpus if cuda else 'CPU'}; parts in {a.parts}")
@@ -647,7 +650,8 @@ def main():
     ap.add_argument("--only", default=None, help="comma-separated methods (qerl,eco,qft,quest)")
     ap.add_argument("--append", action="store_true", help="merge the rows into the existing scaleout.json (a second "
                     "device call: rows of the same method, strategy, world and model are replaced)")
-    ap.add_argument("--jobs", default=None, help="rows instead of the table's, e.g. quest:fsdp2:2,qft:fsdp2:2:qwen2.5-32b")
+    ap.add_argument("--jobs", default=None, help="rows instead of the table's, e.g. "
+                    "quest:fsdp2:2,qft:fsdp2:2:qwen2.5-32b,qft:ddp:2@4 (@: sequences per rank per step; default --batch)")
     ap.add_argument("--no-32b", dest="with_32b", action="store_false", help="leave out the 32B FSDP2 row")
     ap.add_argument("--budget-s", type=float, default=None, help="the whole run's limit (default 520 s, --tiny 1800): "
                     "no job starts in its last 30 s, running ones are stopped at its end")

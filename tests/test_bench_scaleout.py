@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 def test_tiny_table_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     r = subprocess.run([sys.executable, SCRIPT, "--tiny", "--out", str(tmp_path), "--jobs",
-                        "qft:ddp:1,qft:ddp:2,quest:fsdp2:2"], env=env, capture_output=True, text=True, timeout=600)
+                        "qft:ddp:1,qft:ddp:2,quest:fsdp2:2@3"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads((tmp_path / "scaleout_tiny.json").read_text())
     rows = {(x["method"], x["strategy"], x["world"]): x for x in doc["rows"]}
@@ -26,8 +26,9 @@ def test_tiny_table_end_to_end(tmp_path):
     assert abs(two["x_world1"] - two["tokens_per_s"] / one["tokens_per_s"]) < 0.01 * two["x_world1"]
     assert "x_world1" not in rows["quest", "fsdp2", 2]  # no world-1 row of quest in this run
     assert two["windows"] == 3 and two["tokens_per_step"] == 2 * 2 * 32  # 2 ranks x batch 2 x seq 32
+    assert rows["quest", "fsdp2", 2]["batch"] == 3 and rows["quest", "fsdp2", 2]["tokens_per_step"] == 2 * 3 * 32
     md = (tmp_path / "scaleout_tiny.md").read_text()
-    assert "device: cpu" in md and "| qft | ddp | 2 | tiny |" in md
+    assert "device: cpu" in md and "| qft | ddp | 2 | tiny | 2 |" in md
 
 
 def test_scaling_ratio_and_append_merge(tmp_path):
