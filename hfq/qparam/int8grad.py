@@ -3,6 +3,7 @@ no float copy), its accumulate / pop helpers, the fp32 mean over ranks done in b
 DDP attribute that keeps DistributedDataParallel away from those weights."""
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -142,7 +143,7 @@ class Int8Grad(torch.Tensor):
 def int8_grad(p: torch.Tensor) -> Int8Grad | None:
     """The INT8 gradient stored for parameter `p` (its `.grad` when that is an Int8Grad, or an FSDP2 DTensor
     holding this rank's shard of one; else None). Reductions still in flight (IN_FLIGHT) are finished first."""
-    if IN_FLIGHT.queue:
+    if IN_FLIGHT.queue or SHARD_BUCKET.items:
         IN_FLIGHT.drain()
     g = p.grad
     g = local(g) if g is not None else None
@@ -190,15 +191,21 @@ class _InFlight:
 
     def add(self, work, finish) -> None:
         self.queue.append((work, finish))
-        task = torch._C._current_graph_task_id()
-        if task == -1:  # not inside a backward pass: nothing would finish it later
+        if not self.watch():  # not inside a backward pass: nothing would finish it later
             self.drain()
             return
+        while len(self.queue) > self.DEPTH:
+            self._finish_one()
+
+    def watch(self) -> bool:
+        """Make the end of the running backward pass drain (once per pass); False when no backward is running."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return False
         if task != self.task:
             self.task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
-        while len(self.queue) > self.DEPTH:
-            self._finish_one()
+        return True
 
     def _finish_one(self) -> None:
         work, finish = self.queue.popleft()
@@ -206,6 +213,7 @@ class _InFlight:
         finish()
 
     def drain(self) -> None:
+        SHARD_BUCKET.flush()
         while self.queue:
             self._finish_one()
 
@@ -242,24 +250,68 @@ def mean_over_ranks_then(g: torch.Tensor, then) -> None:
 
 
 def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | None = None) -> None:
-    """FSDP2: reduce-scatter the whole-weight float gradient `g` over the shard `group` (the mean over ranks, as
-    FSDP2 reduces a .grad, in its dtype: `_wire`; overlapping the rest of backward, IN_FLIGHT), then add this
-    rank's rows to the INT8 store of the sharded DTensor parameter `param` (its .grad: a DTensor whose local tensor
-    is an Int8Grad). One INT8 rounding per shard. Not FSDP2's own reduce-scatter with a hook storing the shard:
-    FSDP2 keeps each layer's bf16 reduce-scatter output alive until backward ends, the 2 bytes per parameter and
-    rank that INT8 gradients exist to avoid."""
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    g = _wire(g)
-    mine = g.new_empty((g.shape[0] // world,) + tuple(g.shape[1:]))
-    work = dist.reduce_scatter_tensor(mine, g, group=group, async_op=True)
-    IN_FLIGHT.add(work, lambda: _store_shard(param, mine.float().div_(world), name, g))
+    """FSDP2: queue the whole-weight float gradient `g` for a reduce-scatter over the shard `group` (SHARD_BUCKET:
+    one collective for the gradients of several weights, the mean over ranks as FSDP2 reduces a .grad, in its
+    dtype: `_wire`; overlapping the rest of backward, IN_FLIGHT), after which this rank's rows are added to the
+    INT8 store of the sharded DTensor parameter `param` (its .grad: a DTensor whose local tensor is an Int8Grad).
+    One INT8 rounding per shard. Not FSDP2's own reduce-scatter with a hook storing the shard: FSDP2 keeps each
+    layer's bf16 reduce-scatter output alive until backward ends, the 2 bytes per parameter and rank that INT8
+    gradients exist to avoid; this bucket's are released as soon as the shards are stored."""
+    SHARD_BUCKET.add(param, group, _wire(g), name)
+    if not IN_FLIGHT.watch():  # not inside a backward pass: nothing would flush it later
+        IN_FLIGHT.drain()
 
 
-def _store_shard(param, mine: torch.Tensor, name, _whole) -> None:
-    """Add this rank's rows `mine` to the sharded parameter's INT8 store (`_whole`, the reduced input, is held
-    until the collective that reads it is finished)."""
+class _ShardBucket:
+    """Whole-weight gradients waiting for one reduce-scatter (FSDP2, QFT's INT8 gradients): sent once they hold
+    MAX_BYTES, when a gradient of another group or dtype arrives, or when IN_FLIGHT drains (the end of backward,
+    an optimizer reading a store). Every rank runs the same backward, so the ranks' buckets hold the same weights
+    in the same order."""
+
+    MAX_BYTES = 1 << 28
+
+    def __init__(self):
+        self.items: list = []  # (sharded parameter, whole-weight gradient on the wire, name)
+        self.bytes = 0
+
+    def add(self, param, group, g: torch.Tensor, name) -> None:
+        if self.items and (group is not self.group or g.dtype != self.items[0][1].dtype):
+            self.flush()
+        self.group = group
+        self.items.append((param, g, name))
+        self.bytes += g.nbytes
+        if self.bytes >= self.MAX_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """One reduce-scatter of the queued gradients: rank r's part of the input is row block r of every weight,
+        so its output is its own rows of each, one after the other."""
+        import torch.distributed as dist
+
+        if not self.items:
+            return
+        group, world = self.group, dist.get_world_size(self.group)
+        whole = torch.cat([g.reshape(world, -1) for _, g, _ in self.items], dim=1)
+        parts = [(param, (g.shape[0] // world,) + tuple(g.shape[1:]), name) for param, g, name in self.items]
+        self.items, self.bytes = [], 0
+        mine = whole.new_empty((whole.shape[1],))
+        work = dist.reduce_scatter_tensor(mine, whole.reshape(-1), group=group, async_op=True)
+
+        def store(_whole=whole):  # the reduced input is held until the collective that reads it is finished
+            at = 0
+            for param, shape, name in parts:
+                n = math.prod(shape)
+                _store_shard(param, mine[at:at + n].view(shape).float().div_(world), name)
+                at += n
+
+        IN_FLIGHT.add(work, store)
+
+
+SHARD_BUCKET = _ShardBucket()
+
+
+def _store_shard(param, mine: torch.Tensor, name) -> None:
+    """Add this rank's rows `mine` to the sharded parameter's INT8 store."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import _from_local_no_grad
 
     cur = param.grad
