@@ -305,3 +305,39 @@ def test_unshardable_qparams_and_fsdp1_refused():
             QLion(wrapped.parameters(), lr=1e-3)
     finally:
         dist.destroy_process_group()
+
+
+def test_fsdp2_int8_gradient_buckets_flush_by_size_and_at_backward_end(monkeypatch):
+    """QFT's INT8 gradients under FSDP2 leave in buckets (one reduce-scatter for several weights): a bucket small
+    enough to flush at every weight and one that holds the whole backward give the same INT8 stores, and nothing is
+    left queued or in flight when backward returns (the stores are complete for clip_grad_norm_)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from hfq.qft import QFTConfig, quantize_model_
+    from hfq.qparam import int8grad
+    from hfq.tiny import tiny_model
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        stores = []
+        for max_bytes in (1, 1 << 28):
+            monkeypatch.setattr(int8grad.SHARD_BUCKET, "MAX_BYTES", max_bytes)
+            torch.manual_seed(0)
+            model = tiny_model("llama", hidden=64, intermediate=128, kv_heads=4, dtype=torch.bfloat16).train()
+            quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            x = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(1))
+            model(input_ids=x, labels=x).loss.backward()
+            assert not int8grad.SHARD_BUCKET.items and not int8grad.IN_FLIGHT.queue
+            grads = {n: p.grad._local_tensor for n, p in model.named_parameters()
+                     if isinstance(getattr(p.grad, "_local_tensor", None), int8grad.Int8Grad)}
+            assert len(grads) == 7 * len(model.model.layers)
+            stores.append({n: (g.codes.clone(), g.scales.clone()) for n, g in grads.items()})
+        for n, (codes, scales) in stores[0].items():
+            assert torch.equal(codes, stores[1][n][0]) and torch.equal(scales, stores[1][n][1]), n
+    finally:
+        dist.destroy_process_group()
