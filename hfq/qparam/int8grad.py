@@ -273,6 +273,7 @@ class _ShardBucket:
     def __init__(self):
         self.items: list = []  # (sharded parameter, whole-weight gradient on the wire, name)
         self.bytes = 0
+        self.group = None
 
     def add(self, param, group, g: torch.Tensor, name) -> None:
         if self.items and (group is not self.group or g.dtype != self.items[0][1].dtype):
@@ -291,7 +292,8 @@ class _ShardBucket:
         if not self.items:
             return
         group, world = self.group, dist.get_world_size(self.group)
-        whole = torch.cat([g.reshape(world, -1) for _, g, _ in self.items], dim=1)
+        rows = [g.reshape(world, -1) for _, g, _ in self.items]
+        whole = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]
         parts = [(param, (g.shape[0] // world,) + tuple(g.shape[1:]), name) for param, g, name in self.items]
         self.items, self.bytes = [], 0
         mine = whole.new_empty((whole.shape[1],))
