@@ -46,8 +46,8 @@ class QFTConfig(HfqConfig):
         it in the norm and scales its row scales. Under DDP it is averaged over ranks inside backward (an
         all-reduce, bf16 on CUDA, else fp32), before storage, so ranks hold identical codes; DDP is told to skip
         those weights (`_ddp_params_and_buffers_to_ignore`, set on the converted model: wrap that model, not a
-        submodule). Under FSDP2 it is reduce-scattered (bf16 on CUDA, else fp32) and quantized once per shard (the
-        rows this rank holds).
+        submodule). Under FSDP2 it is reduce-scattered (bf16 on CUDA, else fp32; several weights per collective)
+        and quantized once per shard (the rows this rank holds).
     modules_to_not_convert: modules kept in high precision, matched by transformers' rule (hfq._base.surgery);
         None = transformers' defaults (the output embedding and modules tied to it).
     strict: raise instead of leaving a linear-like layer that is not an nn.Linear (e.g. GPT-2's Conv1D) in high
