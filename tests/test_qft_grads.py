@@ -411,6 +411,8 @@ def _ddp_worker(rank, port, out, device):
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=WORLD)
+    from hfq.qparam import int8grad
+    int8grad.BUCKET.MAX_BYTES = 40_000  # all-reduces of one or two weights each, the rest sent at backward's end
     model = _tiny(device=dev)
     ddp = DDP(model, device_ids=[rank] if dev.type == "cuda" else None)
     opt = _opt(ddp.parameters())

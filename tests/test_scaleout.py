@@ -323,7 +323,7 @@ def test_fsdp2_int8_gradient_buckets_flush_by_size_and_at_backward_end(monkeypat
     try:
         stores = []
         for max_bytes in (1, 1 << 28):
-            monkeypatch.setattr(int8grad.SHARD_BUCKET, "MAX_BYTES", max_bytes)
+            monkeypatch.setattr(int8grad.BUCKET, "MAX_BYTES", max_bytes)
             torch.manual_seed(0)
             model = tiny_model("llama", hidden=64, intermediate=128, kv_heads=4, dtype=torch.bfloat16).train()
             quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=8))
@@ -332,7 +332,7 @@ def test_fsdp2_int8_gradient_buckets_flush_by_size_and_at_backward_end(monkeypat
             fully_shard(model)
             x = torch.randint(3, 90, (2, 16), generator=torch.Generator().manual_seed(1))
             model(input_ids=x, labels=x).loss.backward()
-            assert not int8grad.SHARD_BUCKET.items and not int8grad.IN_FLIGHT.queue
+            assert not int8grad.BUCKET.items and not int8grad.IN_FLIGHT.queue
             grads = {n: p.grad._local_tensor for n, p in model.named_parameters()
                      if isinstance(getattr(p.grad, "_local_tensor", None), int8grad.Int8Grad)}
             assert len(grads) == 7 * len(model.model.layers)

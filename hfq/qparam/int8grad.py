@@ -143,7 +143,7 @@ class Int8Grad(torch.Tensor):
 def int8_grad(p: torch.Tensor) -> Int8Grad | None:
     """The INT8 gradient stored for parameter `p` (its `.grad` when that is an Int8Grad, or an FSDP2 DTensor
     holding this rank's shard of one; else None). Reductions still in flight (IN_FLIGHT) are finished first."""
-    if IN_FLIGHT.queue or SHARD_BUCKET.items:
+    if IN_FLIGHT.queue or BUCKET.items:
         IN_FLIGHT.drain()
     g = p.grad
     g = local(g) if g is not None else None
@@ -213,7 +213,7 @@ class _InFlight:
         finish()
 
     def drain(self) -> None:
-        SHARD_BUCKET.flush()
+        BUCKET.flush()
         while self.queue:
             self._finish_one()
 
@@ -233,7 +233,8 @@ def _wire(g: torch.Tensor) -> torch.Tensor:
 
 def mean_over_ranks_then(g: torch.Tensor, then) -> None:
     """`then(mean of g over ranks, fp32)`: under torch.distributed (world > 1, default group) the mean, as DDP
-    averages a .grad, from an all-reduce that overlaps the rest of backward (IN_FLIGHT); else then(g) now.
+    averages a .grad, from an all-reduce (BUCKET: several weights per collective) that overlaps the rest of backward
+    (IN_FLIGHT); else then(g) now.
 
     Done per layer in backward, before INT8 storage: every rank then quantizes the same sum and stores
     bit-identical codes, and the only INT8 error is one rounding of the global gradient (an INT8 all-reduce would
@@ -244,72 +245,78 @@ def mean_over_ranks_then(g: torch.Tensor, then) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         then(g)
         return
-    world = dist.get_world_size()
-    g = _wire(g)
-    IN_FLIGHT.add(dist.all_reduce(g, async_op=True), lambda: then(g.float().div_(world)))
+    BUCKET.add("all_reduce", None, _wire(g), then)
 
 
 def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | None = None) -> None:
-    """FSDP2: queue the whole-weight float gradient `g` for a reduce-scatter over the shard `group` (SHARD_BUCKET:
-    one collective for the gradients of several weights, the mean over ranks as FSDP2 reduces a .grad, in its
-    dtype: `_wire`; overlapping the rest of backward, IN_FLIGHT), after which this rank's rows are added to the
-    INT8 store of the sharded DTensor parameter `param` (its .grad: a DTensor whose local tensor is an Int8Grad).
-    One INT8 rounding per shard. Not FSDP2's own reduce-scatter with a hook storing the shard: FSDP2 keeps each
-    layer's bf16 reduce-scatter output alive until backward ends, the 2 bytes per parameter and rank that INT8
-    gradients exist to avoid; this bucket's are released as soon as the shards are stored."""
-    SHARD_BUCKET.add(param, group, _wire(g), name)
-    if not IN_FLIGHT.watch():  # not inside a backward pass: nothing would flush it later
-        IN_FLIGHT.drain()
+    """FSDP2: queue the whole-weight float gradient `g` for a reduce-scatter over the shard `group` (BUCKET: one
+    collective for the gradients of several weights, the mean over ranks as FSDP2 reduces a .grad, in its dtype:
+    `_wire`; overlapping the rest of backward, IN_FLIGHT), after which this rank's rows are added to the INT8 store
+    of the sharded DTensor parameter `param` (its .grad: a DTensor whose local tensor is an Int8Grad). One INT8
+    rounding per shard. Not FSDP2's own reduce-scatter with a hook storing the shard: FSDP2 keeps each layer's bf16
+    reduce-scatter output alive until backward ends, the 2 bytes per parameter and rank that INT8 gradients exist to
+    avoid; a bucket's are released as soon as its shards are stored."""
+    BUCKET.add("reduce_scatter", group, _wire(g), lambda mine: _store_shard(param, mine, name))
 
 
-class _ShardBucket:
-    """Whole-weight gradients waiting for one reduce-scatter (FSDP2, QFT's INT8 gradients): sent once they hold
-    MAX_BYTES, when a gradient of another group or dtype arrives, or when IN_FLIGHT drains (the end of backward,
-    an optimizer reading a store). Every rank runs the same backward, so the ranks' buckets hold the same weights
-    in the same order."""
+class _Bucket:
+    """Weight gradients waiting for one collective, the mean over ranks: an all-reduce (each weight's mean) or a
+    reduce-scatter over an FSDP2 shard group (this rank's rows of each). Sent once they hold MAX_BYTES, when a
+    gradient for another collective, group or dtype arrives, or when IN_FLIGHT drains (the end of backward, an
+    optimizer reading a store); each weight's `then` gets its part of the result as fp32. Every rank runs the same
+    backward, so the ranks' buckets hold the same weights in the same order."""
 
     MAX_BYTES = 1 << 28
 
     def __init__(self):
-        self.items: list = []  # (sharded parameter, whole-weight gradient on the wire, name)
+        self.items: list = []  # (gradient on the wire, then)
         self.bytes = 0
-        self.group = None
+        self.key = None  # (collective, group, dtype)
 
-    def add(self, param, group, g: torch.Tensor, name) -> None:
-        if self.items and (group is not self.group or g.dtype != self.items[0][1].dtype):
+    def add(self, op: str, group, g: torch.Tensor, then) -> None:
+        key = (op, group, g.dtype)
+        if self.items and key != self.key:
             self.flush()
-        self.group = group
-        self.items.append((param, g, name))
+        self.key = key
+        self.items.append((g, then))
         self.bytes += g.nbytes
         if self.bytes >= self.MAX_BYTES:
             self.flush()
+        if not IN_FLIGHT.watch():  # not inside a backward pass: nothing would flush it later
+            IN_FLIGHT.drain()
 
     def flush(self) -> None:
-        """One reduce-scatter of the queued gradients: rank r's part of the input is row block r of every weight,
-        so its output is its own rows of each, one after the other."""
+        """One collective for the queued gradients. Reduce-scatter: rank r's part of the input is row block r of
+        every weight, so its output is its own rows of each, one after the other."""
         import torch.distributed as dist
 
         if not self.items:
             return
-        group, world = self.group, dist.get_world_size(self.group)
-        rows = [g.reshape(world, -1) for _, g, _ in self.items]
-        whole = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]
-        parts = [(param, (g.shape[0] // world,) + tuple(g.shape[1:]), name) for param, g, name in self.items]
+        (op, group, _), items = self.key, self.items
         self.items, self.bytes = [], 0
-        mine = whole.new_empty((whole.shape[1],))
-        work = dist.reduce_scatter_tensor(mine, whole.reshape(-1), group=group, async_op=True)
+        world = dist.get_world_size(group)
+        if op == "all_reduce":
+            sent = torch.cat([g.reshape(-1) for g, _ in items]) if len(items) > 1 else items[0][0].reshape(-1)
+            out, shapes = sent, [g.shape for g, _ in items]
+            work = dist.all_reduce(sent, group=group, async_op=True)
+        else:
+            rows = [g.reshape(world, -1) for g, _ in items]
+            sent = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]
+            out = sent.new_empty((sent.shape[1],))
+            shapes = [(g.shape[0] // world,) + tuple(g.shape[1:]) for g, _ in items]
+            work = dist.reduce_scatter_tensor(out, sent.reshape(-1), group=group, async_op=True)
 
-        def store(_whole=whole):  # the reduced input is held until the collective that reads it is finished
+        def finish(_sent=sent):  # the collective's input is held until it is finished
             at = 0
-            for param, shape, name in parts:
+            for shape, (_, then) in zip(shapes, items):
                 n = math.prod(shape)
-                _store_shard(param, mine[at:at + n].view(shape).float().div_(world), name)
+                then(out[at:at + n].view(shape).float().div_(world))
                 at += n
 
-        IN_FLIGHT.add(work, store)
+        IN_FLIGHT.add(work, finish)
 
 
-SHARD_BUCKET = _ShardBucket()
+BUCKET = _Bucket()
 
 
 def _store_shard(param, mine: torch.Tensor, name) -> None:
