@@ -572,9 +572,8 @@ def notes(a, gpus: int) -> str:
         "of one call only.",
         f"tokens_per_s: all ranks together; eco / qft / quest: tokens trained (batch sequences of {a.seq} tokens per "
         f"rank per optimizer step, in one forward); qerl: completion tokens generated per GRPO step (batch prompts "
-        f"of {a.prompt} "
-        f"tokens x {a.new} new per rank, AQN on, hfq RolloutEngine; the step also scores and trains them in "
-        "micro-batches of one sequence). Median over windows, spread = (max - min) / median over the windows.",
+        f"of {a.prompt} tokens x {a.new} new per rank, AQN on, hfq RolloutEngine; the step also scores and trains "
+        "them in micro-batches of one sequence). Median over windows, spread = (max - min) / median over the windows.",
         f"Each row: its own `accelerate launch` ({'NCCL' if gpus else 'gloo, CPU; FSDP2 rows under torchrun'}), "
         f"{a.warmup_steps} untimed warm-up steps (qerl: {a.qerl_warmup_steps}, after the rollout engine's CUDA "
         "graph capture; autotuning, optimizer states), then "
@@ -582,7 +581,7 @@ def notes(a, gpus: int) -> str:
         + ("; gradient checkpointing on; world-1 rows ran side by side, one per GPU." if gpus else "."),
         "Optimizers: eco ECOAdamW (FP8 row weights, bf16 states, SR), qft QLion (INT8 dense+sparse weights, INT8 "
         "gradients and momentum), quest QuEST W4A4 + AdamW (master weights in the model dtype: bf16 on GPU), qerl AdamW on LoRA r=32.",
-        "x_world1: tokens/s over the world-1 row of the same method and model (range: worst to best window "
+        "x_world1: tokens/s over the world-1 row of the same method, model and batch (range: worst to best window "
         "pairing). peak_gb_per_gpu: max over ranks of torch.cuda.max_memory_allocated in the timed windows (GiB; "
         "peak_reserved_gb_per_gpu and build_warmup_peak_gb in the json).",
         "ddp_fits_up_to_b: under DDP every rank holds the whole model, so the parameter count (B) whose run would "
@@ -649,9 +648,9 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="CPU: tiny shapes and lengths, 2 gloo processes")
     ap.add_argument("--only", default=None, help="comma-separated methods (qerl,eco,qft,quest)")
     ap.add_argument("--append", action="store_true", help="merge the rows into the existing scaleout.json (a second "
-                    "device call: rows of the same method, strategy, world and model are replaced)")
-    ap.add_argument("--jobs", default=None, help="rows instead of the table's, e.g. "
-                    "quest:fsdp2:2,qft:fsdp2:2:qwen2.5-32b,qft:ddp:2@4 (@: sequences per rank per step; default --batch)")
+                    "device call: rows of the same method, strategy, world, model, batch and card are replaced)")
+    ap.add_argument("--jobs", default=None, help="rows instead of the table's, e.g. quest:fsdp2:2,"
+                    "qft:fsdp2:2:qwen2.5-32b,qft:ddp:2@4 (@: sequences per rank per step; default --batch)")
     ap.add_argument("--no-32b", dest="with_32b", action="store_false", help="leave out the 32B FSDP2 row")
     ap.add_argument("--budget-s", type=float, default=None, help="the whole run's limit (default 520 s, --tiny 1800): "
                     "no job starts in its last 30 s, running ones are stopped at its end")
