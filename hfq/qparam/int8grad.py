@@ -142,9 +142,8 @@ class Int8Grad(torch.Tensor):
 
 def int8_grad(p: torch.Tensor) -> Int8Grad | None:
     """The INT8 gradient stored for parameter `p` (its `.grad` when that is an Int8Grad, or an FSDP2 DTensor
-    holding this rank's shard of one; else None). Reductions still in flight (IN_FLIGHT) are finished first."""
-    if IN_FLIGHT.queue or BUCKET.items:
-        IN_FLIGHT.drain()
+    holding this rank's shard of one; else None). Gradients still queued or in flight (IN_FLIGHT) are finished first."""
+    IN_FLIGHT.drain()
     g = p.grad
     g = local(g) if g is not None else None
     return g if isinstance(g, Int8Grad) else None
