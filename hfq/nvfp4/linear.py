@@ -210,10 +210,28 @@ class NVFP4Linear(nn.Module):
         return y.to(in_dtype)
 
     def _forward_planned(self, x: torch.Tensor) -> torch.Tensor:
-        """hfq::nvfp4_linear's values and gradients from a LinearPlan kept per (x shape, dtype, device), so that a
-        repeated call does no validation, config lookup or launch planning (hfq_kernels.nvfp4_plan). Plans are
-        dropped when a weight tensor is replaced (set_weight, load, a move: see _apply) and rebuilt when the tuned
-        table changes; a new shape is validated (and raises for bad input) when its plan is made."""
+        """hfq::nvfp4_linear's values and gradients from this layer's kept plan (_plan)."""
+        plan, x, b, in_dtype = self._plan(x)
+        y = _K.plan_apply(plan, x, b)
+        return y if y.dtype == in_dtype else y.to(in_dtype)
+
+    def forward_lora(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+                     dropout=None) -> torch.Tensor | None:
+        """forward(x) + scale * (dropout(x) lora_a^T) lora_b^T as one autograd node (NVFP4LoraLinear's fast path).
+        None, with nothing computed, where this layer cannot take it: not a plain eager NVFP4 call, a compute-dtype
+        cast, or adapter weights of another dtype than x."""
+        if not (self.format == "nvfp4" and _K.plain_eager(x) and self.compute_dtype in (None, x.dtype)
+                and lora_a.dtype == x.dtype and lora_b.dtype == x.dtype):
+            return None
+        plan, x, b, _ = self._plan(x)
+        return _K.plan_lora_apply(plan, x, b, x if dropout is None else dropout(x), lora_a, lora_b, scale)
+
+    def _plan(self, x: torch.Tensor):
+        """(plan, x in the compute dtype, bias in x's dtype, x's dtype): the LinearPlan of hfq::nvfp4_linear kept
+        per (x shape, dtype, device), so that a repeated call does no validation, config lookup or launch planning
+        (hfq_kernels.nvfp4_plan). Plans are dropped when a weight tensor is replaced (set_weight, load, a move: see
+        _apply) and rebuilt when the tuned table changes; a new shape is validated (and raises for bad input) when
+        its plan is made."""
         if "weight_packed" in self._buffers and self.g4_wanted(x.device):
             self.to_g4_layout_()  # e.g. a layer built on the GPU directly (no load, no move)
         in_dtype = x.dtype
@@ -243,8 +261,7 @@ class NVFP4Linear(nn.Module):
                 plans[key] = plan
         if b is not None and b.dtype != x.dtype:
             b = b.to(x.dtype)
-        y = _K.plan_apply(plan, x, b)
-        return y if y.dtype == in_dtype else y.to(in_dtype)
+        return plan, x, b, in_dtype
 
     def decode_operands(self, x2: torch.Tensor) -> G4Operands | None:
         """This layer's weight as the fused decode kernels read it (hfq_kernels.lora_nvfp4: grouped q/k/v and

@@ -15,6 +15,8 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch import nn
+from torch.nn.modules import module as _tm
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
@@ -41,6 +43,32 @@ class NVFP4LoraLinear(LoraLinear):
             raise ValueError("fan_in_fan_out=True: NVFP4Linear stores its weight as [out, in]; set it to False")
         super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
         self._nvfp4_base = None  # the quantized base while merged
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """PEFT's forward, or, for the plain case, the same sum as one autograd node (`_fused`)."""
+        if not args and not kwargs:
+            y = self._fused(x)
+            if y is not None:
+                return y
+        return super().forward(x, *args, **kwargs)
+
+    def _fused(self, x: torch.Tensor) -> torch.Tensor | None:
+        """base(x) + B(A(dropout(x))) * scaling through NVFP4Linear.forward_lora, or None where PEFT's own forward
+        must run: adapters disabled or merged, not exactly one plain LoRA adapter active, hooks on the base or
+        adapter modules (or global ones), autocast, a bias on B, or a call the base cannot take (see forward_lora)."""
+        base = self.base_layer
+        if self.disable_adapters or self.merged or not isinstance(base, NVFP4Linear) or _global_hooks():
+            return None
+        active = self.active_adapters
+        if len(active) != 1 or active[0] not in self.lora_A or active[0] in self.lora_variant:
+            return None
+        name = active[0]
+        a, b, drop = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
+        if (type(a) is not nn.Linear or type(b) is not nn.Linear or b.bias is not None or a.bias is not None
+                or any(_hooked(m) for m in (base, a, b, drop)) or torch.is_autocast_enabled(x.device.type)):
+            return None
+        return base.forward_lora(x, a.weight, b.weight, self.scaling[name],
+                                 None if isinstance(drop, nn.Identity) else drop)
 
     @property
     def lora_variants(self):
@@ -87,6 +115,15 @@ class NVFP4LoraLinear(LoraLinear):
             return
         self.merged_adapters.clear()
         self.base_layer, self._nvfp4_base = self._nvfp4_base, None  # exact: the codes were never touched
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    return bool(_tm._global_forward_hooks or _tm._global_forward_pre_hooks or _tm._global_backward_hooks
+                or _tm._global_backward_pre_hooks)
 
 
 def _lora_for_nvfp4(create_new_module):

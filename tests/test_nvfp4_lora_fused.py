@@ -1,0 +1,139 @@
+"""NVFP4LoraLinear's one-node forward (NVFP4Linear.forward_lora): the same outputs and gradients as PEFT's own
+LoRA forward, taken only for the plain case, and PEFT's forward wherever something else is asked for."""
+import pytest
+import torch
+from torch import nn
+
+import hfq  # noqa: F401 (teaches PEFT to wrap NVFP4Linear)
+from hfq_kernels._settings import SETTINGS
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FUSED = "_PlanLoraFnBackward"
+
+
+class _Two(nn.Module):
+    def __init__(self, k=96, n=48):
+        super().__init__()
+        self.up = nn.Linear(k, n, bias=True)
+        self.down = nn.Linear(n, k, bias=False)
+
+    def forward(self, x):
+        return self.down(self.up(x))
+
+
+def _model(dropout=0.0, r=8, seed=0):
+    import peft
+    from hfq.nvfp4 import NVFP4Linear
+
+    torch.manual_seed(seed)
+    m = _Two()
+    for name in ("up", "down"):
+        setattr(m, name, NVFP4Linear.from_linear(getattr(m, name)))
+    m = m.to(DEV, torch.bfloat16)
+    pm = peft.get_peft_model(m, peft.LoraConfig(r=r, lora_alpha=16, lora_dropout=dropout,
+                                                target_modules=["up", "down"]))
+    for n, p in pm.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.to(torch.bfloat16)
+            if "lora_B" in n:  # PEFT starts B at zero: make the adapter's gradients and output non-trivial
+                nn.init.normal_(p, std=0.1)
+    return pm
+
+
+def _layers(pm):
+    from hfq.nvfp4.peft_lora import NVFP4LoraLinear
+
+    return [m for m in pm.modules() if isinstance(m, NVFP4LoraLinear)]
+
+
+def _run(pm, x, seed=1):
+    torch.manual_seed(seed)
+    x = x.detach().clone().requires_grad_(True)
+    y = pm(x)
+    y.float().square().sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in pm.named_parameters() if p.grad is not None}
+    pm.zero_grad(set_to_none=True)
+    return y.detach(), x.grad, grads
+
+
+def _peft_path(pm):
+    """Forces PEFT's own forward on every LoRA layer (a forward pre-hook on lora_A is a reason to leave it)."""
+    return [lay.lora_A["default"].register_forward_pre_hook(lambda mod, args: None) for lay in _layers(pm)]
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("shape", [(5, 96), (2, 7, 96), (80, 96)])
+def test_fused_matches_peft_forward_and_grads(planned, dropout, shape):
+    pm = _model(dropout)
+    x = torch.randn(*shape, dtype=torch.bfloat16, device=DEV)
+    y_f, gx_f, g_f = _run(pm, x)
+    hooks = _peft_path(pm)
+    y_p, gx_p, g_p = _run(pm, x)
+    for h in hooks:
+        h.remove()
+    assert set(g_f) == set(g_p) and len(g_f) == 4  # lora_A and lora_B of both layers
+    for got, ref in [(y_f, y_p), (gx_f, gx_p)] + [(g_f[n], g_p[n]) for n in g_p]:
+        err = float((got.float() - ref.float()).norm() / ref.float().norm())
+        assert err < 2e-2, err  # bf16: PEFT rounds the adapter's product and its scaling separately
+
+
+def test_fused_path_is_taken_and_matches_without_grad(planned):
+    pm = _model()
+    x = torch.randn(6, 96, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    y = pm(x)
+    assert y.grad_fn.name() == FUSED and y.grad_fn.next_functions[0][0].name() == FUSED
+    with torch.no_grad():
+        y0 = pm(x)
+    torch.testing.assert_close(y0, y.detach(), rtol=0, atol=0)
+
+
+def _peft_taken(pm, x) -> bool:
+    y = pm(x)
+    return y.grad_fn.name() != FUSED
+
+
+def test_peft_forward_runs_where_the_fused_node_does_not_apply(planned):
+    pm = _model()
+    x = torch.randn(4, 96, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    assert not _peft_taken(pm, x)
+    lay = _layers(pm)[1]
+    h = lay.lora_B["default"].register_forward_hook(lambda *a: None)
+    assert _peft_taken(pm, x)
+    h.remove()
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        assert _peft_taken(pm, x)
+    with pm.disable_adapter():
+        y = pm(x)
+        assert y.grad_fn.name() != FUSED
+    pm.add_adapter("second", __import__("peft").LoraConfig(r=4, target_modules=["up", "down"]))
+    pm.base_model.set_adapter(["default", "second"])
+    assert _peft_taken(pm, x)
+    pm.base_model.set_adapter("default")
+    assert not _peft_taken(pm, x)
+    lay.lora_A["default"].float()
+    lay.lora_B["default"].float()
+    assert _peft_taken(pm, x)  # adapter weights in fp32: PEFT casts the input, as it always did
+    lay.lora_A["default"].bfloat16()
+    lay.lora_B["default"].bfloat16()
+    lay.merge()
+    assert _peft_taken(pm, x)
+
+
+def test_fused_under_activation_checkpointing(planned):
+    from torch.utils.checkpoint import checkpoint
+
+    pm = _model()
+    x = torch.randn(80, 96, dtype=torch.bfloat16, device=DEV)
+    y_ref, gx_ref, g_ref = _run(pm, x)
+    xx = x.clone().requires_grad_(True)
+    y = checkpoint(pm, xx, use_reentrant=False)
+    y.float().square().sum().backward()
+    assert torch.equal(y.detach(), y_ref) and torch.equal(xx.grad, gx_ref)
+    for n, p in pm.named_parameters():
+        if p.grad is not None:
+            assert torch.equal(p.grad, g_ref[n]), n
