@@ -34,15 +34,15 @@ from hfq_kernels.reference import fp4
 # ----------------------------------------------------------------------------------------------- eager autograd
 # The registered ops' autograd adds host time to every call (the custom-op autograd wrapper, two Python dispatches,
 # then the grad-input op again in backward), and the op makes its plan per call. In plain eager (plain_eager(x))
-# NVFP4Linear therefore runs the plan it keeps for x's shape through _PlanFn instead.
+# NVFP4Linear therefore runs the plan it keeps for x's shape through plan_apply instead.
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 
 class _KeptDense:
-    """Bytes of dequantized weights that _PlanFn forwards keep alive for their grad-input, held under
-    SETTINGS.grad_dense_gb. A kept weight is released when autograd frees it: after its backward, or right after
-    the forward under activation checkpointing (whose recompute keeps it again until that layer's backward)."""
+    """Bytes of dequantized weights that training forwards (plan_apply) keep alive for their grad-input, held
+    under SETTINGS.grad_dense_gb. A kept weight is released when autograd frees it: after its backward, or right
+    after the forward under activation checkpointing (whose recompute keeps it again until that layer's backward)."""
 
     def __init__(self):
         self.bytes = 0
@@ -62,109 +62,52 @@ class _KeptDense:
 KEPT_DENSE = _KeptDense()
 
 
-def _base_forward(ctx, x, bias, plan):
-    """The frozen base's output; a dense plan's weight is returned too where grad-input may keep it (KEPT_DENSE)."""
-    if plan.dequant is None:
-        return plan.forward(x, bias), None
-    w = plan.dequant(x.dtype)
-    y = F.linear(x, w, bias)
-    return y, (w if ctx.needs_input_grad[0] and KEPT_DENSE.take(w) else None)
-
-
-def _base_grad(ctx, grad, w):
-    return grad @ w if w is not None and w.dtype == grad.dtype else ctx.plan.grad(grad)
-
-
-def _bias_grad(grad):
-    return grad.reshape(-1, grad.shape[-1]).sum(0)
-
-
 class _PlanFn(torch.autograd.Function):
-    """hfq::nvfp4_linear's autograd on a LinearPlan (NVFP4Linear's eager path): forward(x, bias, plan). The plan
-    holds the (frozen) weight. A dense plan's forward keeps the weight it dequantized for grad-input where
-    KEPT_DENSE allows (saved for backward, so activation checkpointing drops and recomputes it); otherwise the
-    backward runs the plan's grad."""
+    """hfq::nvfp4_linear's autograd on a LinearPlan where no dense weight is kept for grad-input:
+    forward(x, bias, plan, w) with w the weight the forward dequantized (None: the plan's own kernel), and a
+    backward that runs the plan's grad (dequantize + matmul). The plan holds the (frozen) weight."""
 
     @staticmethod
-    def forward(ctx, x, bias, plan):
+    def forward(ctx, x, bias, plan, w):
         ctx.plan = plan
         ctx.has_bias = bias is not None
-        y, w = _base_forward(ctx, x, bias, plan)
-        ctx.kept = w is not None
-        if ctx.kept:
-            ctx.save_for_backward(w)
-        return y
+        return plan.forward(x, bias) if w is None else F.linear(x, w, bias)
 
     @staticmethod
     def backward(ctx, grad):
         gx = gb = None
         if ctx.needs_input_grad[0]:
-            gx = _base_grad(ctx, grad, ctx.saved_tensors[0] if ctx.kept else None)
+            gx = ctx.plan.grad(grad)
         if ctx.has_bias and ctx.needs_input_grad[1]:
-            gb = _bias_grad(grad)
-        return gx, gb, None
+            gb = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return gx, gb, None, None
 
 
 def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
-    """plan.forward(x, bias), through _PlanFn when a gradient is wanted (x or bias requires one)."""
-    if torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad)):
-        return _PlanFn.apply(x, bias, plan)
-    return plan.forward(x, bias)
-
-
-def _lora_forward(y, xl, a, b, scale):
-    """y += scale * (xl a^T) b^T in place on y (one rounding); returns t = xl a^T, which B's gradient needs."""
-    t = F.linear(xl, a)
-    y.view(-1, y.shape[-1]).addmm_(t.view(-1, t.shape[-1]), b.t(), alpha=scale)
-    return t
-
-
-class _PlanLoraFn(torch.autograd.Function):
-    """y = base(x) + scale * (xl A^T) B^T as one autograd node: the frozen NVFP4 base on its plan (as _PlanFn) and
-    one LoRA adapter, where xl is x or its dropout. One node instead of PEFT's five (two linears, dropout, scale,
-    sum) halves the host time a LoRA layer costs per call; the gradients are the same products."""
-
-    @staticmethod
-    def forward(ctx, x, xl, a, b, bias, plan, scale):
-        ctx.plan, ctx.scale = plan, scale
-        ctx.has_bias, ctx.same = bias is not None, xl is x
-        y, w = _base_forward(ctx, x, bias, plan)
-        t = _lora_forward(y, xl, a, b, scale)
-        ctx.kept = w is not None
-        ctx.save_for_backward(xl, t, a, b, *((w,) if ctx.kept else ()))
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        xl, t, a, b, *w = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gt = (g2 @ b).mul_(ctx.scale) if (need[0] and ctx.same) or need[1] or need[2] else None
-        gx = gxl = ga = gb = gbias = None
-        if need[2]:
-            ga = gt.t() @ xl.reshape(-1, xl.shape[-1])
-        if need[3]:
-            gb = (g2.t() @ t.reshape(-1, t.shape[-1])).mul_(ctx.scale)
-        if need[0]:
-            gx = _base_grad(ctx, grad, w[0] if w else None)
-            if ctx.same:
-                gx.view(-1, gx.shape[-1]).addmm_(gt, a)
-        if need[1] and not ctx.same:
-            gxl = (gt @ a).view(xl.shape)
-        if ctx.has_bias and need[4]:
-            gbias = _bias_grad(grad)
-        return gx, gxl, ga, gb, gbias, None, None
+    """plan.forward(x, bias) with its gradient where one is wanted (x or bias requires one). A dense plan's
+    forward keeps the weight it dequantized for grad-input where KEPT_DENSE allows: then the product is F.linear's
+    own, whose autograd saves that weight (so activation checkpointing drops and recomputes it); otherwise _PlanFn
+    recomputes the weight in backward."""
+    if not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
+        return plan.forward(x, bias)
+    if plan.dequant is None:
+        return _PlanFn.apply(x, bias, plan, None)
+    w = plan.dequant(x.dtype)
+    if x.requires_grad and KEPT_DENSE.take(w):
+        return F.linear(x, w, bias)
+    return _PlanFn.apply(x, bias, plan, w)
 
 
 def plan_lora_apply(plan: LinearPlan, x: torch.Tensor, bias, xl: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """plan.forward(x, bias) + scale * (xl a^T) b^T (one LoRA adapter on the frozen base; xl is x or its dropout),
-    through _PlanLoraFn when a gradient is wanted."""
-    if torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in (x, xl, a, b, bias)):
-        return _PlanLoraFn.apply(x, xl, a, b, bias, plan, scale)
-    y = plan.forward(x, bias)
-    _lora_forward(y, xl, a, b, scale)
-    return y
+    """plan_apply(plan, x, bias) + scale * (xl a^T) b^T: one LoRA adapter on the frozen base (xl is x or its
+    dropout), as three products with one rounding of the sum (the adapter's update is added by addmm)."""
+    y = plan_apply(plan, x, bias)
+    t = F.linear(xl, a)
+    y2, t2 = y.view(-1, y.shape[-1]), t.view(-1, t.shape[-1])
+    if torch.is_grad_enabled() and (y.requires_grad or t.requires_grad or b.requires_grad):
+        return torch.addmm(y2, t2, b.t(), alpha=scale).view(y.shape)
+    return y2.addmm_(t2, b.t(), alpha=scale).view(y.shape)
 
 
 def plain_eager(x: torch.Tensor) -> bool:
