@@ -11,7 +11,7 @@
 #   nvfp4         W4A16 matmul vs BF16 / NF4, then NVFP4Linear's per-call overhead at M <= 16 and >= 256
 #   rollout       rollout throughput table: hfq engine vs generate / continuous batching, 7B-shaped
 #   rollout_b8    NVFP4 and NVFP4+LoRA at batch 8, 512 new tokens (rollout_nvfp4_b8.*)
-#   qerl          QeRL GRPO step vs BF16 LoRA vs QLoRA, gradient checkpointing (qerl_step_gc.*), then 32B
+#   qerl          QeRL GRPO step vs BF16 LoRA vs QLoRA, gradient checkpointing (qerl_step_gc.*), batch 2, then 32B
 #   qerl_2048     the QeRL paper's completion length, 2048 tokens (qerl_step_new2048_gc.*)
 #   qerl_compile  the step with regional torch.compile of the decoder layers (qerl_step_compile.*)
 #   kernels       ECO optimizer step, QuEST step + kernels, QFT INT8 kernels
@@ -47,6 +47,8 @@ for part in "$@"; do
                   --budget-s 360 --name rollout_nvfp4_b8 --out "$OUT" > "$OUT/rollout_b8.txt" 2>&1 ;;
     qerl) timeout 220 python benchmarks/qerl_step.py --methods qerl,bf16_lora,qlora --grad-ckpt --out "$OUT" \
             > "$OUT/qerl.txt" 2>&1
+          timeout 150 python benchmarks/qerl_step.py --methods qerl,bf16_lora --batch 2 --grad-ckpt --out "$OUT" \
+            >> "$OUT/qerl.txt" 2>&1
           timeout 360 python benchmarks/qerl_step.py --methods qerl_32b --grad-ckpt --out "$OUT" > "$OUT/qerl32.txt" 2>&1 ;;
     qerl_2048) timeout 480 python benchmarks/qerl_step.py --methods qerl,bf16_lora --new 2048 --grad-ckpt --out "$OUT" \
                  > "$OUT/qerl_2048.txt" 2>&1 ;;

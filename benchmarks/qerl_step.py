@@ -354,9 +354,11 @@ def main():
     a = ap.parse_args()
     if a.selftest:
         return selftest()
-    name = ("qerl_step" + (f"_new{a.new}" if a.new != 512 else "") + ("_gc" if a.grad_ckpt else "")
+    name = ("qerl_step" + (f"_b{a.batch}" if a.batch != 8 else "") + (f"_new{a.new}" if a.new != 512 else "")
+            + ("_gc" if a.grad_ckpt else "")
             + ("_compile" if a.compile else "") + ("_32b" if a.methods == "qerl_32b" else ""))
-    notes = ["update: 8 micro-batches of 1 sequence (TRL per_device_train_batch_size=1, gradient_accumulation_steps=8);"
+    notes = [f"update: {a.batch} micro-batches of 1 sequence (TRL per_device_train_batch_size=1, "
+             f"gradient_accumulation_steps={a.batch});"
              " the log-prob pass runs in the same micro-batches, as TRL's GRPOTrainer does",
              "log-probs: " + ("TRL's fused LM head (trl.trainer.utils.add_fused_lm_head), as GRPOTrainer scores them"
                               if add_fused_lm_head is not None else

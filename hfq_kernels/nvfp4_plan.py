@@ -3,7 +3,7 @@
 A LinearPlan holds what y = x @ dequant(W)^T + bias needs for one weight and one input (shape, dtype, device),
 decided once: validation, the config (gluon default / tuned table / autotuning), split-K, grids and kernel
 meta-parameters. Its `forward` does only the per-call work (views, output allocation, launches) and its `grad`
-is grad-input (dequantize + cuBLAS). NVFP4Linear keeps a plan per input shape for its eager calls; the
+is grad-input (dequantize + cuBLAS; a g4 weight's few-row grads: nvfp4_grad's kernel). NVFP4Linear keeps a plan per input shape for its eager calls; the
 torch.library ops (torch.compile, CUDA graphs, direct callers) make one per call. Canonical compressed-tensors
 weights: plan_linear; weights in the g4 layout (hfq_kernels.nvfp4_gluon): plan_linear_g4.
 """
@@ -18,6 +18,7 @@ from hfq_kernels._autotune import _capturing as _autotune_capturing
 from hfq_kernels._triton import INTERPRET, cdiv, pdl_bound, sm_count
 from hfq_kernels.nvfp4_configs import (KINDS, LINEAR_TUNER, MM_DTYPES, candidates, default_config, gluon_config,
                                        splits, words_default)
+from hfq_kernels.nvfp4_grad import fused_ok, grad_input_g4_fused
 from hfq_kernels.nvfp4_matmul import _gemv_kernel, _mm_kernel, _splitk_reduce_kernel, _words_kernel
 from hfq_kernels.nvfp4_quant import _dequantize_kernel, check_packed, recip
 
@@ -75,9 +76,16 @@ def grad_input(g, packed, scale, global_scale):
     return g @ dequantizer(packed, scale, global_scale)(g.dtype)
 
 
-def grad_input_g4(g, wr, sr, global_scale, n: int, k: int):
-    """grad_x = g @ dequant(W) for a weight in the g4 layout (a plan's `grad`): dequantize (Triton), then cuBLAS."""
+def grad_input_g4(g, wr, sr, global_scale, n: int, k: int, dequant=None):
+    """grad_x = g @ dequant(W) for a weight in the g4 layout (a plan's `grad`): for up to nvfp4_grad.MAX_ROWS bf16
+    rows one kernel that decodes the codes in registers, else dequantize (Triton; a plan passes its own
+    `dequant(dtype)`), then cuBLAS."""
     _check_grad_width(g, n, "nvfp4_g4_linear_grad_input")
+    g2 = g.reshape(-1, n)
+    if fused_ok(g2):
+        return grad_input_g4_fused(g2, wr, sr, global_scale, n, k).view(*g.shape[:-1], k)
+    if dequant is not None:
+        return g @ dequant(g.dtype)
     return g @ gluon.dequantize_g4(wr, sr, global_scale, n, k, g.dtype)
 
 
@@ -310,7 +318,7 @@ def plan_linear(x, packed, scale, global_scale, bias=None, config: dict | None =
 
 def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     """plan_linear() for a weight in the g4 layout: the Gluon kernel where gluon.supported(x), else dequantize_g4 +
-    cuBLAS (config kind "dequant"); grad always dequantize_g4 + cuBLAS. Raises for bad inputs."""
+    cuBLAS (config kind "dequant"); grad is grad_input_g4. Raises for bad inputs."""
     check_g4_call(x, wr, sr, global_scale, bias, n, k)
     run_dequant = gluon.dequantizer(wr, sr, n, k)
 
@@ -318,7 +326,7 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
         return run_dequant(recip(global_scale), dtype)
 
     def grad(g):
-        return g @ dequant(g.dtype)
+        return grad_input_g4(g, wr, sr, global_scale, n, k, dequant)
 
     def dense(x, b):
         return F.linear(x, dequant(x.dtype), b)

@@ -72,3 +72,44 @@ def test_budget_caps_the_kept_weights(monkeypatch):
         grads.append(x.grad)
         x.grad = None
     assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+
+
+@pytest.mark.parametrize("n,k", [(48, 272), (40, 96), (100, 48), (33, 160)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_fused_grad_input_matches_dequantize_then_matmul(n, k, m):
+    """The few-row grad-input kernel (codes decoded in registers) against dequantize_g4 + matmul, odd shapes
+    included (rows not a multiple of 16, K not a multiple of 64), with and without a split over the rows."""
+    from hfq_kernels import nvfp4_grad
+    from hfq_kernels.nvfp4_gluon import dequantize_g4_ref
+
+    lay = _layer(n, k, seed=n + k)
+    wr, sr, gs = lay.weight_g4, lay.weight_g4_scale, lay.weight_global_scale
+    g = torch.randn(m, n, dtype=torch.bfloat16, device=DEV, generator=None)
+    ref = g.float() @ dequantize_g4_ref(wr.cpu(), sr.cpu(), gs.cpu(), n, k, torch.bfloat16).float().to(DEV)
+    assert nvfp4_grad.fused_ok(g) or not (g.is_cuda or nvfp4_grad.INTERPRET)
+    got = nvfp4_grad.grad_input_g4_fused(g, wr, sr, gs, n, k)
+    assert got.shape == (m, k) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+    assert nvfp4_grad.split_rows(n, k, 132)[0] >= 1
+
+
+def test_few_row_grads_take_the_fused_kernel(monkeypatch):
+    """grad_input_g4 (every g4 plan's grad, and the registered grad-input op's CUDA kernel) sends <= MAX_ROWS bf16
+    rows to the kernel and more rows to dequantize + matmul; both agree with the reference."""
+    from hfq_kernels import nvfp4_grad, nvfp4_plan
+
+    if not nvfp4_grad.fused_ok(torch.zeros(1, 8, dtype=torch.bfloat16, device=DEV)):
+        pytest.skip("the kernel runs on CUDA or under the Triton interpreter")
+    calls = []
+    real = nvfp4_plan.grad_input_g4_fused
+    monkeypatch.setattr(nvfp4_plan, "grad_input_g4_fused", lambda *a: calls.append(a[0].shape) or real(*a))
+    lay = _layer(48, 96, seed=3)
+    wr, sr, gs = lay.weight_g4, lay.weight_g4_scale, lay.weight_global_scale
+    for shape in [(2, 5, 48), (20, 48)]:
+        g = torch.randn(*shape, dtype=torch.bfloat16, device=DEV)
+        got = nvfp4_plan.plan_linear_g4(torch.zeros(*shape[:-1], 96, dtype=g.dtype, device=DEV), wr, sr, gs, None,
+                                        48, 96).grad(g)
+        ref = g.float() @ lay.dequantize(torch.float32)
+        assert got.shape == (*shape[:-1], 96)
+        assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
+    assert calls == [(10, 48)]
