@@ -8,7 +8,7 @@
 #   multi_gpu     2-GPU tests: DDP with INT8 gradients over NCCL, Trainer under accelerate launch, and
 #                 tests/test_scaleout.py (DDP on the GPUs, FSDP2 under torchrun)                         (2 GPUs)
 #   scaleout      the scaling table: qerl/eco/qft/quest, DDP and FSDP2, world 1 and 2, 32B FSDP2 row (2 GPUs)
-#   nvfp4         W4A16 matmul vs BF16 / NF4, then NVFP4Linear's per-call overhead at M <= 16 and >= 256
+#   nvfp4         W4A16 matmul vs BF16 / NF4, NVFP4Linear's per-call overhead at M <= 16 and >= 256, grad-input
 #   rollout       rollout throughput table: hfq engine vs generate / continuous batching, 7B-shaped
 #   rollout_b8    NVFP4 and NVFP4+LoRA at batch 8, 512 new tokens (rollout_nvfp4_b8.*)
 #   qerl          QeRL GRPO step vs BF16 LoRA vs QLoRA, gradient checkpointing (qerl_step_gc.*), batch 2, then 32B
@@ -41,7 +41,8 @@ for part in "$@"; do
     scaleout) timeout 580 python benchmarks/scaleout.py --out "$OUT" > "$OUT/scaleout.txt" 2>&1 ;;
     nvfp4) timeout 400 python benchmarks/nvfp4_matmul.py --out "$OUT" > "$OUT/nvfp4_matmul.txt" 2>&1
            timeout 150 python benchmarks/nvfp4_overhead.py --ms 1,8,16,256,768,2048 --out "$OUT" \
-             > "$OUT/nvfp4_overhead.txt" 2>&1 ;;
+             > "$OUT/nvfp4_overhead.txt" 2>&1
+           timeout 120 python benchmarks/nvfp4_grad_input.py --out "$OUT" > "$OUT/nvfp4_grad_input.txt" 2>&1 ;;
     rollout) timeout 580 python benchmarks/rollout.py --out "$OUT" > "$OUT/rollout.txt" 2>&1 ;;
     rollout_b8) timeout 400 python benchmarks/rollout.py --what nvfp4,nvfp4+lora --batches 8 --new-tokens 512 \
                   --budget-s 360 --name rollout_nvfp4_b8 --out "$OUT" > "$OUT/rollout_b8.txt" 2>&1 ;;

@@ -300,5 +300,5 @@ nvfp4_g4_linear.register_autograd(_g4_backward, setup_context=_g4_setup)
 
 __all__ = ["nvfp4_quantize", "nvfp4_dequantize", "nvfp4_linear", "nvfp4_linear_grad_input", "quantize",
            "dequantize", "grad_input", "plain_eager", "check_packed", "m_bucket", "Tuner", "LINEAR_TUNER", "KINDS",
-           "LinearPlan", "plan_linear", "plan_apply", "plan_lora_apply", "KEPT_DENSE", "nvfp4_g4_dequantize", "nvfp4_g4_linear",
-           "nvfp4_g4_linear_grad_input", "plan_linear_g4"]
+           "LinearPlan", "plan_linear", "plan_apply", "plan_lora_apply", "KEPT_DENSE", "nvfp4_g4_dequantize",
+           "nvfp4_g4_linear", "nvfp4_g4_linear_grad_input", "plan_linear_g4"]

@@ -1,11 +1,12 @@
 """NVFP4 grad-input for few rows: dx = g @ dequant(W) read straight from the g4 layout (hfq_kernels.nvfp4_gluon).
 
-For M <= MAX_ROWS rows of g (decode-sized micro-batches) dequantize + cuBLAS writes and re-reads the whole dense
-weight (2 bytes per element, twice) to use it for a few rows; this kernel reads the 4-bit codes and their scale
-bytes once, decodes a [32, BC] tile in registers (nvfp4_gluon.g4_decode_words: the values dequantize_g4 writes,
-rounded to bf16 the same way) and multiplies it into [M, BC] fp32 sums. Program (c, s): output columns BC*c ..
-BC*c + BC - 1 over the weight rows of split s; splits > 1 write fp32 partials that nvfp4_matmul's split-K reduce
-sums. The result is `g @ dequantize_g4(...)` up to fp32 summation order.
+For M <= MAX_ROWS rows of g (decode-sized micro-batches) and weights of at least MIN_WEIGHT elements,
+dequantize + cuBLAS writes and re-reads the whole dense weight (2 bytes per element, twice) to use it for a few
+rows; this kernel reads the 4-bit codes and their scale bytes once, decodes a [32, BC] tile in registers
+(nvfp4_gluon.g4_decode_words: the values dequantize_g4 writes, rounded to bf16 the same way) and multiplies it
+into [M, BC] fp32 sums. Program (c, s): output columns BC*c .. BC*c + BC - 1 over the weight rows of split s;
+splits > 1 write fp32 partials that nvfp4_matmul's split-K reduce sums. The result is `g @ dequantize_g4(...)`
+up to fp32 summation order.
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from hfq_kernels.nvfp4_matmul import _splitk_reduce_kernel
 from hfq_kernels.nvfp4_quant import recip
 
 MAX_ROWS = 16  # rows of g the kernel takes; more go through dequantize + cuBLAS
+# weights (out x in elements) the kernel takes: below this its second launch (the split reduce) costs more host
+# time than its decode saves GPU time (7B shapes on the H100: 3584 x 3584 stays with dequantize + cuBLAS)
+MIN_WEIGHT = 1 << 24
 _BM, _BC, _RT = 16, 64, 2  # padded rows, output columns and 16-row weight tiles per step
 
 
@@ -61,9 +65,10 @@ def _g4_grad_kernel(g_ptr, wr_ptr, sr_ptr, recip_ptr, out_ptr, M, N, K, KC, NT, 
         tl.store(out_ptr + m[:, None].to(tl.int64) * K + col[None, :], f32_to_bf16_rne(acc), mask=omask)
 
 
-def fused_ok(g2: torch.Tensor) -> bool:
-    """Whether grad_input_g4_fused takes g2 [M, N]: bf16, 1 <= M <= MAX_ROWS, on CUDA (CPU under the interpreter)."""
-    return (g2.dtype == torch.bfloat16 and 0 < g2.shape[0] <= MAX_ROWS
+def fused_ok(g2: torch.Tensor, k: int) -> bool:
+    """Whether grad_input_g4_fused serves g2 [M, N] for an [N, k] weight: bf16, 1 <= M <= MAX_ROWS, N k >=
+    MIN_WEIGHT, on CUDA (CPU under the interpreter)."""
+    return (g2.dtype == torch.bfloat16 and 0 < g2.shape[0] <= MAX_ROWS and g2.shape[1] * k >= MIN_WEIGHT
             and (g2.is_cuda or (INTERPRET and g2.is_cpu)))
 
 
@@ -92,7 +97,7 @@ def _launches(m: int, n: int, k: int, dev: torch.device):
 
 
 def grad_input_g4_fused(g2: torch.Tensor, wr, sr, global_scale, n: int, k: int) -> torch.Tensor:
-    """dx [M, k] = g2 [M, n] @ dequant(W) for a g4 weight (fused_ok(g2)); no shape checks (callers validate)."""
+    """dx [M, k] = g2 [M, n] @ dequant(W) for a g4 weight (see fused_ok); no shape checks (callers validate)."""
     m = g2.shape[0]
     if g2.stride(-1) != 1:
         g2 = g2.contiguous()

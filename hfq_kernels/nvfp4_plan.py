@@ -3,9 +3,10 @@
 A LinearPlan holds what y = x @ dequant(W)^T + bias needs for one weight and one input (shape, dtype, device),
 decided once: validation, the config (gluon default / tuned table / autotuning), split-K, grids and kernel
 meta-parameters. Its `forward` does only the per-call work (views, output allocation, launches) and its `grad`
-is grad-input (dequantize + cuBLAS; a g4 weight's few-row grads: nvfp4_grad's kernel). NVFP4Linear keeps a plan per input shape for its eager calls; the
-torch.library ops (torch.compile, CUDA graphs, direct callers) make one per call. Canonical compressed-tensors
-weights: plan_linear; weights in the g4 layout (hfq_kernels.nvfp4_gluon): plan_linear_g4.
+is grad-input (dequantize + cuBLAS; a g4 weight's few-row grads: nvfp4_grad's kernel). NVFP4Linear keeps a plan
+per input shape for its eager calls; the torch.library ops (torch.compile, CUDA graphs, direct callers) make one
+per call. Canonical compressed-tensors weights: plan_linear; weights in the g4 layout (hfq_kernels.nvfp4_gluon):
+plan_linear_g4.
 """
 from __future__ import annotations
 
@@ -77,12 +78,12 @@ def grad_input(g, packed, scale, global_scale):
 
 
 def grad_input_g4(g, wr, sr, global_scale, n: int, k: int, dequant=None):
-    """grad_x = g @ dequant(W) for a weight in the g4 layout (a plan's `grad`): for up to nvfp4_grad.MAX_ROWS bf16
-    rows one kernel that decodes the codes in registers, else dequantize (Triton; a plan passes its own
-    `dequant(dtype)`), then cuBLAS."""
+    """grad_x = g @ dequant(W) for a weight in the g4 layout (a plan's `grad`): for a few bf16 rows of a large
+    weight (nvfp4_grad.fused_ok) one kernel that decodes the codes in registers, else dequantize (Triton; a plan
+    passes its own `dequant(dtype)`), then cuBLAS."""
     _check_grad_width(g, n, "nvfp4_g4_linear_grad_input")
     g2 = g.reshape(-1, n)
-    if fused_ok(g2):
+    if fused_ok(g2, k):
         return grad_input_g4_fused(g2, wr, sr, global_scale, n, k).view(*g.shape[:-1], k)
     if dequant is not None:
         return g @ dequant(g.dtype)
@@ -144,10 +145,10 @@ def _atomic_launch(x2, packed, scale, rcp, bias, cfg):
 class LinearPlan:
     """What one weight and one input (shape, dtype, device) need, decided once (see the module doc).
     `forward(x, bias)` and `grad(g)` do only the per-call work; a dense plan (dequantize + cuBLAS) also hands out
-    `dequant(dtype)`, so that a training forward can keep the weight it made for its grad-input. `final` is False for a config picked while nothing
-    may be tuned (graph capture): such a plan serves its call and is not kept. `gen` is LINEAR_TUNER.gen when it
-    was made (a plan is stale once the tuned table changes). Callers keep plans per weight and rebuild them when
-    the weight tensors are replaced."""
+    `dequant(dtype)`, so that a training forward can keep the weight it made for its grad-input. `final` is False
+    for a config picked while nothing may be tuned (graph capture): such a plan serves its call and is not kept.
+    `gen` is LINEAR_TUNER.gen when it was made (a plan is stale once the tuned table changes). Callers keep plans
+    per weight and rebuild them when the weight tensors are replaced."""
 
     __slots__ = ("forward", "grad", "final", "gen", "config", "dequant")
 

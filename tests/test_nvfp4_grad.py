@@ -86,7 +86,6 @@ def test_fused_grad_input_matches_dequantize_then_matmul(n, k, m):
     wr, sr, gs = lay.weight_g4, lay.weight_g4_scale, lay.weight_global_scale
     g = torch.randn(m, n, dtype=torch.bfloat16, device=DEV, generator=None)
     ref = g.float() @ dequantize_g4_ref(wr.cpu(), sr.cpu(), gs.cpu(), n, k, torch.bfloat16).float().to(DEV)
-    assert nvfp4_grad.fused_ok(g) or not (g.is_cuda or nvfp4_grad.INTERPRET)
     got = nvfp4_grad.grad_input_g4_fused(g, wr, sr, gs, n, k)
     assert got.shape == (m, k) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
@@ -95,11 +94,15 @@ def test_fused_grad_input_matches_dequantize_then_matmul(n, k, m):
 
 def test_few_row_grads_take_the_fused_kernel(monkeypatch):
     """grad_input_g4 (every g4 plan's grad, and the registered grad-input op's CUDA kernel) sends <= MAX_ROWS bf16
-    rows to the kernel and more rows to dequantize + matmul; both agree with the reference."""
+    rows of a weight of >= MIN_WEIGHT elements to the kernel and the rest to dequantize + matmul; both agree with
+    the reference."""
     from hfq_kernels import nvfp4_grad, nvfp4_plan
 
-    if not nvfp4_grad.fused_ok(torch.zeros(1, 8, dtype=torch.bfloat16, device=DEV)):
+    big = torch.zeros(1, 4096, dtype=torch.bfloat16, device=DEV)
+    if not nvfp4_grad.fused_ok(big, 4096):
         pytest.skip("the kernel runs on CUDA or under the Triton interpreter")
+    assert not nvfp4_grad.fused_ok(big, 4095) and not nvfp4_grad.fused_ok(big.float(), 4096)
+    monkeypatch.setattr(nvfp4_grad, "MIN_WEIGHT", 48 * 96)  # the small test weight counts as large
     calls = []
     real = nvfp4_plan.grad_input_g4_fused
     monkeypatch.setattr(nvfp4_plan, "grad_input_g4_fused", lambda *a: calls.append(a[0].shape) or real(*a))
