@@ -120,7 +120,7 @@ def test_peft_forward_runs_where_the_fused_node_does_not_apply(planned):
     h = lay.lora_B["default"].register_forward_hook(lambda *a: None)
     assert _peft_taken(pm, x)
     h.remove()
-    with torch.autocast(DEV, dtype=torch.bfloat16):
+    with torch.autocast(DEV, dtype=torch.float16):  # autocast to another dtype than x's: PEFT's forward
         assert _peft_taken(pm, x)
     with pm.disable_adapter():
         assert "AddmmBackward0" not in _nodes(pm(x))
@@ -137,6 +137,36 @@ def test_peft_forward_runs_where_the_fused_node_does_not_apply(planned):
     lay.merge()  # the layer's base is now dense: one product, no adapter path
     names = _nodes(lay(torch.randn(4, 48, dtype=torch.bfloat16, device=DEV, requires_grad=True)))
     assert "AddmmBackward0" not in names and "MulBackward0" not in names
+
+
+def test_fp32_adapters_under_autocast_match_peft(planned):
+    """PEFT's default adapters are fp32 on a bf16 model; Trainer / accelerate run bf16 training under autocast,
+    where the short route's products run in bf16 as PEFT's do. Outside autocast such adapters keep PEFT's forward
+    (it computes the adapter in fp32)."""
+    pm = _model()
+    for n, p in pm.named_parameters():
+        if "lora_" in n:
+            p.data = p.data.float()
+    x = torch.randn(2, 7, 96, dtype=torch.bfloat16, device=DEV)
+    assert _peft_taken(pm, x.requires_grad_(True))
+    results = []
+    for force_peft in (False, True):
+        hooks = _peft_path(pm) if force_peft else []
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            xx = x.detach().clone().requires_grad_(True)
+            y = pm(xx)
+            assert _fused(y) != force_peft
+        y.float().square().sum().backward()
+        grads = {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}
+        results.append((y.detach(), xx.grad, grads))
+        pm.zero_grad(set_to_none=True)
+        for h in hooks:
+            h.remove()
+    (y_f, gx_f, g_f), (y_p, gx_p, g_p) = results
+    assert set(g_f) == set(g_p) and all(g.dtype == torch.float32 for g in g_f.values())
+    for got, ref in [(y_f, y_p), (gx_f, gx_p)] + [(g_f[n], g_p[n]) for n in g_p]:
+        err = float((got.float() - ref.float()).norm() / ref.float().norm())
+        assert err < 2e-2, err
 
 
 def test_fused_under_activation_checkpointing(planned):

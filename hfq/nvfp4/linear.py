@@ -217,11 +217,14 @@ class NVFP4Linear(nn.Module):
 
     def forward_lora(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
                      dropout=None) -> torch.Tensor | None:
-        """forward(x) + scale * (dropout(x) lora_a^T) lora_b^T as one autograd node (NVFP4LoraLinear's fast path).
+        """forward(x) + scale * (dropout(x) lora_a^T) lora_b^T in three products (NVFP4LoraLinear's short route).
         None, with nothing computed, where this layer cannot take it: not a plain eager NVFP4 call, a compute-dtype
-        cast, or adapter weights of another dtype than x."""
-        if not (self.format == "nvfp4" and _K.plain_eager(x) and self.compute_dtype in (None, x.dtype)
-                and lora_a.dtype == x.dtype and lora_b.dtype == x.dtype):
+        cast, or adapter weights of another dtype than x outside an autocast region to x's dtype (inside one, the
+        products run in x's dtype, as PEFT's do there)."""
+        dev = x.device.type
+        same = (torch.get_autocast_dtype(dev) == x.dtype if torch.is_autocast_enabled(dev)
+                else lora_a.dtype == x.dtype and lora_b.dtype == x.dtype)
+        if not (same and self.format == "nvfp4" and _K.plain_eager(x) and self.compute_dtype in (None, x.dtype)):
             return None
         plan, x, b, _ = self._plan(x)
         return _K.plan_lora_apply(plan, x, b, x if dropout is None else dropout(x), lora_a, lora_b, scale)

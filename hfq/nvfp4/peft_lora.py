@@ -54,10 +54,12 @@ class NVFP4LoraLinear(LoraLinear):
 
     def _fused(self, x: torch.Tensor) -> torch.Tensor | None:
         """base(x) + B(A(dropout(x))) * scaling through NVFP4Linear.forward_lora, or None where PEFT's own forward
-        must run: adapters disabled or merged, not exactly one plain LoRA adapter active, hooks on the base or
-        adapter modules (or global ones), autocast, a bias on B, or a call the base cannot take (see forward_lora)."""
+        must run: torch.compile tracing, adapters disabled or merged, not exactly one plain LoRA adapter active, hooks
+        on the base or adapter modules (or global ones), a bias on A or B, or a call the base cannot take (see
+        forward_lora: e.g. fp32 adapters on bf16 inputs outside autocast, where PEFT computes the adapter in fp32)."""
         base = self.base_layer
-        if self.disable_adapters or self.merged or not isinstance(base, NVFP4Linear) or _global_hooks():
+        if (torch.compiler.is_compiling() or self.disable_adapters or self.merged or not isinstance(base, NVFP4Linear)
+                or _global_hooks()):
             return None
         active = self.active_adapters
         if len(active) != 1 or active[0] not in self.lora_A or active[0] in self.lora_variant:
@@ -65,7 +67,7 @@ class NVFP4LoraLinear(LoraLinear):
         name = active[0]
         a, b, drop = self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
         if (type(a) is not nn.Linear or type(b) is not nn.Linear or b.bias is not None or a.bias is not None
-                or any(_hooked(m) for m in (base, a, b, drop)) or torch.is_autocast_enabled(x.device.type)):
+                or any(_hooked(m) for m in (base, a, b, drop))):
             return None
         return base.forward_lora(x, a.weight, b.weight, self.scaling[name],
                                  None if isinstance(drop, nn.Identity) else drop)
