@@ -81,7 +81,7 @@ def split_rows(n: int, k: int, sms: int) -> tuple[int, int]:
     return cdiv(nt, tiles), tiles
 
 
-_BOUND = LRU(512)  # (m, n, k, device) -> (grad launch, reduce launch or None, split)
+_BOUND = LRU(512)  # (m, n, k, device) -> (grad launch, reduce launch or None, splits, tiles per split)
 
 
 def _launches(m: int, n: int, k: int, dev: torch.device):

@@ -45,7 +45,7 @@ class NVFP4LoraLinear(LoraLinear):
         self._nvfp4_base = None  # the quantized base while merged
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        """PEFT's forward, or, for the plain case, the same sum as one autograd node (`_fused`)."""
+        """PEFT's forward, or, for the plain case, the same sum in three products (`_fused`)."""
         if not args and not kwargs:
             y = self._fused(x)
             if y is not None:
