@@ -30,7 +30,8 @@ _BASE_PRESERVING_INITS = (True, False, "gaussian", "orthogonal", "eva")
 class NVFP4LoraLinear(LoraLinear):
     """PEFT's LoRA Linear beside a frozen NVFP4Linear: y = base(x) + B(A(dropout(x))) * scaling.
 
-    Forward, adapters, dropout and mixed-adapter batches are PEFT's own. merge() swaps the base for a dense
+    Adapters, dropout and mixed-adapter batches are PEFT's own; the plain case (one adapter, no hooks) runs the
+    same sum in three products instead of PEFT's forward (`_fused`). merge() swaps the base for a dense
     nn.Linear in the model's dtype holding dequant(W) + BA (the NVFP4 base is kept for an exact unmerge), so
     `merge_and_unload()` yields a dense model; `hfq.nvfp4.merge_and_requantize` gives an NVFP4 one.
     """
