@@ -87,7 +87,8 @@ def row(n: int, k: int, m: int, dev: str, rounds: int, quick: bool) -> dict:
 COLUMNS = {"N": "out", "K": "in", "M": "M", "gpu_kernel_us": "gpu kernel us", "gpu_kernel_range": "range",
            "gpu_dequant_us": "gpu dequant+mm us", "gpu_dequant_range": "range", "gpu_x": "gpu x",
            "eager_kernel_us": "eager kernel us", "eager_kernel_range": "range",
-           "eager_dequant_us": "eager dequant+mm us", "eager_dequant_range": "range", "eager_x": "eager x", "rel_err": "rel err"}
+           "eager_dequant_us": "eager dequant+mm us", "eager_dequant_range": "range", "eager_x": "eager x",
+           "rel_err": "rel err"}
 
 
 def main():

@@ -65,7 +65,8 @@ KEPT_DENSE = _KeptDense()
 class _PlanFn(torch.autograd.Function):
     """hfq::nvfp4_linear's autograd on a LinearPlan where no dense weight is kept for grad-input:
     forward(x, bias, plan, w) with w the weight the forward dequantized (None: the plan's own kernel), and a
-    backward that runs the plan's grad (dequantize + matmul). The plan holds the (frozen) weight."""
+    backward that runs the plan's grad (dequantize + matmul, or nvfp4_grad's kernel for few rows of a g4 weight).
+    The plan holds the (frozen) weight."""
 
     @staticmethod
     def forward(ctx, x, bias, plan, w):
