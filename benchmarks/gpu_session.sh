@@ -13,7 +13,8 @@
 #   rollout_b8    NVFP4 and NVFP4+LoRA at batch 8, 512 new tokens (rollout_nvfp4_b8.*)
 #   qerl          QeRL GRPO step vs BF16 LoRA vs QLoRA, gradient checkpointing (qerl_step_gc.*), batch 2, then 32B
 #   qerl_2048     the QeRL paper's completion length, 2048 tokens (qerl_step_new2048_gc.*)
-#   qerl_compile  the step with regional torch.compile of the decoder layers (qerl_step_compile.*)
+#   qerl_compile  the step with regional torch.compile of the decoder layers, without and with gradient
+#                 checkpointing (qerl_step_compile.*, qerl_step_gc_compile.*)
 #   kernels       ECO optimizer step, QuEST step + kernels, QFT INT8 kernels
 #   qft_memory    QFT paper Table 1: training memory of LLaMA-2-7B-shaped methods, step times
 set -u
@@ -53,8 +54,10 @@ for part in "$@"; do
           timeout 360 python benchmarks/qerl_step.py --methods qerl_32b --grad-ckpt --out "$OUT" > "$OUT/qerl32.txt" 2>&1 ;;
     qerl_2048) timeout 480 python benchmarks/qerl_step.py --methods qerl,bf16_lora --new 2048 --grad-ckpt --out "$OUT" \
                  > "$OUT/qerl_2048.txt" 2>&1 ;;
-    qerl_compile) timeout 400 python benchmarks/qerl_step.py --methods qerl,bf16_lora --compile --out "$OUT" \
-                    > "$OUT/qerl_compile.txt" 2>&1 ;;
+    qerl_compile) timeout 280 python benchmarks/qerl_step.py --methods qerl,bf16_lora --compile --rounds 4 --out "$OUT" \
+                    > "$OUT/qerl_compile.txt" 2>&1
+                  timeout 280 python benchmarks/qerl_step.py --methods qerl,bf16_lora --compile --grad-ckpt --rounds 4 \
+                    --out "$OUT" >> "$OUT/qerl_compile.txt" 2>&1 ;;
     kernels) timeout 150 python benchmarks/eco.py --out "$OUT" > "$OUT/eco.txt" 2>&1
              timeout 110 python benchmarks/quest_step.py --out "$OUT" > "$OUT/quest.txt" 2>&1
              timeout 200 python benchmarks/qft_kernels.py --out "$OUT" > "$OUT/qft_kernels.txt" 2>&1 ;;

@@ -13,6 +13,7 @@ the weight's [out, in]); CPU runs the torch reference (unrepack + fp4), CUDA the
   hfq::nvfp4_g4_dequantize(words, scales, global_recip, n, k, dtype) -> [n, k]
   hfq::nvfp4_g4_linear(x[...,k], words, scales, global_recip, n, k, bias?) -> [...,n]  (grads: x, bias)
   hfq::nvfp4_g4_linear_grad_input(grad[...,n], words, scales, global_recip, n, k) -> [...,k]
+The g4 linear and grad-input are triton_ops, traced into by torch.compile (see nvfp4_g4_linear).
 """
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ from hfq_kernels._settings import SETTINGS
 from hfq_kernels._triton import HAS_TRITON, on_gpu
 from hfq_kernels import nvfp4_gluon as g4
 from hfq_kernels.nvfp4_configs import KINDS, LINEAR_TUNER
-from hfq_kernels.nvfp4_plan import (LinearPlan, check_g4_call, check_linear, grad_input, grad_input_g4, plan_linear,
-                                    plan_linear_g4)
+from hfq_kernels.nvfp4_grad import fused_ok
+from hfq_kernels.nvfp4_plan import (LinearPlan, check_g4_call, check_grad_width, check_linear, grad_input,
+                                    grad_input_g4, plan_linear, plan_linear_g4)
 from hfq_kernels.nvfp4_quant import check_packed, dequantize, quantize
 from hfq_kernels.reference import fp4
 
@@ -239,43 +241,62 @@ def _(words, scales, global_scale, n, k, dtype):
     return words.new_empty((n, k), dtype=dtype)
 
 
-def _g4_linear_ref(x, words, scales, global_scale, n, k, bias):
-    check_g4_call(x, words, scales, global_scale, bias, n, k)
-    return F.linear(x, g4.dequantize_g4_ref(words, scales, global_scale, n, k, x.dtype), bias)
+def _traced(t: torch.Tensor) -> bool:
+    """True while a tracer runs an op's body (torch.compile: fake or functional tensors, a dispatch mode)."""
+    return type(t) is not torch.Tensor or (_dispatch_modes is not None and _dispatch_modes() > 0)
 
 
-@torch.library.custom_op("hfq::nvfp4_g4_linear", mutates_args=())
+# The g4 linear and its grad-input are triton_ops: torch.compile traces into them, so a dequantizing call becomes
+# the dequantize kernel (launched from inductor's code) and a product inductor sees, with no per-call Python.
+# Eager calls run the same per-call plan as before; the few-row kernels (Gluon forward, nvfp4_grad's grad-input)
+# stay opaque ops inside a traced body.
+@torch.library.triton_op("hfq::nvfp4_g4_linear", mutates_args=())
 def nvfp4_g4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, n: int,
                     k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _g4_linear_ref(x, words, scales, global_scale, n, k, bias)
-
-
-@nvfp4_g4_linear.register_kernel("cuda")
-def _(x, words, scales, global_scale, n, k, bias=None):
-    if on_gpu(x):
+    check_g4_call(x, words, scales, global_scale, bias, n, k)
+    if not on_gpu(x):
+        return F.linear(x, g4.dequantize_g4_ref(words, scales, global_scale, n, k, x.dtype), bias)
+    if not _traced(x):
         return plan_linear_g4(x, words, scales, global_scale, bias, n, k).forward(x, bias)
-    return _g4_linear_ref(x, words, scales, global_scale, n, k, bias)
+    if g4.supported(x.reshape(-1, k)):
+        return torch.ops.hfq.nvfp4_g4_linear_rows(x, words, scales, global_scale, n, k, bias)
+    return F.linear(x, g4.dequantize_g4_traced(words, scales, global_scale, n, k, x.dtype), bias)
 
 
-@nvfp4_g4_linear.register_fake
+@torch.library.triton_op("hfq::nvfp4_g4_linear_grad_input", mutates_args=())
+def nvfp4_g4_linear_grad_input(grad: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                               global_scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    if not on_gpu(grad):
+        check_grad_width(grad, n, "nvfp4_g4_linear_grad_input")
+        return grad @ g4.dequantize_g4_ref(words, scales, global_scale, n, k, grad.dtype)
+    if not _traced(grad):
+        return grad_input_g4(grad, words, scales, global_scale, n, k)
+    check_grad_width(grad, n, "nvfp4_g4_linear_grad_input")
+    if fused_ok(grad.reshape(-1, n), k):
+        return torch.ops.hfq.nvfp4_g4_grad_input_rows(grad, words, scales, global_scale, n, k)
+    return grad @ g4.dequantize_g4_traced(words, scales, global_scale, n, k, grad.dtype)
+
+
+@torch.library.custom_op("hfq::nvfp4_g4_linear_rows", mutates_args=())
+def nvfp4_g4_linear_rows(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor,
+                         n: int, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """nvfp4_g4_linear's few-row route (the Gluon kernel's plan) as an opaque op inside a traced body (CUDA)."""
+    return plan_linear_g4(x, words, scales, global_scale, bias, n, k).forward(x, bias)
+
+
+@nvfp4_g4_linear_rows.register_fake
 def _(x, words, scales, global_scale, n, k, bias=None):
     return x.new_empty((*x.shape[:-1], n))
 
 
-@torch.library.custom_op("hfq::nvfp4_g4_linear_grad_input", mutates_args=())
-def nvfp4_g4_linear_grad_input(grad: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
-                               global_scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    return grad @ g4.dequantize_g4_ref(words, scales, global_scale, n, k, grad.dtype)
+@torch.library.custom_op("hfq::nvfp4_g4_grad_input_rows", mutates_args=())
+def nvfp4_g4_grad_input_rows(grad: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
+                             global_scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """nvfp4_g4_linear_grad_input's few-row kernel (nvfp4_grad) as an opaque op inside a traced body (CUDA)."""
+    return grad_input_g4(grad, words, scales, global_scale, n, k)
 
 
-@nvfp4_g4_linear_grad_input.register_kernel("cuda")
-def _(grad, words, scales, global_scale, n, k):
-    if on_gpu(grad):
-        return grad_input_g4(grad, words, scales, global_scale, n, k)
-    return grad @ g4.dequantize_g4_ref(words, scales, global_scale, n, k, grad.dtype)
-
-
-@nvfp4_g4_linear_grad_input.register_fake
+@nvfp4_g4_grad_input_rows.register_fake
 def _(grad, words, scales, global_scale, n, k):
     return grad.new_empty((*grad.shape[:-1], k))
 

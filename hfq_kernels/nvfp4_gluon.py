@@ -457,6 +457,41 @@ def dequantize_g4(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16, ou
     return out
 
 
+def dequantize_g4_traced(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16) -> torch.Tensor:
+    """dequantize_g4 inside a call torch.compile traces (hfq's triton_ops): launched through
+    torch.library.wrap_triton, so inductor's generated code makes the launch itself. The word-wise kernel where its
+    first-use check passed for this device and dtype (check_dequant), else the gather kernel."""
+    from torch.library import wrap_triton
+
+    out = torch.empty((n, k), dtype=dtype, device=wr.device)
+    kern = _g4_dequant_kernel if _FAST_CHECKED.get((out.device, dtype)) else _g4_dequant_gather_kernel
+    wrap_triton(kern)[(cdiv(n, 16), cdiv(k, 256))](wr, sr, recip(global_scale), out, n, k, cdiv(k, 64), BC=256,
+                                                   num_warps=4)
+    return out
+
+
+_CHECK_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_dequant(device: torch.device) -> None:
+    """Run dequantize_g4's first-use check (word-wise kernel vs gather kernel, bit for bit) for every float dtype on
+    `device` now, on a small made-up weight, for the traced calls that cannot run it (dequantize_g4_traced).
+    Once per device; nothing off CUDA, under the interpreter or during a graph capture."""
+    if device.type != "cuda" or INTERPRET or not HAS_TRITON or torch.cuda.is_current_stream_capturing():
+        return
+    todo = [dt for dt in _CHECK_DTYPES if (device, dt) not in _FAST_CHECKED]
+    if not todo:
+        return
+    n, k = 48, 320
+    nw, ns = g4_numel(n, k)
+    gen = torch.Generator(device=device).manual_seed(0)
+    wr = torch.randint(-2**31, 2**31 - 1, (nw,), dtype=torch.int32, device=device, generator=gen)
+    sr = torch.randint(0, 144, (ns,), dtype=torch.uint8, device=device, generator=gen)
+    rcp = torch.full((1,), 0.5, device=device)
+    for dt in todo:
+        _fast_ok(wr, sr, rcp, torch.empty((n, k), dtype=dt, device=device), n, k)
+
+
 def dequantizer(wr, sr, n: int, k: int):
     """dequantize_g4 for one weight, as a per-plan closure `run(recip, dtype) -> [n, k]` (its launches are bound
     per shape inside dequantize_g4)."""

@@ -49,7 +49,8 @@ def check_g4_call(x, wr, sr, global_scale, bias, n, k, what="nvfp4_g4_linear"):
         raise ValueError(f"{what}: x has in_features={x.shape[-1]} but the weight has {k}")
 
 
-def _check_grad_width(g, n: int, what: str) -> None:
+def check_grad_width(g, n: int, what: str) -> None:
+    """Raise ValueError unless grad's last dimension is the weight's n rows."""
     if g.shape[-1] != n:
         raise ValueError(f"{what}: grad has {g.shape[-1]} features but the weight has {n} rows")
 
@@ -73,7 +74,7 @@ def dequantizer(packed, scale, global_scale):
 def grad_input(g, packed, scale, global_scale):
     """grad_x = g @ dequant(W) for a canonical weight (a plan's `grad`): dequantize (Triton), then cuBLAS."""
     check_packed(packed, scale, global_scale)
-    _check_grad_width(g, packed.shape[0], "nvfp4_linear_grad_input")
+    check_grad_width(g, packed.shape[0], "nvfp4_linear_grad_input")
     return g @ dequantizer(packed, scale, global_scale)(g.dtype)
 
 
@@ -81,7 +82,7 @@ def grad_input_g4(g, wr, sr, global_scale, n: int, k: int, dequant=None):
     """grad_x = g @ dequant(W) for a weight in the g4 layout (a plan's `grad`): for a few bf16 rows of a large
     weight (nvfp4_grad.fused_ok) one kernel that decodes the codes in registers, else dequantize (Triton; a plan
     passes its own `dequant(dtype)`), then cuBLAS."""
-    _check_grad_width(g, n, "nvfp4_g4_linear_grad_input")
+    check_grad_width(g, n, "nvfp4_g4_linear_grad_input")
     g2 = g.reshape(-1, n)
     if fused_ok(g2, k):
         return grad_input_g4_fused(g2, wr, sr, global_scale, n, k).view(*g.shape[:-1], k)

@@ -260,6 +260,45 @@ def test_compile_through_the_g4_op():
     assert torch.equal(out, ref(x))
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and G4.device_ok(torch.device("cuda"))),
+                    reason="inductor's route for the g4 ops needs a GPU that runs the Gluon kernel")
+@pytest.mark.parametrize("m", [8, 96])
+def test_inductor_traces_into_the_g4_linear(m):
+    """Compiled with inductor, a dequantizing g4 linear (M > 64) is the dequantize kernel, launched from inductor's
+    code, and products inductor sees: neither the linear nor its grad-input is called as an op. Few rows keep the
+    Gluon forward and the few-row grad kernel as opaque ops. Outputs and gradients match eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    n, k = 4096, 4096  # large enough for the few-row grad kernel (nvfp4_grad.MIN_WEIGHT)
+    from hfq.nvfp4 import NVFP4Linear
+
+    torch.manual_seed(8)
+    lay = NVFP4Linear.from_linear(torch.nn.Linear(k, n).to("cuda", torch.bfloat16))
+    assert lay.layout == "g4"
+    x = torch.randn(2, m // 2, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(2, m // 2, n, device="cuda", dtype=torch.bfloat16)
+    y = lay(x)
+    y.backward(gy)
+    x2 = x.detach().clone().requires_grad_(True)
+    torch._dynamo.reset()
+    comp = torch.compile(lay, fullgraph=True)
+
+    def run():
+        out = comp(x2)
+        out.backward(gy)
+        return out
+
+    y2, codes = run_and_get_code(run)
+    code = "\n".join(codes)
+    torch.testing.assert_close(y2, y, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x2.grad, x.grad, rtol=2e-2, atol=2e-2)
+    if m > 64:
+        assert "_g4_dequant" in code
+        assert "hfq.nvfp4_g4_linear" not in code and "nvfp4_g4_grad_input" not in code
+    else:
+        assert "hfq.nvfp4_g4_linear_rows" in code and "hfq.nvfp4_g4_grad_input_rows" in code
+
+
 # ------------------------------------------------------------------------------------------- model routes
 def test_model_save_load_peft_in_g4(tmp_path):
     """A quantized model switched to g4: save_pretrained writes canonical tensors that a fresh interpreter loads

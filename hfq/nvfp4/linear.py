@@ -122,6 +122,7 @@ class NVFP4Linear(nn.Module):
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return self  # no conversion (it syncs) inside a CUDA graph capture
         wr, sr = _G4.repack(p, self._buffers["weight_scale"])
+        _G4.check_dequant(wr.device)  # for the compiled route's dequantize (once per device)
         self._drop(_CANON)
         self.register_buffer("weight_g4", wr, persistent=False)
         self.register_buffer("weight_g4_scale", sr, persistent=False)
