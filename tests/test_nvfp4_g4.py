@@ -253,11 +253,18 @@ def test_eager_plan_path_reads_g4(monkeypatch):
 
 
 def test_compile_through_the_g4_op():
+    """Traced by AOTAutograd, the g4 linear (a triton_op) gives the canonical layer's values and input gradient."""
     lay = _layer(n=32, k=64, seed=6).to_g4_layout_()
     ref = _layer(n=32, k=64, seed=6)
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
     out = torch.compile(lay, backend="aot_eager", fullgraph=True)(x)
-    assert torch.equal(out, ref(x))
+    want = ref(x2)
+    assert torch.equal(out, want)
+    gy = torch.randn_like(out)
+    out.backward(gy)
+    want.backward(gy)
+    assert torch.equal(x.grad, x2.grad)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and G4.device_ok(torch.device("cuda"))),
