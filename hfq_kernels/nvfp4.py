@@ -13,7 +13,7 @@ the weight's [out, in]); CPU runs the torch reference (unrepack + fp4), CUDA the
   hfq::nvfp4_g4_dequantize(words, scales, global_recip, n, k, dtype) -> [n, k]
   hfq::nvfp4_g4_linear(x[...,k], words, scales, global_recip, n, k, bias?) -> [...,n]  (grads: x, bias)
   hfq::nvfp4_g4_linear_grad_input(grad[...,n], words, scales, global_recip, n, k) -> [...,k]
-The g4 linear and grad-input are triton_ops, traced into by torch.compile (see nvfp4_g4_linear).
+The linears and grad-inputs are triton_ops, traced into by torch.compile (see nvfp4_linear).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from hfq_kernels.nvfp4_configs import KINDS, LINEAR_TUNER
 from hfq_kernels.nvfp4_grad import fused_ok
 from hfq_kernels.nvfp4_plan import (LinearPlan, check_g4_call, check_grad_width, check_linear, grad_input,
                                     grad_input_g4, plan_linear, plan_linear_g4)
-from hfq_kernels.nvfp4_quant import check_packed, dequantize, quantize
+from hfq_kernels.nvfp4_quant import check_packed, dequantize, dequantize_traced, quantize
 from hfq_kernels.reference import fp4
 
 # ----------------------------------------------------------------------------------------------- eager autograd
@@ -165,40 +165,54 @@ def _linear_ref(x, packed, scale, global_scale, bias):
     return F.linear(x, fp4.nvfp4_dequantize(packed, scale, global_scale, x.dtype), bias)
 
 
-@torch.library.custom_op("hfq::nvfp4_linear", mutates_args=())
+def _traced(t: torch.Tensor) -> bool:
+    """True while a tracer runs an op's body (torch.compile: fake or functional tensors, a dispatch mode)."""
+    return type(t) is not torch.Tensor or (_dispatch_modes is not None and _dispatch_modes() > 0)
+
+
+# The linears and their grad-inputs (both layouts) are triton_ops: torch.compile traces into them, so a call that
+# dequantizes (more than 64 rows, and every grad-input but the few-row g4 kernel's) becomes the dequantize kernel,
+# launched from inductor's code, and a product inductor sees, with no per-call Python. Eager calls run the per-call
+# plan. The few-row kernels (tuned canonical kernels, the Gluon forward, nvfp4_grad's grad-input) stay opaque ops
+# inside a traced body.
+_TRACED_DENSE_ROWS = 64  # a traced call with more rows dequantizes (the eager plans' choice at training sizes)
+
+
+@torch.library.triton_op("hfq::nvfp4_linear", mutates_args=())
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    return _linear_ref(x, packed, scale, global_scale, bias)
-
-
-@nvfp4_linear.register_kernel("cuda")
-def _(x, packed, scale, global_scale, bias=None):
-    if on_gpu(x):
+    if not on_gpu(x):
+        return _linear_ref(x, packed, scale, global_scale, bias)
+    if not _traced(x):
         return plan_linear(x, packed, scale, global_scale, bias).forward(x, bias)
-    return _linear_ref(x, packed, scale, global_scale, bias)
+    check_linear(x, packed, scale, global_scale, bias)
+    if x.numel() <= _TRACED_DENSE_ROWS * x.shape[-1]:
+        return torch.ops.hfq.nvfp4_linear_rows(x, packed, scale, global_scale, bias)
+    return F.linear(x, dequantize_traced(packed, scale, global_scale, x.dtype), bias)
 
 
-@nvfp4_linear.register_fake
-def _(x, packed, scale, global_scale, bias=None):
-    return x.new_empty((*x.shape[:-1], packed.shape[0]))
-
-
-@torch.library.custom_op("hfq::nvfp4_linear_grad_input", mutates_args=())
+@torch.library.triton_op("hfq::nvfp4_linear_grad_input", mutates_args=())
 def nvfp4_linear_grad_input(grad: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                             global_scale: torch.Tensor) -> torch.Tensor:
-    return grad @ fp4.nvfp4_dequantize(packed, scale, global_scale, grad.dtype)
-
-
-@nvfp4_linear_grad_input.register_kernel("cuda")
-def _(grad, packed, scale, global_scale):
-    if on_gpu(grad):
+    if not on_gpu(grad):
+        return grad @ fp4.nvfp4_dequantize(packed, scale, global_scale, grad.dtype)
+    if not _traced(grad):
         return grad_input(grad, packed, scale, global_scale)
-    return grad @ fp4.nvfp4_dequantize(packed, scale, global_scale, grad.dtype)
+    check_packed(packed, scale, global_scale)
+    check_grad_width(grad, packed.shape[0], "nvfp4_linear_grad_input")
+    return grad @ dequantize_traced(packed, scale, global_scale, grad.dtype)
 
 
-@nvfp4_linear_grad_input.register_fake
-def _(grad, packed, scale, global_scale):
-    return grad.new_empty((*grad.shape[:-1], packed.shape[1] * 2))
+@torch.library.custom_op("hfq::nvfp4_linear_rows", mutates_args=())
+def nvfp4_linear_rows(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """nvfp4_linear's few-row route (the plan's tuned kernel) as an opaque op inside a traced body (CUDA)."""
+    return plan_linear(x, packed, scale, global_scale, bias).forward(x, bias)
+
+
+@nvfp4_linear_rows.register_fake
+def _(x, packed, scale, global_scale, bias=None):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
 
 
 def _setup(ctx, inputs, output):
@@ -241,15 +255,7 @@ def _(words, scales, global_scale, n, k, dtype):
     return words.new_empty((n, k), dtype=dtype)
 
 
-def _traced(t: torch.Tensor) -> bool:
-    """True while a tracer runs an op's body (torch.compile: fake or functional tensors, a dispatch mode)."""
-    return type(t) is not torch.Tensor or (_dispatch_modes is not None and _dispatch_modes() > 0)
-
-
-# The g4 linear and its grad-input are triton_ops: torch.compile traces into them, so a dequantizing call becomes
-# the dequantize kernel (launched from inductor's code) and a product inductor sees, with no per-call Python.
-# Eager calls run the same per-call plan as before; the few-row kernels (Gluon forward, nvfp4_grad's grad-input)
-# stay opaque ops inside a traced body.
+# The g4 layout's linear and grad-input: triton_ops like the canonical ones above.
 @torch.library.triton_op("hfq::nvfp4_g4_linear", mutates_args=())
 def nvfp4_g4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, n: int,
                     k: int, bias: torch.Tensor | None = None) -> torch.Tensor:

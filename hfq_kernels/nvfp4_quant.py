@@ -116,6 +116,18 @@ def dequantize(packed, scale, global_scale, dtype=torch.bfloat16, out=None):
     return dequant_raw(packed, scale, global_scale, dtype, out)
 
 
+def dequantize_traced(packed, scale, global_scale, dtype=torch.bfloat16):
+    """dequantize() inside a call torch.compile traces (hfq's triton_ops): launched through
+    torch.library.wrap_triton, so inductor's generated code makes the launch itself. No checks."""
+    from torch.library import wrap_triton
+
+    r, c = packed.shape[0], packed.shape[1] * 2
+    out = torch.empty((r, c), dtype=dtype, device=packed.device)
+    wrap_triton(_dequantize_kernel)[(cdiv(r, 16), cdiv(c, 256))](packed, scale.view(torch.uint8), recip(global_scale),
+                                                                 out, r, c, BR=16, BC=256, num_warps=4)
+    return out
+
+
 def dequant_raw(packed, scale, global_scale, dtype, out=None):
     """dequantize() without the checks (callers have validated the tensors)."""
     r, c = packed.shape[0], packed.shape[1] * 2

@@ -268,20 +268,26 @@ def test_compile_through_the_g4_op():
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and G4.device_ok(torch.device("cuda"))),
-                    reason="inductor's route for the g4 ops needs a GPU that runs the Gluon kernel")
+                    reason="inductor's route for the NVFP4 ops needs a GPU that runs the Gluon kernel")
+@pytest.mark.parametrize("layout", ["g4", "canonical"])
 @pytest.mark.parametrize("m", [8, 96])
-def test_inductor_traces_into_the_g4_linear(m):
-    """Compiled with inductor, a dequantizing g4 linear (M > 64) is the dequantize kernel, launched from inductor's
-    code, and products inductor sees: neither the linear nor its grad-input is called as an op. Few rows keep the
-    Gluon forward and the few-row grad kernel as opaque ops. Outputs and gradients match eager's."""
+def test_inductor_traces_into_the_linear(m, layout):
+    """Compiled with inductor, a dequantizing NVFP4 linear (M > 64) is the dequantize kernel, launched from
+    inductor's code, and products inductor sees: neither the linear nor its grad-input is called as an op. Few rows
+    keep the Gluon forward / the tuned canonical kernel and the few-row g4 grad kernel as opaque ops. Outputs and
+    gradients match eager's, in both layouts."""
     from torch._inductor.utils import run_and_get_code
 
-    n, k = 4096, 4096  # large enough for the few-row grad kernel (nvfp4_grad.MIN_WEIGHT)
     from hfq.nvfp4 import NVFP4Linear
 
+    n, k = 4096, 4096  # large enough for the few-row grad kernel (nvfp4_grad.MIN_WEIGHT)
     torch.manual_seed(8)
-    lay = NVFP4Linear.from_linear(torch.nn.Linear(k, n).to("cuda", torch.bfloat16))
-    assert lay.layout == "g4"
+    lin = torch.nn.Linear(k, n).to("cuda", torch.bfloat16)
+    lay = NVFP4Linear(k, n, device="cuda", dtype=torch.bfloat16)
+    lay.allow_g4 = layout == "g4"
+    lay.set_weight(lin.weight.detach())
+    lay.bias.data.copy_(lin.bias.detach())
+    assert lay.layout == layout
     x = torch.randn(2, m // 2, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(2, m // 2, n, device="cuda", dtype=torch.bfloat16)
     y = lay(x)
@@ -299,11 +305,19 @@ def test_inductor_traces_into_the_g4_linear(m):
     code = "\n".join(codes)
     torch.testing.assert_close(y2, y, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(x2.grad, x.grad, rtol=2e-2, atol=2e-2)
-    if m > 64:  # the word-wise dequantize, which check_dequant cleared when the layer entered g4
-        assert "_g4_dequant_kernel" in code and "_g4_dequant_gather_kernel" not in code
-        assert "hfq.nvfp4_g4_linear" not in code and "nvfp4_g4_grad_input" not in code
+    assert lay.layout == layout
+    if layout == "g4":
+        if m > 64:  # the word-wise dequantize, which check_dequant cleared when the layer entered g4
+            assert "_g4_dequant_kernel" in code and "_g4_dequant_gather_kernel" not in code
+            assert "hfq.nvfp4_g4_linear" not in code and "nvfp4_g4_grad_input" not in code
+        else:
+            assert "hfq.nvfp4_g4_linear_rows" in code and "hfq.nvfp4_g4_grad_input_rows" in code
     else:
-        assert "hfq.nvfp4_g4_linear_rows" in code and "hfq.nvfp4_g4_grad_input_rows" in code
+        assert "_dequantize_kernel" in code and "nvfp4_linear_grad_input" not in code  # grad-input: always traced
+        if m > 64:
+            assert "hfq.nvfp4_linear" not in code
+        else:
+            assert "hfq.nvfp4_linear_rows" in code
 
 
 # ------------------------------------------------------------------------------------------- model routes
