@@ -118,6 +118,34 @@ def test_ops_registered_with_fake_and_autograd():
     assert torch.equal(x.grad, x2.grad) and torch.equal(b.grad, b2.grad)
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and G4.device_ok(torch.device("cuda"))),
+                    reason="the ops' CUDA bodies need a GPU that runs the Gluon kernel")
+def test_ops_opcheck_on_the_gpu():
+    """opcheck on CUDA tensors (schema, fake tensors, autograd registration, and AOT dispatch, which runs the
+    triton_ops' traced bodies) for the linears, their grad-inputs and the few-row opaque ops, both layouts."""
+    opcheck = torch.library.opcheck
+    canon_utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")  # the schema
+    # check's input comparison has no float8 kernel on CUDA (the canonical ops take the e4m3 scales)
+    n, k = 48, 64
+    p, s, r = (t.cuda() for t in _canonical(n, k))
+    wr, sr = G4.repack(p, s)
+    b = torch.randn(n, device="cuda", requires_grad=True)
+    for m, dt in ((3, torch.bfloat16), (80, torch.bfloat16), (80, torch.float32)):
+        x = torch.randn(m, k, device="cuda", dtype=dt, requires_grad=True)
+        g = torch.randn(m, n, device="cuda", dtype=dt)
+        bd = b.detach().to(dt).requires_grad_(True)
+        opcheck(torch.ops.hfq.nvfp4_g4_linear.default, (x, wr, sr, r, n, k, bd))
+        opcheck(torch.ops.hfq.nvfp4_g4_linear_grad_input.default, (g, wr, sr, r, n, k))
+        opcheck(torch.ops.hfq.nvfp4_linear_grad_input.default, (g, p, s, r), test_utils=canon_utils)
+        if m <= 64 or dt == torch.float32:  # bf16 with more rows: the eager plan may take a tuned kernel
+            opcheck(torch.ops.hfq.nvfp4_linear.default, (x, p, s, r, bd), test_utils=canon_utils)
+    x = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)
+    opcheck(torch.ops.hfq.nvfp4_g4_linear_rows.default, (x, wr, sr, r, n, k, None))
+    opcheck(torch.ops.hfq.nvfp4_linear_rows.default, (x, p, s, r, None), test_utils=canon_utils)
+    opcheck(torch.ops.hfq.nvfp4_g4_grad_input_rows.default,
+            (torch.randn(3, n, device="cuda", dtype=torch.bfloat16), wr, sr, r, n, k))
+
+
 def test_bad_g4_tensors_named():
     p, s, r = _canonical(16, 64)
     wr, sr = G4.repack(p, s)
