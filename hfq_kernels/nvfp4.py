@@ -272,12 +272,11 @@ def nvfp4_g4_linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, 
 @torch.library.triton_op("hfq::nvfp4_g4_linear_grad_input", mutates_args=())
 def nvfp4_g4_linear_grad_input(grad: torch.Tensor, words: torch.Tensor, scales: torch.Tensor,
                                global_scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    check_grad_width(grad, n, "nvfp4_g4_linear_grad_input")
     if not on_gpu(grad):
-        check_grad_width(grad, n, "nvfp4_g4_linear_grad_input")
         return grad @ g4.dequantize_g4_ref(words, scales, global_scale, n, k, grad.dtype)
     if not _traced(grad):
         return grad_input_g4(grad, words, scales, global_scale, n, k)
-    check_grad_width(grad, n, "nvfp4_g4_linear_grad_input")
     if fused_ok(grad.reshape(-1, n), k):
         return torch.ops.hfq.nvfp4_g4_grad_input_rows(grad, words, scales, global_scale, n, k)
     return grad @ g4.dequantize_g4_traced(words, scales, global_scale, n, k, grad.dtype)

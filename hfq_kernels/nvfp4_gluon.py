@@ -465,8 +465,7 @@ def dequantize_g4_traced(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloa
 
     out = torch.empty((n, k), dtype=dtype, device=wr.device)
     kern = _g4_dequant_kernel if _FAST_CHECKED.get((out.device, dtype)) else _g4_dequant_gather_kernel
-    wrap_triton(kern)[(cdiv(n, 16), cdiv(k, 256))](wr, sr, recip(global_scale), out, n, k, cdiv(k, 64), BC=256,
-                                                   num_warps=4)
+    _launch_dequant(wrap_triton(kern), wr, sr, recip(global_scale), out, n, k)
     return out
 
 

@@ -121,18 +121,15 @@ def dequantize_traced(packed, scale, global_scale, dtype=torch.bfloat16):
     torch.library.wrap_triton, so inductor's generated code makes the launch itself. No checks."""
     from torch.library import wrap_triton
 
-    r, c = packed.shape[0], packed.shape[1] * 2
-    out = torch.empty((r, c), dtype=dtype, device=packed.device)
-    wrap_triton(_dequantize_kernel)[(cdiv(r, 16), cdiv(c, 256))](packed, scale.view(torch.uint8), recip(global_scale),
-                                                                 out, r, c, BR=16, BC=256, num_warps=4)
-    return out
+    return dequant_raw(packed, scale, global_scale, dtype, kernel=wrap_triton(_dequantize_kernel))
 
 
-def dequant_raw(packed, scale, global_scale, dtype, out=None):
-    """dequantize() without the checks (callers have validated the tensors)."""
+def dequant_raw(packed, scale, global_scale, dtype, out=None, kernel=None):
+    """dequantize() without the checks (callers have validated the tensors); `kernel` stands in for
+    _dequantize_kernel (dequantize_traced passes its wrap_triton wrapper)."""
     r, c = packed.shape[0], packed.shape[1] * 2
     if out is None:
         out = torch.empty((r, c), dtype=dtype, device=packed.device)
-    _dequantize_kernel[(cdiv(r, 16), cdiv(c, 256))](packed, scale.view(torch.uint8), recip(global_scale), out, r, c,
-                                                    BR=16, BC=256, num_warps=4)
+    (kernel or _dequantize_kernel)[(cdiv(r, 16), cdiv(c, 256))](packed, scale.view(torch.uint8), recip(global_scale),
+                                                                out, r, c, BR=16, BC=256, num_warps=4)
     return out

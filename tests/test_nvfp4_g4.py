@@ -146,6 +146,19 @@ def test_ops_opcheck_on_the_gpu():
             (torch.randn(3, n, device="cuda", dtype=torch.bfloat16), wr, sr, r, n, k))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_traced_dequantize_helpers_match_eager(dtype):
+    """The dequantizes the compiled route launches through wrap_triton (run eagerly here: under the interpreter on
+    CPU) equal the eager kernels bit for bit, in both layouts."""
+    from hfq_kernels import nvfp4_quant as Q
+
+    n, k = 37, 160
+    p, s, r = (t.to(DEV) for t in _canonical(n, k, seed=3))
+    assert torch.equal(Q.dequantize_traced(p, s, r, dtype), Q.dequant_raw(p, s, r, dtype))
+    wr, sr = G4.repack(p, s)
+    assert torch.equal(G4.dequantize_g4_traced(wr, sr, r, n, k, dtype), G4.dequantize_g4(wr, sr, r, n, k, dtype))
+
+
 def test_bad_g4_tensors_named():
     p, s, r = _canonical(16, 64)
     wr, sr = G4.repack(p, s)
