@@ -341,10 +341,15 @@ class BoundLaunch:
             return
         if not all(isinstance(a, (int, float, bool, torch.Tensor)) or a is None for a in args):
             return
-        names = list(self.kernel.arg_names)[len(args):]
-        if not set(names) <= set(self.meta):  # the constexprs must follow the runtime arguments, all given in meta
-            return
-        self.tail = tuple(self.meta[n] for n in names)
+        tail = []
+        for p in list(self.kernel.params)[len(args):]:  # the constexprs follow the runtime arguments
+            if p.name in self.meta:
+                tail.append(self.meta[p.name])
+            elif p.has_default:
+                tail.append(p.default)
+            else:
+                return
+        self.tail = tuple(tail)
         self.tensors = tuple((i, a.dtype) for i, a in tensors)
         self.scalars = tuple((i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
         self.dev = torch._C._cuda_getDevice()  # the device Triton loaded the kernel on (its current one)

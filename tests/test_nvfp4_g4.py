@@ -437,6 +437,39 @@ def test_bound_launch_same_values_and_jit_path_for_new_specializations(dtype):
     assert all(torch.equal(run(recip, dtype).cpu(), ref) for _ in range(2))
 
 
+@pytest.mark.skipif(not (torch.cuda.is_available() and G4.device_ok(torch.device("cuda"))),
+                    reason="bound launches exist on a GPU only (the interpreter takes the JIT path)")
+@pytest.mark.parametrize("m, bias", [(8, False), (8, True), (96, True)])
+def test_training_calls_skip_the_triton_jit_once_planned(monkeypatch, m, bias):
+    """After its first calls, an eager NVFP4 fwd+bwd (Gluon or dequantize forward, few-row or dequantize grad-input)
+    launches every kernel through its bound launch: none goes back to Triton's JIT (tens of microseconds each)."""
+    from triton.runtime.jit import JITFunction
+
+    from hfq.nvfp4 import NVFP4Linear
+
+    torch.manual_seed(0)
+    lin = NVFP4Linear.from_linear(torch.nn.Linear(4096, 4096, bias=bias, device=DEV, dtype=torch.bfloat16))
+    lin.requires_grad_(False)
+    x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    gy = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
+    for _ in range(2):
+        torch.autograd.grad(lin(x), [x], gy)
+    jit_runs = []
+    run = JITFunction.run
+
+    def counted(self, *a, **kw):
+        jit_runs.append(self.fn.__name__)
+        return run(self, *a, **kw)
+
+    monkeypatch.setattr(JITFunction, "run", counted)
+    with torch.no_grad():
+        lin(x)
+    (gx,) = torch.autograd.grad(lin(x), [x], gy)
+    assert jit_runs == []
+    ref = gy.float() @ lin.dequantize(torch.float32)
+    assert float((gx.float() - ref).norm() / ref.norm()) < 1e-2
+
+
 def test_dequantize_falls_back_when_the_wordwise_kernel_fails(monkeypatch):
     """A build error (or a wrong value) of the word-wise kernel at its first-use check: gather kernel, warning."""
     class Broken:
