@@ -49,9 +49,12 @@ class _KeptDense:
     def __init__(self):
         self.bytes = 0
 
+    def room(self, nbytes: int) -> bool:
+        return self.bytes + nbytes <= SETTINGS.grad_dense_gb * 2**30
+
     def take(self, w: torch.Tensor) -> bool:
         nbytes = w.numel() * w.element_size()
-        if self.bytes + nbytes > SETTINGS.grad_dense_gb * 2**30:
+        if not self.room(nbytes):
             return False
         self.bytes += nbytes
         weakref.finalize(w, self._release, nbytes)
@@ -87,13 +90,16 @@ class _PlanFn(torch.autograd.Function):
 
 
 def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
-    """plan.forward(x, bias) with its gradient where one is wanted (x or bias requires one). A dense plan's
-    forward keeps the weight it dequantized for grad-input where KEPT_DENSE allows: then the product is F.linear's
-    own, whose autograd saves that weight (so activation checkpointing drops and recomputes it); otherwise _PlanFn
-    recomputes the weight in backward."""
+    """plan.forward(x, bias) with its gradient where one is wanted (x or bias requires one). A training forward
+    keeps the dense weight for grad-input where KEPT_DENSE allows: then the product is F.linear's own, whose C++
+    autograd saves that weight (so activation checkpointing drops and recomputes it) and runs grad-input as one
+    cuBLAS call. That is also taken by plans with their own few-row kernel (keep_numel): at few rows a call is
+    host-bound, and the kernel's Python autograd node and split-K launches cost more host time than the extra
+    dequantize costs GPU time. Otherwise _PlanFn runs the plan's forward and its grad in backward."""
     if not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
         return plan.forward(x, bias)
-    if plan.dequant is None:
+    if plan.dequant is None or (plan.keep_numel and not (
+            x.requires_grad and KEPT_DENSE.room(plan.keep_numel * x.element_size()))):
         return _PlanFn.apply(x, bias, plan, None)
     w = plan.dequant(x.dtype)
     if x.requires_grad and KEPT_DENSE.take(w):

@@ -149,13 +149,16 @@ class LinearPlan:
     `dequant(dtype)`, so that a training forward can keep the weight it made for its grad-input. `final` is False
     for a config picked while nothing may be tuned (graph capture): such a plan serves its call and is not kept.
     `gen` is LINEAR_TUNER.gen when it was made (a plan is stale once the tuned table changes). Callers keep plans
-    per weight and rebuild them when the weight tensors are replaced."""
+    per weight and rebuild them when the weight tensors are replaced. `keep_numel`: for a plan whose forward runs its
+    own kernel but also hands out `dequant`, the dense weight's element count (a training forward dequantizes only
+    where that weight can be kept for grad-input); 0 for dense plans, whose forward dequantizes anyway."""
 
-    __slots__ = ("forward", "grad", "final", "gen", "config", "dequant")
+    __slots__ = ("forward", "grad", "final", "gen", "config", "dequant", "keep_numel")
 
-    def __init__(self, forward, grad, final: bool, gen: int, config, dequant=None):
+    def __init__(self, forward, grad, final: bool, gen: int, config, dequant=None, keep_numel: int = 0):
         self.forward, self.grad, self.final, self.gen, self.config = forward, grad, final, gen, config
-        self.dequant = dequant  # dense plans: dtype -> the weight their forward multiplies by (F.linear)
+        self.dequant = dequant  # dtype -> the dense weight (F.linear's operand)
+        self.keep_numel = keep_numel
 
 
 class _PlanCtx:
@@ -320,7 +323,8 @@ def plan_linear(x, packed, scale, global_scale, bias=None, config: dict | None =
 
 def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     """plan_linear() for a weight in the g4 layout: the Gluon kernel where gluon.supported(x), else dequantize_g4 +
-    cuBLAS (config kind "dequant"); grad is grad_input_g4. Raises for bad inputs."""
+    cuBLAS (config kind "dequant"); grad is grad_input_g4. A Gluon plan also hands out `dequant` (keep_numel), for
+    training forwards that keep the weight. Raises for bad inputs."""
     check_g4_call(x, wr, sr, global_scale, bias, n, k)
     run_dequant = gluon.dequantizer(wr, sr, n, k)
 
@@ -341,4 +345,4 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     c = _PlanCtx(m=m, n=n, k=k, dt=x.dtype, dev=x.device, global_scale=global_scale,
                  has_bias=bias is not None, out_shape=(*x.shape[:-1], n))
     g4, ws = _gluon(c, config), (wr, sr)
-    return LinearPlan(lambda x, b: g4(x, b, ws), grad, True, LINEAR_TUNER.gen, config)
+    return LinearPlan(lambda x, b: g4(x, b, ws), grad, True, LINEAR_TUNER.gen, config, dequant, n * k)

@@ -439,14 +439,15 @@ def test_bound_launch_same_values_and_jit_path_for_new_specializations(dtype):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and G4.device_ok(torch.device("cuda"))),
                     reason="bound launches exist on a GPU only (the interpreter takes the JIT path)")
-@pytest.mark.parametrize("m, bias", [(8, False), (8, True), (96, True)])
-def test_training_calls_skip_the_triton_jit_once_planned(monkeypatch, m, bias):
+@pytest.mark.parametrize("m, bias, keep_gb", [(8, False, 0.0), (8, True, 0.0), (8, True, 2.0), (96, True, 2.0)])
+def test_training_calls_skip_the_triton_jit_once_planned(monkeypatch, m, bias, keep_gb):
     """After its first calls, an eager NVFP4 fwd+bwd (Gluon or dequantize forward, few-row or dequantize grad-input)
     launches every kernel through its bound launch: none goes back to Triton's JIT (tens of microseconds each)."""
     from triton.runtime.jit import JITFunction
 
     from hfq.nvfp4 import NVFP4Linear
 
+    monkeypatch.setattr(SETTINGS, "grad_dense_gb", keep_gb)
     torch.manual_seed(0)
     lin = NVFP4Linear.from_linear(torch.nn.Linear(4096, 4096, bias=bias, device=DEV, dtype=torch.bfloat16))
     lin.requires_grad_(False)

@@ -74,6 +74,40 @@ def test_budget_caps_the_kept_weights(monkeypatch):
     assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon few-row forward runs on a GPU only")
+@pytest.mark.parametrize("keep_gb", [2.0, 0.0])
+def test_few_row_training_forward_keeps_the_weight_where_the_budget_allows(monkeypatch, keep_gb):
+    """At few rows (the Gluon kernel's plans) a training forward with budget room dequantizes and keeps the weight
+    (F.linear's C++ autograd does grad-input); without room it runs the kernel and the backward takes the few-row
+    grad-input kernel. Under no_grad nothing is kept. Both give the reference gradient; nothing stays kept after."""
+    from hfq_kernels import nvfp4_gluon, nvfp4_grad, nvfp4_plan
+    from hfq_kernels.nvfp4 import KEPT_DENSE
+
+    if not nvfp4_gluon.device_ok(torch.device(DEV)):
+        pytest.skip("this GPU does not run the Gluon kernel")
+    monkeypatch.setattr(SETTINGS, "grad_dense_gb", keep_gb)
+    monkeypatch.setattr(nvfp4_grad, "MIN_WEIGHT", 48 * 96)  # the test weight counts as large
+    fused = []
+    real = nvfp4_plan.grad_input_g4_fused
+    monkeypatch.setattr(nvfp4_plan, "grad_input_g4_fused", lambda *a: fused.append(a[0].shape) or real(*a))
+    lay = _layer(48, 96, seed=5)
+    x = torch.randn(8, 96, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+    before = KEPT_DENSE.bytes
+    with torch.no_grad():
+        lay(x)
+    assert KEPT_DENSE.bytes == before
+    y = lay(x)
+    assert list(lay.__dict__["_hfq_plans"][1].values())[-1].config["kind"] == "gluon"
+    assert KEPT_DENSE.bytes - before == (48 * 96 * 2 if keep_gb else 0)
+    gy = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, [x], gy)
+    del y
+    assert KEPT_DENSE.bytes == before
+    assert fused == ([] if keep_gb else [(8, 48)])
+    ref = gy.float() @ lay.dequantize(torch.float32)
+    assert float((gx.float() - ref).norm() / ref.norm()) < 5e-3
+
+
 @pytest.mark.parametrize("n,k", [(48, 272), (40, 96), (100, 48), (33, 160)])
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_fused_grad_input_matches_dequantize_then_matmul(n, k, m):
