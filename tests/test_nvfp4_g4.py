@@ -454,6 +454,8 @@ def test_training_calls_skip_the_triton_jit_once_planned(monkeypatch, m, bias, k
     x = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     gy = torch.randn(m, 4096, device=DEV, dtype=torch.bfloat16)
     for _ in range(2):
+        with torch.no_grad():
+            lin(x)
         torch.autograd.grad(lin(x), [x], gy)
     jit_runs = []
     run = JITFunction.run

@@ -97,14 +97,21 @@ def test_fused_matches_peft_forward_and_grads(planned, dropout, shape):
         assert err < 2e-2, err  # bf16: PEFT rounds the adapter's product and its scaling separately
 
 
-def test_fused_path_is_taken_and_matches_without_grad(planned):
+@pytest.mark.parametrize("keep_gb", [0.0, 2.0])
+def test_fused_path_is_taken_and_matches_without_grad(planned, monkeypatch, keep_gb):
+    """The same kernels with and without grad give the same bits; a few-row training forward that keeps its dense
+    weight (budget room, a GPU) multiplies with cuBLAS instead of the Gluon kernel: equal up to bf16 rounding."""
+    monkeypatch.setattr(SETTINGS, "grad_dense_gb", keep_gb)
     pm = _model()
     x = torch.randn(6, 96, dtype=torch.bfloat16, device=DEV, requires_grad=True)
     y = pm(x)
     assert _fused(y)
     with torch.no_grad():
         y0 = pm(x)
-    torch.testing.assert_close(y0, y.detach(), rtol=0, atol=0)
+    if keep_gb == 0.0:
+        torch.testing.assert_close(y0, y.detach(), rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(y0, y.detach())
 
 
 def _peft_taken(pm, x) -> bool:
@@ -123,7 +130,8 @@ def test_peft_forward_runs_where_the_fused_node_does_not_apply(planned):
     with torch.autocast(DEV, dtype=torch.float16):  # autocast to another dtype than x's: PEFT's forward
         assert _peft_taken(pm, x)
     with pm.disable_adapter():
-        assert "AddmmBackward0" not in _nodes(pm(x))
+        pm(x).float().sum().backward()
+    assert all(p.grad is None for n, p in pm.named_parameters() if "lora_" in n)
     pm.add_adapter("second", __import__("peft").LoraConfig(r=4, target_modules=["up", "down"]))
     pm.base_model.set_adapter(["default", "second"])
     assert _peft_taken(pm, x)
