@@ -111,7 +111,8 @@ def test_fused_path_is_taken_and_matches_without_grad(planned, monkeypatch, keep
     if keep_gb == 0.0:
         torch.testing.assert_close(y0, y.detach(), rtol=0, atol=0)
     else:
-        torch.testing.assert_close(y0, y.detach())
+        err = float((y0.float() - y.detach().float()).norm() / y0.float().norm())
+        assert err < 1e-2, err
 
 
 def _peft_taken(pm, x) -> bool:
