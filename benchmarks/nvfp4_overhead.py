@@ -87,14 +87,20 @@ def measure(ours: nn.Module, base: nn.Module, x: torch.Tensor, mode: str, calls:
                 times_us={k: [round(x * 1e6, 2) for x in v["times"]] for k, v in t.items()})
 
 
-def _plan_kind(layer) -> str | None:
-    """The kernel kind NVFP4Linear's eager plan picked for the last shape (None: the op path, e.g. on CPU)."""
+def _plan_kind(layer, mode: str) -> str | None:
+    """The kernel kind NVFP4Linear's eager plan picked for the last shape (None: the op path, e.g. on CPU); for
+    fwdbwd, "kept" where the training forward kept the dense weight instead of running the plan's own kernel."""
+    from hfq_kernels.nvfp4 import KEPT_DENSE
+
     lin = getattr(layer, "base_layer", layer)
     st = lin.__dict__.get("_hfq_plans")
     if not st or not st[1]:
         return None
-    cfg = list(st[1].values())[-1].config
-    return cfg["kind"] if cfg else "dense"
+    plan = list(st[1].values())[-1]
+    kind = plan.config["kind"] if plan.config else "dense"
+    if mode == "fwdbwd" and plan.keep_numel and KEPT_DENSE.room(plan.keep_numel * 2):
+        kind += " (kept)"
+    return kind
 
 
 COLUMNS = {"layer": "layer", "K": "in", "N": "out", "M": "M", "mode": "mode", "ours_us": "ours us",
@@ -106,7 +112,8 @@ def save(rows: list, calls: int, rounds: int, out: str | None, extra: dict) -> s
     notes = (f"{calls} back-to-back calls, one sync, {rounds} interleaved rounds. us per call: median (range min-max "
              "over rounds). ratio = median ours / median bf16 (range: worst to best pairing of rounds); < 1 means ours "
              "is faster. fwd: no_grad forward; fwdbwd: forward + grad of x (+ LoRA A/B), frozen base. kind: the "
-             "kernel our eager plan chose.")
+             "kernel our eager plan chose; (kept): the training forward kept the dense weight (dequantize + F.linear) "
+             "instead of running it.")
     return write("nvfp4_overhead", rows, COLUMNS, notes, out_dir=out, extra=extra,
                  title="NVFP4Linear vs bf16 nn.Linear: per-call time, host work included")[1]
 
@@ -162,7 +169,7 @@ def main():
                     row = dict(layer=name, K=k, N=n, M=m, mode=mode)
                     try:
                         row.update(measure(o, b, x, mode, calls, a.rounds))
-                        row["kind"] = _plan_kind(o)
+                        row["kind"] = _plan_kind(o, mode)
                     except Exception as e:  # noqa: BLE001  (keep the other rows)
                         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     rows.append(row)
