@@ -6,7 +6,9 @@ rows; this kernel reads the 4-bit codes and their scale bytes once, decodes a [3
 (nvfp4_gluon.g4_decode_words: the values dequantize_g4 writes, rounded to bf16 the same way) and multiplies it
 into [M, BC] fp32 sums. Program (c, s): output columns BC*c .. BC*c + BC - 1 over the weight rows of split s;
 splits > 1 write fp32 partials that nvfp4_matmul's split-K reduce sums. The result is `g @ dequantize_g4(...)`
-up to fp32 summation order.
+up to fp32 summation order. It serves the grad-input of few-row calls that keep no dense weight: eager ones once
+HFQ_NVFP4_GRAD_DENSE_GB is spent (before that, a training forward keeps its weight: hfq_kernels.nvfp4.plan_apply)
+and compiled ones (hfq::nvfp4_g4_grad_input_rows).
 """
 from __future__ import annotations
 
