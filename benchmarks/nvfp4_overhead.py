@@ -90,7 +90,7 @@ def measure(ours: nn.Module, base: nn.Module, x: torch.Tensor, mode: str, calls:
 def _plan_kind(layer, mode: str) -> str | None:
     """The kernel kind NVFP4Linear's eager plan picked for the last shape (None: the op path, e.g. on CPU); for
     fwdbwd, "kept" where the training forward kept the dense weight instead of running the plan's own kernel."""
-    from hfq_kernels.nvfp4 import KEPT_DENSE
+    from hfq_kernels.nvfp4 import keeps_dense
 
     lin = getattr(layer, "base_layer", layer)
     st = lin.__dict__.get("_hfq_plans")
@@ -98,7 +98,7 @@ def _plan_kind(layer, mode: str) -> str | None:
         return None
     plan = list(st[1].values())[-1]
     kind = plan.config["kind"] if plan.config else "dense"
-    if mode == "fwdbwd" and plan.keep_numel and KEPT_DENSE.room(plan.keep_numel * 2):
+    if mode == "fwdbwd" and keeps_dense(plan, torch.bfloat16):  # the benchmark's x is bf16
         kind += " (kept)"
     return kind
 

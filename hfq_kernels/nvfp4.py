@@ -89,6 +89,12 @@ class _PlanFn(torch.autograd.Function):
         return gx, gb, None, None
 
 
+def keeps_dense(plan: LinearPlan, dtype: torch.dtype) -> bool:
+    """Whether a training forward of a plan with its own few-row kernel (keep_numel) keeps its dense weight of
+    `dtype` for grad-input now, i.e. KEPT_DENSE has room for it (plan_apply's choice; benchmarks report it)."""
+    return bool(plan.keep_numel) and KEPT_DENSE.room(plan.keep_numel * dtype.itemsize)
+
+
 def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
     """plan.forward(x, bias) with its gradient where one is wanted (x or bias requires one). A training forward
     keeps the dense weight for grad-input where KEPT_DENSE allows: then the product is F.linear's own, whose C++
@@ -98,8 +104,7 @@ def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
     dequantize costs GPU time. Otherwise _PlanFn runs the plan's forward and its grad in backward."""
     if not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
         return plan.forward(x, bias)
-    if plan.dequant is None or (plan.keep_numel and not (
-            x.requires_grad and KEPT_DENSE.room(plan.keep_numel * x.element_size()))):
+    if plan.dequant is None or (plan.keep_numel and not (x.requires_grad and keeps_dense(plan, x.dtype))):
         return _PlanFn.apply(x, bias, plan, None)
     w = plan.dequant(x.dtype)
     if x.requires_grad and KEPT_DENSE.take(w):
@@ -333,5 +338,5 @@ nvfp4_g4_linear.register_autograd(_g4_backward, setup_context=_g4_setup)
 
 __all__ = ["nvfp4_quantize", "nvfp4_dequantize", "nvfp4_linear", "nvfp4_linear_grad_input", "quantize",
            "dequantize", "grad_input", "plain_eager", "check_packed", "m_bucket", "Tuner", "LINEAR_TUNER", "KINDS",
-           "LinearPlan", "plan_linear", "plan_apply", "plan_lora_apply", "KEPT_DENSE", "nvfp4_g4_dequantize",
-           "nvfp4_g4_linear", "nvfp4_g4_linear_grad_input", "plan_linear_g4"]
+           "LinearPlan", "plan_linear", "plan_apply", "keeps_dense", "plan_lora_apply", "KEPT_DENSE",
+           "nvfp4_g4_dequantize", "nvfp4_g4_linear", "nvfp4_g4_linear_grad_input", "plan_linear_g4"]

@@ -145,9 +145,10 @@ def _atomic_launch(x2, packed, scale, rcp, bias, cfg):
 # ----------------------------------------------------------------------------------------------- plans
 class LinearPlan:
     """What one weight and one input (shape, dtype, device) need, decided once (see the module doc).
-    `forward(x, bias)` and `grad(g)` do only the per-call work; a dense plan (dequantize + cuBLAS) also hands out
-    `dequant(dtype)`, so that a training forward can keep the weight it made for its grad-input. `final` is False
-    for a config picked while nothing may be tuned (graph capture): such a plan serves its call and is not kept.
+    `forward(x, bias)` and `grad(g)` do only the per-call work; a dense plan (dequantize + cuBLAS) and a Gluon
+    plan also hand out `dequant(dtype)`, so that a training forward can keep the weight it made for grad-input.
+    `final` is False for a config picked while nothing may be tuned (graph capture): such a plan serves its call and
+    is not kept.
     `gen` is LINEAR_TUNER.gen when it was made (a plan is stale once the tuned table changes). Callers keep plans
     per weight and rebuild them when the weight tensors are replaced. `keep_numel`: for a plan whose forward runs its
     own kernel but also hands out `dequant`, the dense weight's element count (a training forward dequantizes only
