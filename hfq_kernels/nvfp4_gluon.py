@@ -88,9 +88,10 @@ if HAS_GLUON:
                                   is_pure=False, pack=1)
 
     @gluon.jit
-    def _g4_decode_a(w, s, RT: gl.constexpr, BN: gl.constexpr, L4: gl.constexpr, a_l: gl.constexpr):
-        """One 64-wide K chunk of RT row tiles: weight words w + scale bytes s -> the MMA's A operand [BN, 64]
-        in layout a_l (decoded in registers: e2m1 * scale * 2^-14)."""
+    def _g4_operands(w, s, xt, RT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, L4: gl.constexpr,
+                     a_l: gl.constexpr, b_l: gl.constexpr):
+        """One 64-wide K chunk: weight words w + scale bytes s -> the MMA's A operand [BN, 64] (decoded in
+        registers), x chunk xt -> its B operand [64, BM]."""
         w4 = gl.convert_layout(gl.reshape(w, [RT, 32, 2, 2]), L4, assert_trivial=True)
         s2 = s.to(gl.int32) * 0x00100010 + 0x73007300
         s4 = gl.broadcast(gl.expand_dims(s2, 3), w4)[0]
@@ -103,14 +104,7 @@ if HAS_GLUON:
         v = gl.join(lo, hi)  # [..., h]
         v = gl.reshape(v, [RT, 8, 4, 2, 2, 2, 2, 2])  # rt, g, c, hrow, wsub, i0, i1, h
         v = gl.permute(v, [0, 3, 1, 6, 5, 4, 2, 7])  # rt, hrow, g, i1, i0, wsub, c, h
-        return gl.convert_layout(gl.reshape(v, [BN, 64]), a_l, assert_trivial=True)
-
-    @gluon.jit
-    def _g4_operands(w, s, xt, RT: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr, L4: gl.constexpr,
-                     a_l: gl.constexpr, b_l: gl.constexpr):
-        """One 64-wide K chunk: the MMA's A operand [BN, 64] (_g4_decode_a) and, from the x chunk xt, its B
-        operand [64, BM]."""
-        a = _g4_decode_a(w, s, RT, BN, L4, a_l)
+        a = gl.convert_layout(gl.reshape(v, [BN, 64]), a_l, assert_trivial=True)
         xb = gl.permute(gl.reshape(xt, [BM, 4, 2, 4, 2]), [3, 2, 1, 4, 0])  # i, wsub, c, h, m
         b = gl.convert_layout(gl.reshape(xb, [64, BM]), b_l, assert_trivial=True)
         return a, b
