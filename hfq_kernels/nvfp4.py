@@ -182,13 +182,10 @@ def _traced(t: torch.Tensor) -> bool:
 
 
 # The linears and their grad-inputs (both layouts) are triton_ops: torch.compile traces into them, so a call that
-# dequantizes (more than 64 rows, and every grad-input but the few-row g4 kernel's) becomes the dequantize kernel,
+# dequantizes (more than FEW_ROWS rows, and every grad-input but the few-row g4 kernel's) becomes the dequantize kernel,
 # launched from inductor's code, and a product inductor sees, with no per-call Python. Eager calls run the per-call
 # plan. The few-row kernels (tuned canonical kernels, the Gluon forward, nvfp4_grad's grad-input) stay opaque ops
 # inside a traced body.
-_TRACED_DENSE_ROWS = 64  # a traced call with more rows dequantizes (the eager plans' choice at training sizes)
-
-
 @torch.library.triton_op("hfq::nvfp4_linear", mutates_args=())
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,7 +194,7 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, glo
     if not _traced(x):
         return plan_linear(x, packed, scale, global_scale, bias).forward(x, bias)
     check_linear(x, packed, scale, global_scale, bias)
-    if x.numel() <= _TRACED_DENSE_ROWS * x.shape[-1]:
+    if x.numel() <= g4.FEW_ROWS * x.shape[-1]:
         return torch.ops.hfq.nvfp4_linear_rows(x, packed, scale, global_scale, bias)
     return F.linear(x, dequantize_traced(packed, scale, global_scale, x.dtype), bias)
 

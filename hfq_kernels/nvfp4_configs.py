@@ -25,7 +25,7 @@ MM_DTYPES = (torch.bfloat16, torch.float16)
 
 def default_config(m: int, n: int, k: int, sms: int) -> dict:
     """Heuristic config used when no tuned choice exists (and during graph capture / compile)."""
-    return words_default(m, n, k, sms) if m <= 64 else dict(kind="dequant")
+    return words_default(m, n, k, sms) if m <= gluon.FEW_ROWS else dict(kind="dequant")
 
 
 def words_default(m: int, n: int, k: int, sms: int) -> dict:
@@ -64,7 +64,7 @@ def _split_range(n: int, bn: int, k: int, bk: int, splits, lo: int, hi: int):
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
     """Every config the tuner times for this shape."""
-    c = _words_candidates(m, n, k, sms) if m <= 64 else []
+    c = _words_candidates(m, n, k, sms) if m <= gluon.FEW_ROWS else []
     if m <= 4:
         bm = 1 if m == 1 else (2 if m == 2 else 4)
         for bn, bk, warps, stages in ((16, 256, 4, 3), (32, 256, 4, 3), (16, 512, 4, 2), (8, 512, 4, 3)):
@@ -74,7 +74,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
         for bn, bk, warps, stages in ((64, 256, 4, 4), (64, 512, 4, 3)):
             for split in _split_range(n, bn, k, bk, (1, 2, 4, 8, 16), sms, 8 * sms):
                 c.append(dict(kind="tile", BN=bn, BM=16, BK=bk, split=split, warps=warps, stages=stages, asm=True))
-    elif m <= 64:
+    elif m <= gluon.FEW_ROWS:
         for bn, bm, bk, warps, stages in ((64, 32, 128, 4, 4), (64, 64, 128, 4, 4), (128, 64, 128, 8, 3),
                                           (128, 32, 256, 4, 3)):
             if bm < m / 2:

@@ -35,6 +35,7 @@ from hfq_kernels.nvfp4_quant import recip
 _G4_SM = (0, 3, -3, 6)
 _G4_SS = (0, 3, 1, 2)
 ZERO_SCALE_BYTE = 208  # (bf16 bits 0x8000 - 0x7300) >> 4: decodes to -0.0
+FEW_ROWS = 64  # rows up to which the decode kernels run (the Gluon kernel's largest BM); above: dequantize + cuBLAS
 
 
 def _shifted(dst: str, a: int) -> str:
@@ -559,8 +560,8 @@ def device_ok(device: torch.device) -> bool:
 
 
 def supported(x2: torch.Tensor) -> bool:
-    """Whether the Gluon kernel can take x2 (bf16, M <= 64, CUDA sm_80+, gluon available, SETTINGS.gluon)."""
-    return (HAS_GLUON and not INTERPRET and x2.is_cuda and x2.dtype == torch.bfloat16 and x2.shape[0] <= 64
+    """Whether the Gluon kernel can take x2 (bf16, M <= FEW_ROWS, CUDA sm_80+, gluon available, SETTINGS.gluon)."""
+    return (HAS_GLUON and not INTERPRET and x2.is_cuda and x2.dtype == torch.bfloat16 and x2.shape[0] <= FEW_ROWS
             and SETTINGS.gluon and _sm80(x2.device))
 
 

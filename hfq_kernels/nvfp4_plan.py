@@ -307,7 +307,7 @@ def plan_linear(x, packed, scale, global_scale, bias=None, config: dict | None =
         return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, None, dequant)
     final = True
     if config is None:
-        config = LINEAR_TUNER.cached(m, n, k, dt, dev) if m > 64 else None
+        config = LINEAR_TUNER.cached(m, n, k, dt, dev) if m > gluon.FEW_ROWS else None
         if config is None or config["kind"] != "dequant":
             x2 = x.reshape(-1, k)
             if x2.stride(-1) != 1:
