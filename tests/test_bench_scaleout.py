@@ -11,7 +11,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def test_tiny_table_end_to_end(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    # the CPU table on any machine: with a GPU visible the jobs would run there (and need one GPU per rank)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+               CUDA_VISIBLE_DEVICES="")
     r = subprocess.run([sys.executable, SCRIPT, "--tiny", "--out", str(tmp_path), "--jobs",
                         "qft:ddp:1,qft:ddp:2,quest:fsdp2:2@3"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -34,8 +34,9 @@ def _free_port():
 
 
 def _env(**extra):
-    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1", **extra,
-                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    # CPU processes on any machine (a visible GPU would take both ranks); test_scaleout_gpu.py runs NCCL
+    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1", CUDA_VISIBLE_DEVICES="",
+                **extra, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
 
 
 def _run(cmd, env=None, ok=True):
@@ -167,8 +168,9 @@ def test_fsdp2_matches_single_process_and_resumes_on_one(runs, method):
 
 
 # ECO / QFT, sharded vs one process on the same global batch (same keyed SR draws): bf16 gradients are reduced in a
-# different order (ECO) and QFT's INT8 gradients are quantized per shard, so a few codes round the other way.
-QP_LOSS_TOL, QP_LOGIT_TOL = 1e-3, 0.15
+# different order (ECO) and QFT's INT8 gradients are quantized per shard, so a few codes round the other way. The
+# loss tolerance is DDP's for ECO (LOSS_TOL): how far the rounding carries depends on the CPU's kernels.
+QP_LOSS_TOL, QP_LOGIT_TOL = LOSS_TOL["eco"], 0.15
 
 
 @pytest.mark.parametrize("method", QPARAM_FSDP2)
