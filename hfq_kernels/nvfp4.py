@@ -43,25 +43,40 @@ _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", None)
 
 class _KeptDense:
     """Bytes of dequantized weights that training forwards (plan_apply) keep alive for their grad-input, held
-    under SETTINGS.grad_dense_gb. A kept weight is released when autograd frees it: after its backward, or right
-    after the forward under activation checkpointing (whose recompute keeps it again until that layer's backward)."""
+    under SETTINGS.grad_dense_gb. A kept weight is freed when autograd frees it: after its backward, or right after
+    the forward under activation checkpointing (whose recompute keeps it again until that layer's backward).
+    Kept weights are tracked by plain weak references, looked at only when the running total would pass the
+    budget: a release callback would run Python on autograd's device thread in every backward, which cost more
+    host time per layer call than this bookkeeping."""
 
     def __init__(self):
-        self.bytes = 0
+        self._refs: list = []  # (weakref to a kept weight, its bytes)
+        self._upper = 0  # bytes of the weights in _refs, freed ones included until the next prune
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of kept weights still alive."""
+        self._prune()
+        return self._upper
 
     def room(self, nbytes: int) -> bool:
-        return self.bytes + nbytes <= SETTINGS.grad_dense_gb * 2**30
+        cap = SETTINGS.grad_dense_gb * 2**30
+        if self._upper + nbytes <= cap:
+            return True
+        self._prune()
+        return self._upper + nbytes <= cap
 
     def take(self, w: torch.Tensor) -> bool:
         nbytes = w.numel() * w.element_size()
         if not self.room(nbytes):
             return False
-        self.bytes += nbytes
-        weakref.finalize(w, self._release, nbytes)
+        self._refs.append((weakref.ref(w), nbytes))
+        self._upper += nbytes
         return True
 
-    def _release(self, nbytes: int) -> None:
-        self.bytes -= nbytes
+    def _prune(self) -> None:
+        self._refs = [(r, n) for r, n in self._refs if r() is not None]
+        self._upper = sum(n for _, n in self._refs)
 
 
 KEPT_DENSE = _KeptDense()
