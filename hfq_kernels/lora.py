@@ -10,6 +10,9 @@ norm / attention / SiLU*mul kernels and the expands into RoPE / SiLU*mul measure
 batch 8). Where the base linear leaves split-K partials (the NVFP4 decode GEMV), the expand writes the base output
 itself from them (`expand_(base=...)`, the reduce kernel's bits): one launch fewer per group, 1.02x that step.
 The rollout decoder runs such a group's shrink on a side stream, concurrent with the base GEMV (hfq.rollout.decoder).
+The shrink computed by extra programs of the NVFP4 Gluon launch instead (no shrink launch, no fork, PDL kept) was
+slower in every form tried (decode step 4.5-6.0 ms vs 3.7 ms): programs light enough to keep the GEMV tiles' 80
+registers run a serial K loop longer than the GEMV, heavier ones cut the tiles' occupancy.
 """
 from __future__ import annotations
 
