@@ -45,31 +45,43 @@ class _KeptDense:
     """Bytes of dequantized weights that training forwards (plan_apply) keep alive for their grad-input, held
     under SETTINGS.grad_dense_gb. A kept weight is freed when autograd frees it: after its backward, or right after
     the forward under activation checkpointing (whose recompute keeps it again until that layer's backward).
-    Kept weights are tracked by plain weak references, looked at only when the running total would pass the
-    budget: a release callback would run Python on autograd's device thread in every backward, which cost more
-    host time per layer call than this bookkeeping."""
+    Kept weights are tracked by plain weak references, looked at (pruned) only when the running total would pass
+    the budget or the list has doubled: a release callback would run Python on autograd's device thread in every
+    backward, which cost more host time per layer call than this bookkeeping. A prune that finds the budget spent
+    makes the next 64 checks refuse without pruning (weights are freed by backward passes, not within a forward)."""
 
     def __init__(self):
         self._refs: list = []  # (weakref to a kept weight, its bytes)
         self._upper = 0  # bytes of the weights in _refs, freed ones included until the next prune
+        self._limit = 1024  # entries before a prune also for the list's sake (many small weights)
+        self._skip = 0  # room() checks answered "no" without a prune after a prune found the budget spent
 
     @property
     def bytes(self) -> int:
         """Bytes of kept weights still alive."""
         self._prune()
+        self._skip = 0
         return self._upper
 
     def room(self, nbytes: int) -> bool:
         cap = SETTINGS.grad_dense_gb * 2**30
         if self._upper + nbytes <= cap:
             return True
+        if self._skip > 0:
+            self._skip -= 1
+            return False
         self._prune()
-        return self._upper + nbytes <= cap
+        if self._upper + nbytes <= cap:
+            return True
+        self._skip = 64
+        return False
 
     def take(self, w: torch.Tensor) -> bool:
         nbytes = w.numel() * w.element_size()
         if not self.room(nbytes):
             return False
+        if len(self._refs) >= self._limit:
+            self._prune()
         self._refs.append((weakref.ref(w), nbytes))
         self._upper += nbytes
         return True
@@ -77,6 +89,7 @@ class _KeptDense:
     def _prune(self) -> None:
         self._refs = [(r, n) for r, n in self._refs if r() is not None]
         self._upper = sum(n for _, n in self._refs)
+        self._limit = max(1024, 2 * len(self._refs))  # amortized: a prune per as many takes as entries remain
 
 
 KEPT_DENSE = _KeptDense()

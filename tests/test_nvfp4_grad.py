@@ -150,3 +150,29 @@ def test_few_row_grads_take_the_fused_kernel(monkeypatch):
         assert got.shape == (*shape[:-1], 96)
         assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
     assert calls == [(10, 48)]
+
+
+def test_kept_dense_bookkeeping_bounds_bytes_and_entries(monkeypatch):
+    """KEPT_DENSE's weak-reference bookkeeping: room is refused past the budget and granted again once autograd has
+    freed kept weights (the freed ones are pruned when the running total would pass the budget); after a prune finds
+    the budget spent, the next checks refuse without pruning; many small kept weights do not grow the list without
+    bound; `bytes` is exact."""
+    from hfq_kernels.nvfp4 import _KeptDense
+
+    monkeypatch.setattr(SETTINGS, "grad_dense_gb", 4096 / 2**30)  # 4 KiB
+    k = _KeptDense()
+    ws = [torch.empty(256) for _ in range(4)]  # 1 KiB each
+    assert all(k.take(w) for w in ws) and k.bytes == 4096
+    extra = torch.empty(256)
+    assert not k.take(extra) and not k.room(1)  # spent: refused, then refused without a prune
+    assert k._skip > 0
+    del ws[:2]  # two weights freed (as autograd frees them after backward)
+    assert k.bytes == 2048  # exact; and it ends the skipping
+    assert k.take(extra) and k.bytes == 3072
+    monkeypatch.setattr(SETTINGS, "grad_dense_gb", 1.0)
+    k2 = _KeptDense()
+    for _ in range(5000):
+        assert k2.take(torch.empty(4))  # freed right away
+    assert len(k2._refs) <= 1024 and k2.bytes == 0
+    alive = [torch.empty(4) for _ in range(3000)]
+    assert all(k2.take(w) for w in alive) and k2.bytes == 3000 * 16 and len(k2._refs) == 3000
