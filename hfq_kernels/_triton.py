@@ -49,16 +49,29 @@ if not HAS_TRITON:
     triton = tl = _NoTriton()
 
 if HAS_TRITON and INTERPRET:
-    # Triton 3.6's interpreter turns loop bounds into 1-element arrays and calls int() on them, which
-    # NumPy >= 2.3 refuses; wrap its patch so __index__ reads the single element instead.
+    # Two fixes to Triton 3.6's interpreter, applied where it patches triton.language for a launch: it turns loop
+    # bounds into 1-element arrays and calls int() on them, which NumPy >= 2.3 refuses (__index__ reads the single
+    # element instead), and its tl.sort is far too slow for CI (NumPy sorts instead).
+    import numpy as np
     import triton.runtime.interpreter as _interp
 
     if not getattr(_interp._patch_lang_tensor, "_hfq_wrapped", False):
         _orig_patch = _interp._patch_lang_tensor
 
+        def _np_sort(x, dim=None, descending=0):
+            # The interpreter runs tl.sort as a bitonic network of Python-level reductions (about a second per
+            # 512-element row); NumPy gives the same order.
+            d = len(x.shape) - 1 if dim is None else int(getattr(dim, "value", dim))
+            data = np.sort(x.handle.data, axis=d, kind="stable")
+            if getattr(descending, "value", descending):
+                data = np.flip(data, axis=d).copy()
+            return tl.core.tensor(_interp.TensorHandle(data, x.handle.dtype), x.type)
+
         def _patch_lang_tensor(tensor, scope):
             _orig_patch(tensor, scope)
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+            scope.set_attr(tensor, "sort", _np_sort)
+            scope.set_attr(tl, "sort", _np_sort)
 
         _patch_lang_tensor._hfq_wrapped = True
         _interp._patch_lang_tensor = _patch_lang_tensor

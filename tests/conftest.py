@@ -82,3 +82,19 @@ def smollm2():
     from hfq.models import smollm2_135m_instruct
 
     return str(smollm2_135m_instruct())
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2, tmp_path_factory):
+    """The same checkpoint stored in fp32 (config dtype float32), for code that loads with the checkpoint's dtype on
+    CPU: CPUs without bf16 matrix instructions (AVX2) run bf16 GEMMs several times slower than fp32."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("smollm2_fp32")
+    AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).save_pretrained(out)
+    for f in Path(smollm2).iterdir():
+        if not (out / f.name).exists():
+            shutil.copy(f, out / f.name)
+    return str(out)

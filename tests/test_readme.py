@@ -3,7 +3,8 @@
 Each `## ` section's python blocks run in order as one script in a fresh interpreter (as a user would run them:
 no test environment, so CPU kernels take the torch path, not the Triton interpreter). Every snippet is complete
 (model, data, arguments); the one change is MODEL_ID, the Hub id of the same model, pointed at its local copy
-(no network here). The test appends a check of the outcome.
+(no network here), stored in fp32 on CPU so that snippets loading the checkpoint's dtype do not run bf16 GEMMs on
+a CPU without bf16 instructions (a snippet that names a dtype keeps it). The test appends a check of the outcome.
 """
 import os
 import re
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
@@ -67,10 +69,11 @@ def test_every_python_snippet_is_covered():
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", sorted(CHECKS))
-def test_readme_snippet_runs_on_smollm2(name, smollm2, tmp_path):
+def test_readme_snippet_runs_on_smollm2(name, smollm2, smollm2_fp32, tmp_path):
     code = "\n".join(sections()[name])
     assert code.count(MODEL_ID) == 1, f"README {name!r}: the snippet must define {MODEL_ID} once"
-    code = code.replace(MODEL_ID, f"model_id = {smollm2!r}")
+    local = smollm2 if torch.cuda.is_available() else smollm2_fp32
+    code = code.replace(MODEL_ID, f"model_id = {local!r}")
     script = f"# --- README.md\n{code}\n# --- check\n{CHECKS[name]}"
     (tmp_path / "snippet.py").write_text(script)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
