@@ -59,8 +59,8 @@ if HAS_TRITON and INTERPRET:
         _orig_patch = _interp._patch_lang_tensor
 
         def _np_sort(x, dim=None, descending=0):
-            # The interpreter runs tl.sort as a bitonic network of Python-level reductions (about a second per
-            # 512-element row); NumPy gives the same order.
+            # The interpreter runs tl.sort as a bitonic network of Python-level reductions; NumPy gives the same
+            # order.
             d = len(x.shape) - 1 if dim is None else int(getattr(dim, "value", dim))
             data = np.sort(x.handle.data, axis=d, kind="stable")
             if getattr(descending, "value", descending):

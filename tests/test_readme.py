@@ -69,10 +69,10 @@ def test_every_python_snippet_is_covered():
 
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", sorted(CHECKS))
-def test_readme_snippet_runs_on_smollm2(name, smollm2, smollm2_fp32, tmp_path):
+def test_readme_snippet_runs_on_smollm2(name, smollm2, request, tmp_path):
     code = "\n".join(sections()[name])
     assert code.count(MODEL_ID) == 1, f"README {name!r}: the snippet must define {MODEL_ID} once"
-    local = smollm2 if torch.cuda.is_available() else smollm2_fp32
+    local = smollm2 if torch.cuda.is_available() else request.getfixturevalue("smollm2_fp32")
     code = code.replace(MODEL_ID, f"model_id = {local!r}")
     script = f"# --- README.md\n{code}\n# --- check\n{CHECKS[name]}"
     (tmp_path / "snippet.py").write_text(script)
