@@ -87,20 +87,14 @@ def measure(ours: nn.Module, base: nn.Module, x: torch.Tensor, mode: str, calls:
                 times_us={k: [round(x * 1e6, 2) for x in v["times"]] for k, v in t.items()})
 
 
-def _plan_kind(layer, mode: str) -> str | None:
-    """The kernel kind NVFP4Linear's eager plan picked for the last shape (None: the op path, e.g. on CPU); for
-    fwdbwd, "kept" where the training forward kept the dense weight instead of running the plan's own kernel."""
-    from hfq_kernels.nvfp4 import keeps_dense
-
+def _plan_kind(layer) -> str | None:
+    """The kernel kind NVFP4Linear's eager plan picked for the last shape (None: the op path, e.g. on CPU)."""
     lin = getattr(layer, "base_layer", layer)
     st = lin.__dict__.get("_hfq_plans")
     if not st or not st[1]:
         return None
     plan = list(st[1].values())[-1]
-    kind = plan.config["kind"] if plan.config else "dense"
-    if mode == "fwdbwd" and keeps_dense(plan, torch.bfloat16):  # the benchmark's x is bf16
-        kind += " (kept)"
-    return kind
+    return plan.config["kind"] if plan.config else "dense"
 
 
 COLUMNS = {"layer": "layer", "K": "in", "N": "out", "M": "M", "mode": "mode", "ours_us": "ours us",
@@ -112,8 +106,9 @@ def save(rows: list, calls: int, rounds: int, out: str | None, extra: dict) -> s
     notes = (f"{calls} back-to-back calls, one sync, {rounds} interleaved rounds. us per call: median (range min-max "
              "over rounds). ratio = median ours / median bf16 (range: worst to best pairing of rounds); < 1 means ours "
              "is faster. fwd: no_grad forward; fwdbwd: forward + grad of x (+ LoRA A/B), frozen base. kind: the "
-             "kernel our eager plan chose; (kept): the training forward kept the dense weight (dequantize + F.linear) "
-             "instead of running it.")
+             "kernel our eager plan chose (gluon: the few-row decode kernel, whose training calls take the few-row "
+             "grad-input kernel in backward; dequant: dequantize + cuBLAS, the training forward keeping its dense "
+             "weight for grad-input).")
     return write("nvfp4_overhead", rows, COLUMNS, notes, out_dir=out, extra=extra,
                  title="NVFP4Linear vs bf16 nn.Linear: per-call time, host work included")[1]
 
@@ -169,7 +164,7 @@ def main():
                     row = dict(layer=name, K=k, N=n, M=m, mode=mode)
                     try:
                         row.update(measure(o, b, x, mode, calls, a.rounds))
-                        row["kind"] = _plan_kind(o, mode)
+                        row["kind"] = _plan_kind(o)
                     except Exception as e:  # noqa: BLE001  (keep the other rows)
                         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     rows.append(row)

@@ -40,8 +40,8 @@ class KernelSettings:
     decode kernel and the g4 layout where it runs. autotune: HFQ_AUTOTUNE, time kernel configs for shapes missing
     from the tuned tables. autotune_cache: HFQ_AUTOTUNE_CACHE, a writable JSON file of tuned choices. bind:
     HFQ_TRITON_BIND, launch planned kernels through their compiled launcher (BoundLaunch). grad_dense_gb:
-    HFQ_NVFP4_GRAD_DENSE_GB, GiB of dequantized NVFP4 weights that forwards may keep alive for their grad-input
-    (default 2; 0 recomputes them in every backward). plan_on_cpu (no
+    HFQ_NVFP4_GRAD_DENSE_GB, GiB of dequantized NVFP4 weights that dequantizing training forwards may keep alive
+    for their grad-input (default 2; 0 recomputes them in every backward). plan_on_cpu (no
     variable; tests set it): NVFP4Linear sends CPU tensors through its plans too (needs `interpret`)."""
 
     interpret: bool

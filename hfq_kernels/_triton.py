@@ -225,6 +225,36 @@ class LRU(OrderedDict):
         return v
 
 
+class _SplitScratch:
+    """Scratch of split-K launches whose last program per output tile sums the partials itself (one launch, no
+    reduce kernel): fp32 partials and int32 arrival counters, one pair per (device, stream), grown to the
+    largest launch. Launches on one stream run one after another, so they share it safely; the summing program
+    sets its tile's counter back to zero. Inside a CUDA graph capture each launch gets its own pair (the graph
+    keeps it), so replays never share scratch with eager launches."""
+
+    def __init__(self):
+        self._bufs: dict = {}
+
+    def get(self, device: torch.device, numel: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cuda = device.type == "cuda"
+        if cuda and torch._C._cuda_isCurrentStreamCapturing():
+            return (torch.empty(numel, dtype=torch.float32, device=device),
+                    torch.zeros(tiles, dtype=torch.int32, device=device))
+        if cuda and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (device, torch._C._cuda_getCurrentRawStream(device.index) if cuda else 0)
+        b = self._bufs.get(key)
+        if b is None or b[0].numel() < numel or b[1].numel() < tiles:
+            old = (0, 0) if b is None else (b[0].numel(), b[1].numel())
+            # freed buffers are reused only by later work on this stream (the caching allocator's stream order)
+            b = self._bufs[key] = (torch.empty(max(numel, old[0]), dtype=torch.float32, device=device),
+                                   torch.zeros(max(tiles, old[1]), dtype=torch.int32, device=device))
+        return b
+
+
+SPLIT_SCRATCH = _SplitScratch()
+
+
 def checkpointing() -> bool:
     """Whether torch.utils.checkpoint's saved-tensor hooks (its forward's, or its recompute's) are the active ones:
     a tensor saved for backward then lives only from the recompute to that layer's backward."""

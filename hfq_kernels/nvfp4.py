@@ -117,22 +117,15 @@ class _PlanFn(torch.autograd.Function):
         return gx, gb, None, None
 
 
-def keeps_dense(plan: LinearPlan, dtype: torch.dtype) -> bool:
-    """Whether a training forward of a plan with its own few-row kernel (keep_numel) keeps its dense weight of
-    `dtype` for grad-input now, i.e. KEPT_DENSE has room for it (plan_apply's choice; benchmarks report it)."""
-    return bool(plan.keep_numel) and KEPT_DENSE.room(plan.keep_numel * dtype.itemsize)
-
-
 def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
-    """plan.forward(x, bias) with its gradient where one is wanted (x or bias requires one). A training forward
-    keeps the dense weight for grad-input where KEPT_DENSE allows: then the product is F.linear's own, whose C++
-    autograd saves that weight (so activation checkpointing drops and recomputes it) and runs grad-input as one
-    cuBLAS call. That is also taken by plans with their own few-row kernel (keep_numel): at few rows a call is
-    host-bound, and the kernel's Python autograd node and split-K launches cost more host time than the extra
-    dequantize costs GPU time. Otherwise _PlanFn runs the plan's forward and its grad in backward."""
+    """plan.forward(x, bias) with its gradient where one is wanted (x or bias requires one). A dense plan's
+    training forward keeps the dense weight it made for grad-input where KEPT_DENSE allows: then the product is
+    F.linear's own, whose C++ autograd saves that weight (so activation checkpointing drops and recomputes it) and
+    runs grad-input as one cuBLAS call. Otherwise (and always for plans with their own few-row kernel, whose
+    grad is nvfp4_grad's one-launch kernel) _PlanFn runs the plan's forward and its grad in backward."""
     if not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
         return plan.forward(x, bias)
-    if plan.dequant is None or (plan.keep_numel and not (x.requires_grad and keeps_dense(plan, x.dtype))):
+    if plan.dequant is None:
         return _PlanFn.apply(x, bias, plan, None)
     w = plan.dequant(x.dtype)
     if x.requires_grad and KEPT_DENSE.take(w):
@@ -363,5 +356,5 @@ nvfp4_g4_linear.register_autograd(_g4_backward, setup_context=_g4_setup)
 
 __all__ = ["nvfp4_quantize", "nvfp4_dequantize", "nvfp4_linear", "nvfp4_linear_grad_input", "quantize",
            "dequantize", "grad_input", "plain_eager", "check_packed", "m_bucket", "Tuner", "LINEAR_TUNER", "KINDS",
-           "LinearPlan", "plan_linear", "plan_apply", "keeps_dense", "plan_lora_apply", "KEPT_DENSE",
+           "LinearPlan", "plan_linear", "plan_apply", "plan_lora_apply", "KEPT_DENSE",
            "nvfp4_g4_dequantize", "nvfp4_g4_linear", "nvfp4_g4_linear_grad_input", "plan_linear_g4"]

@@ -28,8 +28,8 @@ import weakref
 import torch
 
 from hfq_kernels._settings import SETTINGS
-from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, BoundLaunch, cdiv, e2m1_to_f32, f32_to_bf16_rne,
-                                 pdl_bound, tl, triton)
+from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, SPLIT_SCRATCH, BoundLaunch, cdiv, e2m1_to_f32,
+                                 f32_to_bf16_rne, pdl_bound, tl, triton)
 from hfq_kernels.nvfp4_quant import recip
 
 _G4_SM = (0, 3, -3, 6)
@@ -128,6 +128,37 @@ if HAS_GLUON:
                    PREFETCH: gl.constexpr, PDL: gl.constexpr = False):
         _g4_tile(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, y_ptr, M, N, K, KC, NT, stride_xm, stride_ym, cps,
                  gl.program_id(0), gl.program_id(1), gl.program_id(2), BM, R, HAS_BIAS, PARTIAL, PREFETCH, PDL)
+
+    @gluon.jit
+    def _g4_serial_kernel(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, p_ptr, y_ptr, cnt_ptr, M, N, K, KC, NT,
+                          stride_xm, stride_ym, cps, BM: gl.constexpr, R: gl.constexpr, HAS_BIAS: gl.constexpr,
+                          PREFETCH: gl.constexpr, PDL: gl.constexpr = False):
+        """_g4_kernel with split-K in one launch: each program writes its fp32 partial [split, M, N] (p_ptr); the
+        last of a tile's splits to finish (counted in cnt_ptr) sums them in split order, adds the bias, writes
+        y and resets the counter (what _g4_kernel + nvfp4_matmul's split-K reduce compute, bit for bit)."""
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        _g4_tile(x_ptr, wr_ptr, sr_ptr, recip_ptr, b_ptr, p_ptr, M, N, K, KC, NT, stride_xm, N, cps,
+                 pid_n, pid_m, gl.program_id(2), BM, R, False, True, PREFETCH, PDL)
+        W: gl.constexpr = gl.num_warps()
+        BN: gl.constexpr = R * W * 16
+        gl.thread_barrier()  # every thread's partial is written before the arrival is counted
+        tile = pid_n * gl.num_programs(1) + pid_m
+        split = gl.num_programs(2)
+        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu") == split - 1:
+            L: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, W], [1, 0])
+            mo = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, L))
+            rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, L))
+            mask = gl.expand_dims(mo < M, 1) & gl.expand_dims(rn < N, 0)
+            off = gl.expand_dims(mo.to(gl.int64) * N, 1) + gl.expand_dims(rn, 0)
+            tot = gl.zeros([BM, BN], gl.float32, layout=L)
+            for s in range(split):
+                tot += gl.load(p_ptr + s * M * N + off, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += gl.expand_dims(gl.load(b_ptr + rn, mask=rn < N, other=0.0).to(gl.float32), 0)
+            gl.store(y_ptr + gl.expand_dims(mo.to(gl.int64) * stride_ym, 1) + gl.expand_dims(rn, 0),
+                     tot.to(y_ptr.dtype.element_ty), mask=mask)
+            gl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
 
     @gluon.jit
     def _g4_group_kernel(x_ptr, wr0, sr0, rc0, b0, y0, wr1, sr1, rc1, b1, y1, wr2, sr2, rc2, b2, y2,
@@ -576,13 +607,27 @@ def default_config(m: int, n: int, k: int, sms: int) -> dict:
     return dict(kind="gluon", BM=bm, R=r, warps=warps, split=split)
 
 
-def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool):
+def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool, serial: bool = False):
     """run(x2, wr, sr, recip, bias, dst, y_stride): launch() with the grid and meta-parameters of this
-    (M, N, K, config, split) worked out once (per-shape plans keep it)."""
+    (M, N, K, config, split) worked out once (per-shape plans keep it). dst is y [M, N] (split 1) or fp32
+    partials [split, M, N]; with `serial` and split > 1, dst is y and the launch sums its splits itself
+    (_g4_serial_kernel, scratch from SPLIT_SCRATCH)."""
     nt, kc = cdiv(n, 16), cdiv(k, 64)
     bm, r, warps = cfg["BM"], cfg["R"], cfg.get("warps", 4)
     partial = split > 1
     grid = (cdiv(nt, r * warps), cdiv(m, bm), split)
+    if serial and partial:
+        sbound = pdl_bound(_g4_serial_kernel, grid, dict(BM=bm, R=r, HAS_BIAS=has_bias,
+                                                         PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps))
+        tiles = grid[0] * grid[1]
+
+        def run_serial(x2, wr, sr, recip, bias, dst, y_stride):
+            dev = x2.device
+            part, cnt = SPLIT_SCRATCH.get(dev, split * m * n, tiles)
+            sbound.pick(dev)(x2, wr, sr, recip, bias if bias is not None else recip, part, dst, cnt, m, n, k, kc,
+                             nt, x2.stride(0), y_stride, cps)
+
+        return run_serial
     meta = dict(BM=bm, R=r, HAS_BIAS=has_bias and not partial, PARTIAL=partial,
                 PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps)
 
@@ -625,7 +670,7 @@ def group_launcher(m: int, ns: tuple, k: int, cfg: dict, split: int, cps: int, h
 _LAUNCHERS = LRU(512)  # (M, N, K, config, split, cps, bias?) -> launcher(), shared by the plans of one shape
 
 
-def bound_launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool):
+def bound_launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool, serial: bool = False):
     """launcher() of this shape and config, made once and kept (plans made per call, e.g. the ops', share it)."""
-    key = (m, n, k, tuple(sorted(cfg.items())), split, cps, has_bias)
-    return _LAUNCHERS.get_or(key, lambda: launcher(m, n, k, cfg, split, cps, has_bias))
+    key = (m, n, k, tuple(sorted(cfg.items())), split, cps, has_bias, serial)
+    return _LAUNCHERS.get_or(key, lambda: launcher(m, n, k, cfg, split, cps, has_bias, serial))

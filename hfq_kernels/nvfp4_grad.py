@@ -1,36 +1,35 @@
 """NVFP4 grad-input for few rows: dx = g @ dequant(W) read straight from the g4 layout (hfq_kernels.nvfp4_gluon).
 
-For M <= MAX_ROWS rows of g (decode-sized micro-batches) and weights of at least MIN_WEIGHT elements,
-dequantize + cuBLAS writes and re-reads the whole dense weight (2 bytes per element, twice) to use it for a few
-rows; this kernel reads the 4-bit codes and their scale bytes once, decodes a [32, BC] tile in registers
-(nvfp4_gluon.g4_decode_words: the values dequantize_g4 writes, rounded to bf16 the same way) and multiplies it
-into [M, BC] fp32 sums. Program (c, s): output columns BC*c .. BC*c + BC - 1 over the weight rows of split s;
-splits > 1 write fp32 partials that nvfp4_matmul's split-K reduce sums. The result is `g @ dequantize_g4(...)`
-up to fp32 summation order. It serves the grad-input of few-row calls that keep no dense weight: eager ones once
-HFQ_NVFP4_GRAD_DENSE_GB is spent (before that, a training forward keeps its weight: hfq_kernels.nvfp4.plan_apply)
-and compiled ones (hfq::nvfp4_g4_grad_input_rows).
+For M <= MAX_ROWS rows of g (decode-sized micro-batches), dequantize + cuBLAS writes and re-reads the whole dense
+weight (2 bytes per element, twice) to use it for a few rows; this kernel reads the 4-bit codes and their scale
+bytes once, decodes a [32, BC] tile in registers (nvfp4_gluon.g4_decode_words: the values dequantize_g4 writes,
+rounded to bf16 the same way) and multiplies it into [M, BC] fp32 sums. Program (c, s): output columns
+BC*c .. BC*c + BC - 1 over the weight rows of split s; with splits > 1 each writes fp32 partials and the last
+program of column block c to finish sums them in split order (one launch, no reduce kernel; scratch from
+_triton.SPLIT_SCRATCH). The result is `g @ dequantize_g4(...)` up to fp32 summation order. It serves the
+grad-input of few-row eager training calls (the Gluon forward's plans: nvfp4_plan.plan_linear_g4) and of compiled
+ones (hfq::nvfp4_g4_grad_input_rows).
 """
 from __future__ import annotations
 
 import torch
 
-from hfq_kernels._triton import INTERPRET, LRU, BoundLaunch, cdiv, f32_to_bf16_rne, sm_count, tl, triton
+from hfq_kernels._triton import (INTERPRET, LRU, SPLIT_SCRATCH, BoundLaunch, cdiv, f32_to_bf16_rne, sm_count, tl,
+                                 triton)
 from hfq_kernels.nvfp4_gluon import g4_decode_words
-from hfq_kernels.nvfp4_matmul import _splitk_reduce_kernel
 from hfq_kernels.nvfp4_quant import recip
 
 MAX_ROWS = 16  # rows of g the kernel takes; more go through dequantize + cuBLAS
-# weights (out x in elements) the kernel takes: below this its second launch (the split reduce) costs more host
-# time than its decode saves GPU time (7B shapes on the H100: 3584 x 3584 stays with dequantize + cuBLAS)
-MIN_WEIGHT = 1 << 24
 _BM, _BC, _RT = 16, 64, 2  # padded rows, output columns and 16-row weight tiles per step
 
 
 @triton.jit
-def _g4_grad_kernel(g_ptr, wr_ptr, sr_ptr, recip_ptr, out_ptr, M, N, K, KC, NT, stride_gm, tiles_per_split,
-                    BM: tl.constexpr, BC: tl.constexpr, RT: tl.constexpr, PARTIAL: tl.constexpr,
+def _g4_grad_kernel(g_ptr, wr_ptr, sr_ptr, recip_ptr, out_ptr, y_ptr, cnt_ptr, M, N, K, KC, NT, stride_gm,
+                    tiles_per_split, BM: tl.constexpr, BC: tl.constexpr, RT: tl.constexpr, PARTIAL: tl.constexpr,
                     F32_DOT: tl.constexpr):
-    """out[:, BC*c : BC*c + BC] (+)= g[:, rows of split s] @ W[rows of split s, same columns]."""
+    """out[:, BC*c : BC*c + BC] (+)= g[:, rows of split s] @ W[rows of split s, same columns]. PARTIAL: out is
+    fp32 partials [split, M, K]; the last program of a column block to finish (counted in cnt_ptr[c]) sums
+    them in split order into y [M, K] and resets its counter."""
     R: tl.constexpr = 16 * RT
     pc = tl.program_id(0)
     ps = tl.program_id(1)
@@ -63,15 +62,28 @@ def _g4_grad_kernel(g_ptr, wr_ptr, sr_ptr, recip_ptr, out_ptr, M, N, K, KC, NT, 
     omask = m_ok & (col < K)[None, :]
     if PARTIAL:
         tl.store(out_ptr + (ps * M + m[:, None]).to(tl.int64) * K + col[None, :], acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+        if tl.atomic_add(cnt_ptr + pc, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+            tot = tl.zeros((BM, BC), dtype=tl.float32)
+            for s in range(0, tl.num_programs(1)):
+                tot += tl.load(out_ptr + (s * M + m[:, None]).to(tl.int64) * K + col[None, :], mask=omask,
+                               other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + m[:, None].to(tl.int64) * K + col[None, :], f32_to_bf16_rne(tot), mask=omask)
+            tl.atomic_xchg(cnt_ptr + pc, 0)
     else:
         tl.store(out_ptr + m[:, None].to(tl.int64) * K + col[None, :], f32_to_bf16_rne(acc), mask=omask)
 
 
+def takes(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel serves a grad [m, n] of `dtype` on `device` for an [n, k] weight: bf16, 1 <= m <=
+    MAX_ROWS, on CUDA (CPU under the interpreter)."""
+    return (dtype == torch.bfloat16 and 0 < m <= MAX_ROWS
+            and (device.type == "cuda" or (INTERPRET and device.type == "cpu")))
+
+
 def fused_ok(g2: torch.Tensor, k: int) -> bool:
-    """Whether grad_input_g4_fused serves g2 [M, N] for an [N, k] weight: bf16, 1 <= M <= MAX_ROWS, N k >=
-    MIN_WEIGHT, on CUDA (CPU under the interpreter)."""
-    return (g2.dtype == torch.bfloat16 and 0 < g2.shape[0] <= MAX_ROWS and g2.shape[1] * k >= MIN_WEIGHT
-            and (g2.is_cuda or (INTERPRET and g2.is_cpu)))
+    """takes() for the grad g2 [M, N] itself."""
+    return takes(g2.shape[0], g2.shape[1], k, g2.dtype, g2.device)
 
 
 def split_rows(n: int, k: int, sms: int) -> tuple[int, int]:
@@ -83,32 +95,32 @@ def split_rows(n: int, k: int, sms: int) -> tuple[int, int]:
     return cdiv(nt, tiles), tiles
 
 
-_BOUND = LRU(512)  # (m, n, k, device) -> (grad launch, reduce launch or None, splits, tiles per split)
-
-
-def _launches(m: int, n: int, k: int, dev: torch.device):
-    sms = sm_count(dev) if dev.type == "cuda" else 4
-    split, tiles = split_rows(n, k, sms)
+def grad_launcher(m: int, n: int, k: int, dev: torch.device):
+    """run(g2, wr, sr, recip) -> dx [m, k] for a contiguous bf16 g2 [m, n] (see takes): the launch of this shape
+    decided once (grid, split over the weight rows, scratch sizes), one kernel per call."""
+    split, tiles = split_rows(n, k, sm_count(dev) if dev.type == "cuda" else 4)
     grad = BoundLaunch(_g4_grad_kernel, (cdiv(k, _BC), split),
                        dict(BM=_BM, BC=_BC, RT=_RT, PARTIAL=split > 1, F32_DOT=INTERPRET, num_warps=4,
                             num_stages=3))
-    red = None
-    if split > 1:
-        red = BoundLaunch(_splitk_reduce_kernel, (cdiv(m * k, 1024),), dict(HAS_BIAS=False, BLOCK=1024, num_warps=4))
-    return grad, red, split, tiles
+    kc, nt, cols, numel = cdiv(k, 64), cdiv(n, 16), cdiv(k, _BC), split * m * k
+
+    def run(g2, wr, sr, rcp):
+        out = torch.empty((m, k), dtype=g2.dtype, device=dev)
+        part, cnt = SPLIT_SCRATCH.get(dev, numel, cols) if split > 1 else (out, out)
+        grad(g2, wr, sr, rcp, part, out, cnt, m, n, k, kc, nt, g2.stride(0), tiles)
+        return out
+
+    return run
+
+
+_BOUND = LRU(512)  # (m, n, k, device) -> grad_launcher(m, n, k, device)
 
 
 def grad_input_g4_fused(g2: torch.Tensor, wr, sr, global_scale, n: int, k: int) -> torch.Tensor:
-    """dx [M, k] = g2 [M, n] @ dequant(W) for a g4 weight (see fused_ok); no shape checks (callers validate)."""
+    """dx [M, k] = g2 [M, n] @ dequant(W) for a g4 weight (see fused_ok) in one launch; no shape checks
+    (callers validate)."""
     m = g2.shape[0]
     if g2.stride(-1) != 1:
         g2 = g2.contiguous()
     dev = g2.device
-    grad, red, split, tiles = _BOUND.get_or((m, n, k, dev), lambda: _launches(m, n, k, dev))
-    out = torch.empty((m, k), dtype=g2.dtype, device=dev)
-    dst = out if red is None else torch.empty((split, m, k), dtype=torch.float32, device=dev)
-    rcp = recip(global_scale)
-    grad(g2, wr, sr, rcp, dst, m, n, k, cdiv(k, 64), cdiv(n, 16), g2.stride(0), tiles)
-    if red is not None:
-        red(dst, dst, out, m, k, split, k)
-    return out
+    return _BOUND.get_or((m, n, k, dev), lambda: grad_launcher(m, n, k, dev))(g2, wr, sr, recip(global_scale))

@@ -19,7 +19,7 @@ from hfq_kernels._autotune import _capturing as _autotune_capturing
 from hfq_kernels._triton import INTERPRET, cdiv, pdl_bound, sm_count
 from hfq_kernels.nvfp4_configs import (KINDS, LINEAR_TUNER, MM_DTYPES, candidates, default_config, gluon_config,
                                        splits, words_default)
-from hfq_kernels.nvfp4_grad import fused_ok, grad_input_g4_fused
+from hfq_kernels.nvfp4_grad import fused_ok, grad_input_g4_fused, grad_launcher, takes
 from hfq_kernels.nvfp4_matmul import _gemv_kernel, _mm_kernel, _splitk_reduce_kernel, _words_kernel
 from hfq_kernels.nvfp4_quant import _dequantize_kernel, check_packed, recip
 
@@ -145,21 +145,18 @@ def _atomic_launch(x2, packed, scale, rcp, bias, cfg):
 # ----------------------------------------------------------------------------------------------- plans
 class LinearPlan:
     """What one weight and one input (shape, dtype, device) need, decided once (see the module doc).
-    `forward(x, bias)` and `grad(g)` do only the per-call work; a dense plan (dequantize + cuBLAS) and a Gluon
-    plan also hand out `dequant(dtype)`, so that a training forward can keep the weight it made for grad-input.
-    `final` is False for a config picked while nothing may be tuned (graph capture): such a plan serves its call and
-    is not kept.
+    `forward(x, bias)` and `grad(g)` do only the per-call work; a dense plan (dequantize + cuBLAS) also hands out
+    `dequant(dtype)`, so that a training forward can keep the weight it made for grad-input (plans with their own
+    kernel have none). `final` is False for a config picked while nothing may be tuned (graph capture): such a plan
+    serves its call and is not kept.
     `gen` is LINEAR_TUNER.gen when it was made (a plan is stale once the tuned table changes). Callers keep plans
-    per weight and rebuild them when the weight tensors are replaced. `keep_numel`: for a plan whose forward runs its
-    own kernel but also hands out `dequant`, the dense weight's element count (a training forward dequantizes only
-    where that weight can be kept for grad-input); 0 for dense plans, whose forward dequantizes anyway."""
+    per weight and rebuild them when the weight tensors are replaced."""
 
-    __slots__ = ("forward", "grad", "final", "gen", "config", "dequant", "keep_numel")
+    __slots__ = ("forward", "grad", "final", "gen", "config", "dequant")
 
-    def __init__(self, forward, grad, final: bool, gen: int, config, dequant=None, keep_numel: int = 0):
+    def __init__(self, forward, grad, final: bool, gen: int, config, dequant=None):
         self.forward, self.grad, self.final, self.gen, self.config = forward, grad, final, gen, config
         self.dequant = dequant  # dtype -> the dense weight (F.linear's operand)
-        self.keep_numel = keep_numel
 
 
 class _PlanCtx:
@@ -255,11 +252,22 @@ def _words(c: _PlanCtx, cfg: dict):
     return _finish(c, split, launch)
 
 
-def _gluon(c: _PlanCtx, config: dict):
-    """The planned forward of the Gluon kernel: forward(x, b, (wr, sr)) on tensors in the g4 layout."""
-    split, cps = splits(cdiv(c.k, 64), config.get("split", 1))
-    run = gluon.bound_launcher(c.m, c.n, c.k, config, split, cps, c.has_bias)
-    return _finish(c, split, lambda x2, b, dst, y, w: run(x2, w[0], w[1], c.recip(), b, dst, c.n))
+def _gluon(c: _PlanCtx, config: dict, ws=None):
+    """The planned forward of the Gluon kernel on tensors in the g4 layout, one launch (a split-K launch sums its
+    own splits): forward(x, b) on the weight ws = (wr, sr), or forward(x, b, (wr, sr)) where ws is None."""
+    m, n, k, dt, dev, out_shape, gs = c.m, c.n, c.k, c.dt, c.dev, c.out_shape, c.global_scale
+    split, cps = splits(cdiv(k, 64), config.get("split", 1))
+    run = gluon.bound_launcher(m, n, k, config, split, cps, c.has_bias, serial=True)
+
+    def fwd(x, b, w=ws):
+        x2 = x.reshape(m, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = torch.empty((m, n), dtype=dt, device=dev)
+        run(x2, w[0], w[1], recip(gs), b, y, n)
+        return y.view(out_shape)
+
+    return fwd
 
 
 def _kind_forward(c: _PlanCtx, kind: str, config: dict, x):
@@ -324,8 +332,8 @@ def plan_linear(x, packed, scale, global_scale, bias=None, config: dict | None =
 
 def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     """plan_linear() for a weight in the g4 layout: the Gluon kernel where gluon.supported(x), else dequantize_g4 +
-    cuBLAS (config kind "dequant"); grad is grad_input_g4. A Gluon plan also hands out `dequant` (keep_numel), for
-    training forwards that keep the weight. Raises for bad inputs."""
+    cuBLAS (config kind "dequant"); grad is grad_input_g4 (for a Gluon plan's <= MAX_ROWS rows, nvfp4_grad's
+    launch decided here). Raises for bad inputs."""
     check_g4_call(x, wr, sr, global_scale, bias, n, k)
     run_dequant = gluon.dequantizer(wr, sr, n, k)
 
@@ -345,5 +353,15 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     config = gluon_config(m, n, k, x.device)
     c = _PlanCtx(m=m, n=n, k=k, dt=x.dtype, dev=x.device, global_scale=global_scale,
                  has_bias=bias is not None, out_shape=(*x.shape[:-1], n))
-    g4, ws = _gluon(c, config), (wr, sr)
-    return LinearPlan(lambda x, b: g4(x, b, ws), grad, True, LINEAR_TUNER.gen, config, dequant, n * k)
+    if takes(m, n, k, x.dtype, x.device):  # the grad of this forward's output: same rows, dtype and device
+        run_grad = grad_launcher(m, n, k, x.device)
+        gshape, dshape = c.out_shape, (*x.shape[:-1], k)
+
+        def grad(g, generic=grad):
+            if g.dtype != torch.bfloat16 or g.shape != gshape:
+                return generic(g)
+            g2 = g.reshape(m, n)
+            if g2.stride(-1) != 1:
+                g2 = g2.contiguous()
+            return run_grad(g2, wr, sr, recip(global_scale)).view(dshape)
+    return LinearPlan(_gluon(c, config, (wr, sr)), grad, True, LINEAR_TUNER.gen, config)

@@ -321,7 +321,7 @@ def test_inductor_traces_into_the_linear(m, layout):
 
     from hfq.nvfp4 import NVFP4Linear
 
-    n, k = 4096, 4096  # large enough for the few-row grad kernel (nvfp4_grad.MIN_WEIGHT)
+    n, k = 4096, 4096
     torch.manual_seed(8)
     lin = torch.nn.Linear(k, n).to("cuda", torch.bfloat16)
     lay = NVFP4Linear(k, n, device="cuda", dtype=torch.bfloat16)

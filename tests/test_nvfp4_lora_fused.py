@@ -99,8 +99,8 @@ def test_fused_matches_peft_forward_and_grads(planned, dropout, shape):
 
 @pytest.mark.parametrize("keep_gb", [0.0, 2.0])
 def test_fused_path_is_taken_and_matches_without_grad(planned, monkeypatch, keep_gb):
-    """The same kernels with and without grad give the same bits; a few-row training forward that keeps its dense
-    weight (budget room, a GPU) multiplies with cuBLAS instead of the Gluon kernel: equal up to bf16 rounding."""
+    """The same kernels with and without grad give the same bits, whatever the kept-weight budget (few-row
+    training forwards keep no dense weight)."""
     monkeypatch.setattr(SETTINGS, "grad_dense_gb", keep_gb)
     pm = _model()
     x = torch.randn(6, 96, dtype=torch.bfloat16, device=DEV, requires_grad=True)
@@ -108,11 +108,7 @@ def test_fused_path_is_taken_and_matches_without_grad(planned, monkeypatch, keep
     assert _fused(y)
     with torch.no_grad():
         y0 = pm(x)
-    if keep_gb == 0.0:
-        torch.testing.assert_close(y0, y.detach(), rtol=0, atol=0)
-    else:
-        err = float((y0.float() - y.detach().float()).norm() / y0.float().norm())
-        assert err < 1e-2, err
+    torch.testing.assert_close(y0, y.detach(), rtol=0, atol=0)
 
 
 def _peft_taken(pm, x) -> bool:
