@@ -106,7 +106,7 @@ def main():
             print(rows[-1], flush=True)
     notes = ("x = dequant time / kernel time (> 1: the kernel is faster; range: worst to best pairing of rounds). "
              "gpu: CUDA-graph replay of 20 calls (no host work); eager: 100 back-to-back calls, one sync. NVFP4Linear "
-             "takes the kernel for <= 16 bf16 rows of weights of >= 2^24 elements (hfq_kernels.nvfp4_grad.fused_ok).")
+             "takes the kernel for <= 16 bf16 rows (hfq_kernels.nvfp4_grad.fused_ok).")
     print(write("nvfp4_grad_input", rows, COLUMNS, notes, out_dir=a.out,
                 title="NVFP4 grad-input at few rows: g4 decode kernel vs dequantize + cuBLAS")[1])
 
