@@ -7,8 +7,8 @@ rounded to bf16 the same way) and multiplies it into [M, BC] fp32 sums. Program 
 BC*c .. BC*c + BC - 1 over the weight rows of split s; with splits > 1 each writes fp32 partials and the last
 program of column block c to finish sums them in split order (one launch, no reduce kernel; scratch from
 _triton.SPLIT_SCRATCH). The result is `g @ dequantize_g4(...)` up to fp32 summation order. It serves the
-grad-input of few-row eager training calls (the Gluon forward's plans: nvfp4_plan.plan_linear_g4) and of compiled
-ones (hfq::nvfp4_g4_grad_input_rows).
+grad-input of few-row eager training calls (nvfp4_plan.grad_input_g4, every g4 plan's grad) and of compiled ones
+(hfq::nvfp4_g4_grad_input_rows).
 """
 from __future__ import annotations
 
@@ -74,16 +74,11 @@ def _g4_grad_kernel(g_ptr, wr_ptr, sr_ptr, recip_ptr, out_ptr, y_ptr, cnt_ptr, M
         tl.store(out_ptr + m[:, None].to(tl.int64) * K + col[None, :], f32_to_bf16_rne(acc), mask=omask)
 
 
-def takes(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the kernel serves a grad [m, n] of `dtype` on `device` for an [n, k] weight: bf16, 1 <= m <=
-    MAX_ROWS, on CUDA (CPU under the interpreter)."""
-    return (dtype == torch.bfloat16 and 0 < m <= MAX_ROWS
-            and (device.type == "cuda" or (INTERPRET and device.type == "cpu")))
-
-
 def fused_ok(g2: torch.Tensor, k: int) -> bool:
-    """takes() for the grad g2 [M, N] itself."""
-    return takes(g2.shape[0], g2.shape[1], k, g2.dtype, g2.device)
+    """Whether grad_input_g4_fused serves g2 [M, N] for an [N, k] weight: bf16, 1 <= M <= MAX_ROWS, on CUDA (CPU
+    under the interpreter)."""
+    return (g2.dtype == torch.bfloat16 and 0 < g2.shape[0] <= MAX_ROWS
+            and (g2.is_cuda or (INTERPRET and g2.is_cpu)))
 
 
 def split_rows(n: int, k: int, sms: int) -> tuple[int, int]:
@@ -96,7 +91,7 @@ def split_rows(n: int, k: int, sms: int) -> tuple[int, int]:
 
 
 def grad_launcher(m: int, n: int, k: int, dev: torch.device):
-    """run(g2, wr, sr, recip) -> dx [m, k] for a contiguous bf16 g2 [m, n] (see takes): the launch of this shape
+    """run(g2, wr, sr, recip) -> dx [m, k] for a bf16 g2 [m, n] (see fused_ok): the launch of this shape
     decided once (grid, split over the weight rows, scratch sizes), one kernel per call."""
     split, tiles = split_rows(n, k, sm_count(dev) if dev.type == "cuda" else 4)
     grad = BoundLaunch(_g4_grad_kernel, (cdiv(k, _BC), split),

@@ -19,7 +19,7 @@ from hfq_kernels._autotune import _capturing as _autotune_capturing
 from hfq_kernels._triton import INTERPRET, cdiv, pdl_bound, sm_count
 from hfq_kernels.nvfp4_configs import (KINDS, LINEAR_TUNER, MM_DTYPES, candidates, default_config, gluon_config,
                                        splits, words_default)
-from hfq_kernels.nvfp4_grad import fused_ok, grad_input_g4_fused, grad_launcher, takes
+from hfq_kernels.nvfp4_grad import fused_ok, grad_input_g4_fused
 from hfq_kernels.nvfp4_matmul import _gemv_kernel, _mm_kernel, _splitk_reduce_kernel, _words_kernel
 from hfq_kernels.nvfp4_quant import _dequantize_kernel, check_packed, recip
 
@@ -252,22 +252,12 @@ def _words(c: _PlanCtx, cfg: dict):
     return _finish(c, split, launch)
 
 
-def _gluon(c: _PlanCtx, config: dict, ws=None):
-    """The planned forward of the Gluon kernel on tensors in the g4 layout, one launch (a split-K launch sums its
-    own splits): forward(x, b) on the weight ws = (wr, sr), or forward(x, b, (wr, sr)) where ws is None."""
-    m, n, k, dt, dev, out_shape, gs = c.m, c.n, c.k, c.dt, c.dev, c.out_shape, c.global_scale
-    split, cps = splits(cdiv(k, 64), config.get("split", 1))
-    run = gluon.bound_launcher(m, n, k, config, split, cps, c.has_bias, serial=True)
-
-    def fwd(x, b, w=ws):
-        x2 = x.reshape(m, k)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        y = torch.empty((m, n), dtype=dt, device=dev)
-        run(x2, w[0], w[1], recip(gs), b, y, n)
-        return y.view(out_shape)
-
-    return fwd
+def _gluon(c: _PlanCtx, config: dict):
+    """The planned forward of the Gluon kernel: forward(x, b, (wr, sr)) on tensors in the g4 layout, one launch
+    (a split-K launch sums its own splits)."""
+    split, cps = splits(cdiv(c.k, 64), config.get("split", 1))
+    run = gluon.bound_launcher(c.m, c.n, c.k, config, split, cps, c.has_bias, serial=True)
+    return _finish(c, 1, lambda x2, b, dst, y, w: run(x2, w[0], w[1], c.recip(), b, y, c.n))
 
 
 def _kind_forward(c: _PlanCtx, kind: str, config: dict, x):
@@ -332,8 +322,8 @@ def plan_linear(x, packed, scale, global_scale, bias=None, config: dict | None =
 
 def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     """plan_linear() for a weight in the g4 layout: the Gluon kernel where gluon.supported(x), else dequantize_g4 +
-    cuBLAS (config kind "dequant"); grad is grad_input_g4 (for a Gluon plan's <= MAX_ROWS rows, nvfp4_grad's
-    launch decided here). Raises for bad inputs."""
+    cuBLAS (config kind "dequant"); grad is grad_input_g4 (<= MAX_ROWS bf16 rows: nvfp4_grad's one-launch
+    kernel). Raises for bad inputs."""
     check_g4_call(x, wr, sr, global_scale, bias, n, k)
     run_dequant = gluon.dequantizer(wr, sr, n, k)
 
@@ -353,15 +343,5 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     config = gluon_config(m, n, k, x.device)
     c = _PlanCtx(m=m, n=n, k=k, dt=x.dtype, dev=x.device, global_scale=global_scale,
                  has_bias=bias is not None, out_shape=(*x.shape[:-1], n))
-    if takes(m, n, k, x.dtype, x.device):  # the grad of this forward's output: same rows, dtype and device
-        run_grad = grad_launcher(m, n, k, x.device)
-        gshape, dshape = c.out_shape, (*x.shape[:-1], k)
-
-        def grad(g, generic=grad):
-            if g.dtype != torch.bfloat16 or g.shape != gshape:
-                return generic(g)
-            g2 = g.reshape(m, n)
-            if g2.stride(-1) != 1:
-                g2 = g2.contiguous()
-            return run_grad(g2, wr, sr, recip(global_scale)).view(dshape)
-    return LinearPlan(_gluon(c, config, (wr, sr)), grad, True, LINEAR_TUNER.gen, config)
+    g4, ws = _gluon(c, config), (wr, sr)
+    return LinearPlan(lambda x, b: g4(x, b, ws), grad, True, LINEAR_TUNER.gen, config)

@@ -75,8 +75,8 @@ def test_budget_caps_the_kept_weights(monkeypatch):
 
 
 def _spy_grad_launches(monkeypatch):
-    """Record the g2 shape of every few-row grad-input kernel launch (the plans' own and grad_input_g4_fused's)."""
-    from hfq_kernels import nvfp4_grad, nvfp4_plan
+    """Record the g2 shape of every few-row grad-input kernel launch (grad_input_g4_fused's launchers)."""
+    from hfq_kernels import nvfp4_grad
     from hfq_kernels._triton import LRU
 
     calls = []
@@ -87,7 +87,6 @@ def _spy_grad_launches(monkeypatch):
         return lambda *b: calls.append(tuple(b[0].shape)) or run(*b)
 
     monkeypatch.setattr(nvfp4_grad, "grad_launcher", spy)
-    monkeypatch.setattr(nvfp4_plan, "grad_launcher", spy)
     monkeypatch.setattr(nvfp4_grad, "_BOUND", LRU(8))
     return calls
 
