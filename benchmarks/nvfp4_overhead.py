@@ -11,7 +11,11 @@ rounds (default 3) with ours and the baseline interleaved (ours, bf16, ours, bf1
 median, the range (min-max over rounds) and the ratio of medians ours/bf16 (with its range: worst to best
 pairing of rounds). Rows are written to nvfp4_overhead.{json,md} after each one, so a killed run keeps
 what it measured. The LoRA layers are PEFT's own (get_peft_model, r=32, alpha=64, no dropout), timed as the
-wrapped layer (PEFT's LoRA Linear / hfq's NVFP4LoraLinear), without the PeftModel wrapper around it.
+wrapped layer (PEFT's LoRA Linear / hfq's NVFP4LoraLinear), without the PeftModel wrapper around it, with the
+adapter weights in bf16 as QeRL's training runs them (bf16 adapters, or fp32 ones under bf16 autocast; PEFT's fp32
+adapters without autocast take PEFT's own forward on both sides).
+The "pyfn" rows time the floor of any layer written in Python: a torch.autograd.Function around the same bf16
+F.linear (its backward g @ W), against nn.Linear; NVFP4Linear's eager route is such a Function.
 """
 from __future__ import annotations
 
@@ -56,7 +60,32 @@ def _lora(layer: nn.Module, device) -> nn.Module:
 
     pm = peft.get_peft_model(_Holder(layer, device), peft.LoraConfig(r=32, lora_alpha=64, lora_dropout=0.0,
                                                              target_modules=["proj"]))
+    for name, p in pm.named_parameters():
+        if "lora_" in name:
+            p.data = p.data.to(torch.bfloat16)
     return pm.base_model.model.proj
+
+
+class _PyLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.w = w
+        return torch.nn.functional.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g @ ctx.w, None
+
+
+class _PyLinear(nn.Module):
+    """nn.Linear's product (frozen weight) through a Python autograd.Function: the host cost of the pattern."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base = base
+
+    def forward(self, x):
+        return _PyLinearFn.apply(x, self.base.weight)
 
 
 def measure(ours: nn.Module, base: nn.Module, x: torch.Tensor, mode: str, calls: int, rounds: int,
@@ -108,7 +137,7 @@ def save(rows: list, calls: int, rounds: int, out: str | None, extra: dict) -> s
              "is faster. fwd: no_grad forward; fwdbwd: forward + grad of x (+ LoRA A/B), frozen base. kind: the "
              "kernel our eager plan chose (gluon: the few-row decode kernel, whose training calls take the few-row "
              "grad-input kernel in backward; dequant: dequantize + cuBLAS, the training forward keeping its dense "
-             "weight for grad-input).")
+             "weight for grad-input). pyfn rows: 'ours' is the same bf16 product through a Python autograd.Function.")
     return write("nvfp4_overhead", rows, COLUMNS, notes, out_dir=out, extra=extra,
                  title="NVFP4Linear vs bf16 nn.Linear: per-call time, host work included")[1]
 
@@ -154,7 +183,7 @@ def main():
         torch.manual_seed(0)
         base = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16).requires_grad_(False)
         ours = NVFP4Linear.from_linear(base)
-        layers = [("linear", ours, base)]
+        layers = [("linear", ours, base), ("pyfn", _PyLinear(base), base)]
         if not a.no_lora:
             layers.append(("lora_r32", _lora(NVFP4Linear.from_linear(base), dev), _lora(base, dev)))
         for m in ms:

@@ -437,6 +437,33 @@ def test_bound_launch_same_values_and_jit_path_for_new_specializations(dtype):
     assert all(torch.equal(run(recip, dtype).cpu(), ref) for _ in range(2))
 
 
+@pytest.mark.parametrize("m", [1, 8, 40])
+def test_plans_on_misaligned_weights(m):
+    """A plan whose weight tensors start off a 16-byte boundary (views into larger buffers): its bound launches see
+    the misalignment and take the JIT path; forward and few-row grad match an aligned copy's, bit for bit."""
+    from hfq_kernels.nvfp4_plan import plan_linear_g4
+
+    n, k = 48, 320
+    lay = _layer(n, k, bias=False, seed=5).to(DEV).to_g4_layout_()
+    wr, sr, gs = lay.weight_g4, lay.weight_g4_scale, lay.weight_global_scale
+
+    def shifted(t):  # the same values, 4 bytes (one word) past an aligned start
+        flat = torch.empty(t.numel() * t.element_size() + 4, dtype=torch.uint8, device=t.device)
+        v = flat[4:].view(t.dtype).view(t.shape)
+        v.copy_(t)
+        return v
+
+    wr2, sr2 = shifted(wr), shifted(sr)
+    assert wr2.data_ptr() & 15 and torch.equal(wr2, wr)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=DEV)
+    g = torch.randn(m, n, dtype=torch.bfloat16, device=DEV)
+    want = plan_linear_g4(x, wr, sr, gs, None, n, k)
+    got = plan_linear_g4(x, wr2, sr2, gs, None, n, k)
+    for _ in range(2):  # the second call takes the bound launches where they exist
+        assert torch.equal(got.forward(x, None), want.forward(x, None))
+        assert torch.equal(got.grad(g), want.grad(g))
+
+
 @pytest.mark.skipif(not (torch.cuda.is_available() and G4.device_ok(torch.device("cuda"))),
                     reason="bound launches exist on a GPU only (the interpreter takes the JIT path)")
 @pytest.mark.parametrize("m, bias, keep_gb", [(8, False, 0.0), (8, True, 0.0), (8, True, 2.0), (96, True, 2.0)])
