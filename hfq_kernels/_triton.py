@@ -89,6 +89,11 @@ def on_gpu(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
+def aligned16(*tensors) -> bool:
+    """Whether every tensor given (None skipped) starts on a 16-byte boundary, as compiled launches assume."""
+    return all(t is None or not t.data_ptr() & 15 for t in tensors)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -304,10 +309,10 @@ def pdl_meta(device: torch.device) -> dict:
     return dict(PDL=True, launch_pdl=True) if pdl(device) else dict(PDL=False)
 
 
-def pdl_bound(kernel, grid, meta: dict):
+def pdl_bound(kernel, grid, meta: dict, check: tuple | None = None):
     """Two BoundLaunch of `kernel` (PDL off / on); call the result's `pick(device)` at launch time."""
-    return _PdlBound(BoundLaunch(kernel, grid, dict(meta, PDL=False)),
-                     BoundLaunch(kernel, grid, dict(meta, PDL=True, launch_pdl=True)))
+    return _PdlBound(BoundLaunch(kernel, grid, dict(meta, PDL=False), check),
+                     BoundLaunch(kernel, grid, dict(meta, PDL=True, launch_pdl=True), check))
 
 
 class _PdlBound:
@@ -343,12 +348,15 @@ class BoundLaunch:
     launch-metadata work (tens of microseconds of host time per launch). A later call must match what Triton
     specialized on: the same scalar arguments, tensor dtypes and 16-byte alignment, and the same current device;
     one that does not, a CPU call (the interpreter), or SETTINGS.bind off (HFQ_TRITON_BIND=0) takes the JIT path.
-    Launch hooks (profilers) are honoured: while one is installed the compiled kernel's own launcher is used."""
+    Launch hooks (profilers) are honoured: while one is installed the compiled kernel's own launcher is used.
+    `check`: the positions of the arguments compared per call (default: all). A caller whose other arguments are
+    fixed for the launcher's life (a per-shape plan's weights, checked for dtype and alignment when it is made,
+    its scalars, allocator-made outputs and scratch) names only the per-call ones."""
 
-    __slots__ = ("kernel", "grid", "meta", "ck", "tail", "tensors", "scalars", "dev", "raw")
+    __slots__ = ("kernel", "grid", "meta", "check", "ck", "tail", "tensors", "scalars", "dev", "raw")
 
-    def __init__(self, kernel, grid, meta: dict):
-        self.kernel, self.meta = kernel, dict(meta)
+    def __init__(self, kernel, grid, meta: dict, check: tuple | None = None):
+        self.kernel, self.meta, self.check = kernel, dict(meta), check
         self.grid = tuple(grid) + (1,) * (3 - len(grid))  # the compiled kernel's launcher takes all three
         self.ck = self.tail = self.tensors = self.scalars = self.dev = self.raw = None
 
@@ -393,8 +401,9 @@ class BoundLaunch:
             else:
                 return
         self.tail = tuple(tail)
-        self.tensors = tuple((i, a.dtype) for i, a in tensors)
-        self.scalars = tuple((i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor))
+        per_call = range(len(args)) if self.check is None else self.check
+        self.tensors = tuple((i, a.dtype) for i, a in tensors if i in per_call)
+        self.scalars = tuple((i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor) and i in per_call)
         self.dev = torch._C._cuda_getDevice()  # the device Triton loaded the kernel on (its current one)
         self.raw = _raw_launch(ck)
         self.ck = ck

@@ -607,35 +607,40 @@ def default_config(m: int, n: int, k: int, sms: int) -> dict:
     return dict(kind="gluon", BM=bm, R=r, warps=warps, split=split)
 
 
-def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool, serial: bool = False):
-    """run(x2, wr, sr, recip, bias, dst, y_stride): launch() with the grid and meta-parameters of this
-    (M, N, K, config, split) worked out once (per-shape plans keep it). dst is y [M, N] (split 1) or fp32
+def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool, serial: bool = False,
+             fixed: bool = False):
+    """run(x2, wr, sr, recip, bias, dst, y_stride, x_stride=None): launch() with the grid and meta-parameters of
+    this (M, N, K, config, split) worked out once (per-shape plans keep it); x_stride: x2's row stride (default
+    x2.stride(0); a plan passes K for any contiguous x). dst is y [M, N] (split 1) or fp32
     partials [split, M, N]; with `serial` and split > 1, dst is y and the launch sums its splits itself
-    (_g4_serial_kernel, scratch from SPLIT_SCRATCH)."""
+    (_g4_serial_kernel, scratch from SPLIT_SCRATCH). `fixed`: a plan's launches, whose wr, sr and recip were
+    checked once (g4 dtypes, 16-byte aligned), dst is allocator-made and y_stride is N: only x2, its row stride
+    and the bias are compared per call."""
     nt, kc = cdiv(n, 16), cdiv(k, 64)
     bm, r, warps = cfg["BM"], cfg["R"], cfg.get("warps", 4)
     partial = split > 1
     grid = (cdiv(nt, r * warps), cdiv(m, bm), split)
     if serial and partial:
         sbound = pdl_bound(_g4_serial_kernel, grid, dict(BM=bm, R=r, HAS_BIAS=has_bias,
-                                                         PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps))
+                                                         PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps),
+                           check=(0, 4, 13) if fixed else None)
         tiles = grid[0] * grid[1]
 
-        def run_serial(x2, wr, sr, recip, bias, dst, y_stride):
+        def run_serial(x2, wr, sr, recip, bias, dst, y_stride, x_stride=None):
             dev = x2.device
             part, cnt = SPLIT_SCRATCH.get(dev, split * m * n, tiles)
             sbound.pick(dev)(x2, wr, sr, recip, bias if bias is not None else recip, part, dst, cnt, m, n, k, kc,
-                             nt, x2.stride(0), y_stride, cps)
+                             nt, x2.stride(0) if x_stride is None else x_stride, y_stride, cps)
 
         return run_serial
     meta = dict(BM=bm, R=r, HAS_BIAS=has_bias and not partial, PARTIAL=partial,
                 PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps)
 
-    bound = pdl_bound(_g4_kernel, grid, meta)
+    bound = pdl_bound(_g4_kernel, grid, meta, check=(0, 4, 11) if fixed else None)
 
-    def run(x2, wr, sr, recip, bias, dst, y_stride):
+    def run(x2, wr, sr, recip, bias, dst, y_stride, x_stride=None):
         bound.pick(x2.device)(x2, wr, sr, recip, bias if bias is not None else recip, dst, m, n, k, kc, nt,
-                              x2.stride(0), y_stride, cps)
+                              x2.stride(0) if x_stride is None else x_stride, y_stride, cps)
 
     return run
 
@@ -670,7 +675,8 @@ def group_launcher(m: int, ns: tuple, k: int, cfg: dict, split: int, cps: int, h
 _LAUNCHERS = LRU(512)  # (M, N, K, config, split, cps, bias?) -> launcher(), shared by the plans of one shape
 
 
-def bound_launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool, serial: bool = False):
+def bound_launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool, serial: bool = False,
+                   fixed: bool = False):
     """launcher() of this shape and config, made once and kept (plans made per call, e.g. the ops', share it)."""
-    key = (m, n, k, tuple(sorted(cfg.items())), split, cps, has_bias, serial)
-    return _LAUNCHERS.get_or(key, lambda: launcher(m, n, k, cfg, split, cps, has_bias, serial))
+    key = (m, n, k, tuple(sorted(cfg.items())), split, cps, has_bias, serial, fixed)
+    return _LAUNCHERS.get_or(key, lambda: launcher(m, n, k, cfg, split, cps, has_bias, serial, fixed))

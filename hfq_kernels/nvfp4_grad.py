@@ -7,7 +7,7 @@ rounded to bf16 the same way) and multiplies it into [M, BC] fp32 sums. Program 
 BC*c .. BC*c + BC - 1 over the weight rows of split s; with splits > 1 each writes fp32 partials and the last
 program of column block c to finish sums them in split order (one launch, no reduce kernel; scratch from
 _triton.SPLIT_SCRATCH). The result is `g @ dequantize_g4(...)` up to fp32 summation order. It serves the
-grad-input of few-row eager training calls (nvfp4_plan.grad_input_g4, every g4 plan's grad) and of compiled ones
+grad-input of few-row eager training calls (nvfp4_plan.g4_grad, every g4 plan's grad) and of compiled ones
 (hfq::nvfp4_g4_grad_input_rows).
 """
 from __future__ import annotations
@@ -77,8 +77,13 @@ def _g4_grad_kernel(g_ptr, wr_ptr, sr_ptr, recip_ptr, out_ptr, y_ptr, cnt_ptr, M
 def fused_ok(g2: torch.Tensor, k: int) -> bool:
     """Whether grad_input_g4_fused serves g2 [M, N] for an [N, k] weight: bf16, 1 <= M <= MAX_ROWS, on CUDA (CPU
     under the interpreter)."""
-    return (g2.dtype == torch.bfloat16 and 0 < g2.shape[0] <= MAX_ROWS
-            and (g2.is_cuda or (INTERPRET and g2.is_cpu)))
+    return fused_rows_ok(g2.shape[0], g2.dtype, g2.device)
+
+
+def fused_rows_ok(m: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """fused_ok for grads of m rows of `dtype` on `device`."""
+    return (dtype == torch.bfloat16 and 0 < m <= MAX_ROWS
+            and (device.type == "cuda" or (INTERPRET and device.type == "cpu")))
 
 
 def split_rows(n: int, k: int, sms: int) -> tuple[int, int]:
@@ -90,32 +95,39 @@ def split_rows(n: int, k: int, sms: int) -> tuple[int, int]:
     return cdiv(nt, tiles), tiles
 
 
-def grad_launcher(m: int, n: int, k: int, dev: torch.device):
-    """run(g2, wr, sr, recip) -> dx [m, k] for a bf16 g2 [m, n] (see fused_ok): the launch of this shape
-    decided once (grid, split over the weight rows, scratch sizes), one kernel per call."""
+def grad_launcher(m: int, n: int, k: int, dev: torch.device, fixed: bool = False):
+    """run(g2, wr, sr, recip, g_stride=None, out_shape=None) -> dx [m, k] (or out_shape, m rows of k) for a bf16
+    g2 of m rows of n (see fused_ok), rows g_stride apart (default g2.stride(0)): the launch of this shape
+    decided once (grid, split over the weight rows, scratch sizes), one kernel per call. `fixed`: a plan's
+    launches, whose wr, sr and recip were checked once (g4 dtypes, 16-byte aligned): only g2 and its row stride
+    are compared per call."""
     split, tiles = split_rows(n, k, sm_count(dev) if dev.type == "cuda" else 4)
     grad = BoundLaunch(_g4_grad_kernel, (cdiv(k, _BC), split),
                        dict(BM=_BM, BC=_BC, RT=_RT, PARTIAL=split > 1, F32_DOT=INTERPRET, num_warps=4,
-                            num_stages=3))
+                            num_stages=3), check=(0, 12) if fixed else None)
     kc, nt, cols, numel = cdiv(k, 64), cdiv(n, 16), cdiv(k, _BC), split * m * k
 
-    def run(g2, wr, sr, rcp):
-        out = torch.empty((m, k), dtype=g2.dtype, device=dev)
+    def run(g2, wr, sr, rcp, g_stride=None, out_shape=None):
+        out = torch.empty((m, k) if out_shape is None else out_shape, dtype=g2.dtype, device=dev)
         part, cnt = SPLIT_SCRATCH.get(dev, numel, cols) if split > 1 else (out, out)
-        grad(g2, wr, sr, rcp, part, out, cnt, m, n, k, kc, nt, g2.stride(0), tiles)
+        grad(g2, wr, sr, rcp, part, out, cnt, m, n, k, kc, nt, g2.stride(0) if g_stride is None else g_stride,
+             tiles)
         return out
 
     return run
 
 
-_BOUND = LRU(512)  # (m, n, k, device) -> grad_launcher(m, n, k, device)
+_BOUND = LRU(512)  # (m, n, k, device, fixed) -> grad_launcher(m, n, k, device, fixed)
+
+
+def bound_grad(m: int, n: int, k: int, dev: torch.device, fixed: bool = False):
+    """grad_launcher() of this shape, made once and kept (shared by the plans and calls of one shape)."""
+    return _BOUND.get_or((m, n, k, dev, fixed), lambda: grad_launcher(m, n, k, dev, fixed))
 
 
 def grad_input_g4_fused(g2: torch.Tensor, wr, sr, global_scale, n: int, k: int) -> torch.Tensor:
     """dx [M, k] = g2 [M, n] @ dequant(W) for a g4 weight (see fused_ok) in one launch; no shape checks
     (callers validate)."""
-    m = g2.shape[0]
     if g2.stride(-1) != 1:
         g2 = g2.contiguous()
-    dev = g2.device
-    return _BOUND.get_or((m, n, k, dev), lambda: grad_launcher(m, n, k, dev))(g2, wr, sr, recip(global_scale))
+    return bound_grad(g2.shape[0], n, k, g2.device)(g2, wr, sr, recip(global_scale))

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from hfq_kernels import nvfp4_gluon as gluon
 from hfq_kernels._autotune import Tuner
 from hfq_kernels._autotune import _capturing as _autotune_capturing
-from hfq_kernels._triton import INTERPRET, cdiv, pdl_bound, sm_count
+from hfq_kernels._triton import INTERPRET, aligned16, cdiv, pdl_bound, sm_count
 from hfq_kernels.nvfp4_configs import (KINDS, LINEAR_TUNER, MM_DTYPES, candidates, default_config, gluon_config,
                                        splits, words_default)
-from hfq_kernels.nvfp4_grad import fused_ok, grad_input_g4_fused
+from hfq_kernels.nvfp4_grad import bound_grad, fused_rows_ok
 from hfq_kernels.nvfp4_matmul import _gemv_kernel, _mm_kernel, _splitk_reduce_kernel, _words_kernel
 from hfq_kernels.nvfp4_quant import _dequantize_kernel, check_packed, recip
 
@@ -78,17 +78,32 @@ def grad_input(g, packed, scale, global_scale):
     return g @ dequantizer(packed, scale, global_scale)(g.dtype)
 
 
-def grad_input_g4(g, wr, sr, global_scale, n: int, k: int, dequant=None):
-    """grad_x = g @ dequant(W) for a weight in the g4 layout (a plan's `grad`): for a few bf16 rows of a large
-    weight (nvfp4_grad.fused_ok) one kernel that decodes the codes in registers, else dequantize (Triton; a plan
-    passes its own `dequant(dtype)`), then cuBLAS."""
+def grad_input_g4(g, wr, sr, global_scale, n: int, k: int):
+    """grad_x = g @ dequant(W) for a weight in the g4 layout: g4_grad for g's rows, run once."""
     check_grad_width(g, n, "nvfp4_g4_linear_grad_input")
-    g2 = g.reshape(-1, n)
-    if fused_ok(g2, k):
-        return grad_input_g4_fused(g2, wr, sr, global_scale, n, k).view(*g.shape[:-1], k)
-    if dequant is not None:
-        return g @ dequant(g.dtype)
-    return g @ gluon.dequantize_g4(wr, sr, global_scale, n, k, g.dtype)
+    return g4_grad(g.numel() // n, n, k, wr, sr, global_scale, g.dtype, g.device)(g)
+
+
+def g4_grad(m: int, n: int, k: int, wr, sr, global_scale, dtype, device, dequant=None, fixed: bool = False):
+    """grad(g) -> g @ dequant(W) for grads g of m rows (dtype, device) and a g4 weight, decided once (a plan
+    keeps it): for a few bf16 rows (nvfp4_grad.fused_rows_ok) one kernel that decodes the codes in registers,
+    else dequantize (`dequant(dtype)`: a plan's own; default dequantize_g4), then cuBLAS. `fixed`: wr, sr and
+    global_scale were checked for the kernel's launches (nvfp4_grad.grad_launcher)."""
+    if fused_rows_ok(m, dtype, device):
+        run = bound_grad(m, n, k, device, fixed)
+
+        def grad(g):
+            if g.is_contiguous():  # rows n apart, read in place; dx made in g's leading shape
+                return run(g, wr, sr, recip(global_scale), n, (*g.shape[:-1], k))
+            g2 = g.reshape(m, n)
+            if g2.stride(-1) != 1:
+                g2 = g2.contiguous()
+            return run(g2, wr, sr, recip(global_scale)).view(*g.shape[:-1], k)
+        return grad
+    if dequant is None:
+        def dequant(dt):
+            return gluon.dequantize_g4(wr, sr, global_scale, n, k, dt)
+    return lambda g: g @ dequant(g.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- launches
@@ -205,25 +220,30 @@ def _pick(x2, packed, scale, global_scale, bias, m, n, k) -> tuple[dict, bool]:
 
 
 def _finish(c: _PlanCtx, dst_split: int, launch):
-    """forward(x, b, aux) around launch(x2, b, dst, y, aux): y [M, N] written directly (split 1) or via fp32
-    partials [split, M, N] and the reduce kernel."""
+    """forward(x, b, aux) around launch(x2, xs, b, dst, y, aux) (x2's M rows xs elements apart): y (x's leading
+    shape, N) written directly (split 1) or via fp32 partials [split, M, N] and the reduce kernel. A contiguous x
+    is read in place (its rows are K apart whatever its shape): no view is made, which autograd would track."""
     m, n, k = c.m, c.n, c.k
     rgrid = (cdiv(m * n, 1024),)
     reduce = {hb: pdl_bound(_splitk_reduce_kernel, rgrid, dict(HAS_BIAS=hb, BLOCK=1024, num_warps=4))
               for hb in (False, True)}
 
     def fwd(x, b, aux=None):
-        x2 = x.reshape(m, k)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        y = torch.empty((m, n), dtype=c.dt, device=c.dev)
+        if x.is_contiguous():
+            x2, xs = x, k
+        else:
+            x2 = x.reshape(m, k)
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            xs = x2.stride(0)
+        y = torch.empty(c.out_shape, dtype=c.dt, device=c.dev)
         if dst_split == 1:
-            launch(x2, b, y, y, aux)
+            launch(x2, xs, b, y, y, aux)
         else:
             dst = torch.empty((dst_split, m, n), dtype=torch.float32, device=c.dev)
-            launch(x2, b, dst, y, aux)
+            launch(x2, xs, b, dst, y, aux)
             reduce[b is not None].pick(c.dev)(dst, b if b is not None else c.recip(), y, m, n, dst_split, n)
-        return y.view(c.out_shape)
+        return y
 
     return fwd
 
@@ -245,19 +265,22 @@ def _words(c: _PlanCtx, cfg: dict):
                 PREFETCH=bool(cfg.get("prefetch", True)), F32_DOT=INTERPRET,
                 num_warps=cfg.get("warps", 4), num_stages=cfg.get("stages", 1))
 
-    def launch(x2, b, dst, y, aux):
+    def launch(x2, xs, b, dst, y, aux):
         rcp = c.recip()
-        _words_kernel[grid](x2, wq, su8, rcp, b if b is not None else rcp, dst, m, n, k, x2.stride(0), n, cps, **meta)
+        _words_kernel[grid](x2, wq, su8, rcp, b if b is not None else rcp, dst, m, n, k, xs, n, cps, **meta)
 
     return _finish(c, split, launch)
 
 
-def _gluon(c: _PlanCtx, config: dict):
-    """The planned forward of the Gluon kernel: forward(x, b, (wr, sr)) on tensors in the g4 layout, one launch
-    (a split-K launch sums its own splits)."""
+def _gluon(c: _PlanCtx, config: dict, ws=None):
+    """The planned forward of the Gluon kernel on tensors in the g4 layout, one launch (a split-K launch sums its
+    own splits): forward(x, b) on the plan's ws = (wr, sr), or forward(x, b, (wr, sr)) where ws is None."""
     split, cps = splits(cdiv(c.k, 64), config.get("split", 1))
-    run = gluon.bound_launcher(c.m, c.n, c.k, config, split, cps, c.has_bias, serial=True)
-    return _finish(c, 1, lambda x2, b, dst, y, w: run(x2, w[0], w[1], c.recip(), b, y, c.n))
+    run = gluon.bound_launcher(c.m, c.n, c.k, config, split, cps, c.has_bias, serial=True, fixed=c.fixed)
+    if ws is not None:
+        wr, sr = ws
+        return _finish(c, 1, lambda x2, xs, b, dst, y, aux: run(x2, wr, sr, c.recip(), b, y, c.n, xs))
+    return _finish(c, 1, lambda x2, xs, b, dst, y, w: run(x2, w[0], w[1], c.recip(), b, y, c.n, xs))
 
 
 def _kind_forward(c: _PlanCtx, kind: str, config: dict, x):
@@ -316,13 +339,13 @@ def plan_linear(x, packed, scale, global_scale, bias=None, config: dict | None =
     if kind == "dequant":
         return LinearPlan(dense, grad, final, gen, config, dequant)
     c = _PlanCtx(m=m, n=n, k=k, dt=dt, dev=dev, global_scale=global_scale, packed=packed, scale=scale,
-                 has_bias=bias is not None, out_shape=(*x.shape[:-1], n))
+                 has_bias=bias is not None, out_shape=(*x.shape[:-1], n), fixed=aligned16(global_scale))
     return LinearPlan(_kind_forward(c, kind, config, x), grad, final, gen, config)
 
 
 def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     """plan_linear() for a weight in the g4 layout: the Gluon kernel where gluon.supported(x), else dequantize_g4 +
-    cuBLAS (config kind "dequant"); grad is grad_input_g4 (<= MAX_ROWS bf16 rows: nvfp4_grad's one-launch
+    cuBLAS (config kind "dequant"); grad is g4_grad's (<= MAX_ROWS bf16 rows: nvfp4_grad's one-launch
     kernel). Raises for bad inputs."""
     check_g4_call(x, wr, sr, global_scale, bias, n, k)
     run_dequant = gluon.dequantizer(wr, sr, n, k)
@@ -330,18 +353,16 @@ def plan_linear_g4(x, wr, sr, global_scale, bias, n: int, k: int) -> LinearPlan:
     def dequant(dtype):
         return run_dequant(recip(global_scale), dtype)
 
-    def grad(g):
-        return grad_input_g4(g, wr, sr, global_scale, n, k, dequant)
-
     def dense(x, b):
         return F.linear(x, dequant(x.dtype), b)
 
     x2 = x.detach().reshape(-1, k)
     m = x2.shape[0]
+    fixed = aligned16(wr, sr, global_scale)
+    grad = g4_grad(m, n, k, wr, sr, global_scale, x.dtype, x.device, dequant, fixed)
     if m == 0 or not gluon.supported(x2):
         return LinearPlan(dense, grad, True, LINEAR_TUNER.gen, {"kind": "dequant"}, dequant)
     config = gluon_config(m, n, k, x.device)
     c = _PlanCtx(m=m, n=n, k=k, dt=x.dtype, dev=x.device, global_scale=global_scale,
-                 has_bias=bias is not None, out_shape=(*x.shape[:-1], n))
-    g4, ws = _gluon(c, config), (wr, sr)
-    return LinearPlan(lambda x, b: g4(x, b, ws), grad, True, LINEAR_TUNER.gen, config)
+                 has_bias=bias is not None, out_shape=(*x.shape[:-1], n), fixed=fixed)
+    return LinearPlan(_gluon(c, config, (wr, sr)), grad, True, LINEAR_TUNER.gen, config)

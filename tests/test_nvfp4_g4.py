@@ -435,6 +435,17 @@ def test_bound_launch_same_values_and_jit_path_for_new_specializations(dtype):
     assert torch.equal(odd.cpu(), ref)
     run = G4.dequantizer(wr, sr, n, k)
     assert all(torch.equal(run(recip, dtype).cpu(), ref) for _ in range(2))
+    # check=(3,): only the output is compared per call (the other arguments are the caller's fixed ones)
+    bc = BoundLaunch(G4._g4_dequant_kernel, (G4.cdiv(n, 16), G4.cdiv(k, 256)), dict(BC=256, num_warps=4),
+                     check=(3,))
+    for out in (torch.full((n, k), float("nan"), dtype=dtype, device=DEV) for _ in range(2)):
+        bc(wr, sr, recip, out, n, k, G4.cdiv(k, 64))
+        assert torch.equal(out.cpu(), ref)
+    if DEV == "cuda":
+        assert [i for i, _ in bc.tensors] == [3] and bc.scalars == ()
+    odd = torch.full((n * k + 1,), float("nan"), dtype=dtype, device=DEV)[1:].view(n, k)
+    bc(wr, sr, recip, odd, n, k, G4.cdiv(k, 64))  # the checked argument off the alignment: the JIT path
+    assert torch.equal(odd.cpu(), ref)
 
 
 @pytest.mark.parametrize("m", [1, 8, 40])

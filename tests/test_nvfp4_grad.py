@@ -75,7 +75,8 @@ def test_budget_caps_the_kept_weights(monkeypatch):
 
 
 def _spy_grad_launches(monkeypatch):
-    """Record the g2 shape of every few-row grad-input kernel launch (grad_input_g4_fused's launchers)."""
+    """Record (rows, features) of the grad read by every few-row grad-input kernel launch (the launchers that
+    grad_input_g4_fused and the plans' grads take)."""
     from hfq_kernels import nvfp4_grad
     from hfq_kernels._triton import LRU
 
@@ -84,7 +85,7 @@ def _spy_grad_launches(monkeypatch):
 
     def spy(*a):
         run = real(*a)
-        return lambda *b: calls.append(tuple(b[0].shape)) or run(*b)
+        return lambda *b: calls.append((b[0].numel() // b[0].shape[-1], b[0].shape[-1])) or run(*b)
 
     monkeypatch.setattr(nvfp4_grad, "grad_launcher", spy)
     monkeypatch.setattr(nvfp4_grad, "_BOUND", LRU(8))
@@ -145,8 +146,8 @@ def test_fused_grad_input_matches_dequantize_then_matmul(n, k, m):
 
 
 def test_few_row_grads_take_the_fused_kernel(monkeypatch):
-    """grad_input_g4 (every g4 plan's grad, and the registered grad-input op's CUDA kernel) sends <= MAX_ROWS bf16
-    rows to the kernel and the rest to dequantize + matmul; both agree with the reference."""
+    """g4_grad (every g4 plan's grad, and through grad_input_g4 the registered grad-input op's CUDA kernel) sends
+    <= MAX_ROWS bf16 rows to the kernel and the rest to dequantize + matmul; both agree with the reference."""
     from hfq_kernels import nvfp4_grad, nvfp4_plan
 
     big = torch.zeros(1, 4096, dtype=torch.bfloat16, device=DEV)
@@ -164,6 +165,39 @@ def test_few_row_grads_take_the_fused_kernel(monkeypatch):
         assert got.shape == (*shape[:-1], 96)
         assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
     assert calls == [(10, 48)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_plan_reads_inputs_in_place_or_as_rows(bias):
+    """A g4 plan's forward and few-row grad read a contiguous x / grad in place (any leading shape, size-1
+    dimensions of any stride included) and others as [rows, features]; every layout gives the 2-D call's bits
+    in x's leading shape, and the outputs are plain tensors (no views, which autograd would track)."""
+    from hfq_kernels.nvfp4_plan import plan_linear_g4
+
+    n, k = 48, 96
+    lay = _layer(n, k, seed=9)
+    wr, sr, gs = lay.weight_g4, lay.weight_g4_scale, lay.weight_global_scale
+    b = torch.randn(n, dtype=torch.bfloat16, device=DEV) if bias else None
+    x = torch.randn(12, k, dtype=torch.bfloat16, device=DEV)
+    g = torch.randn(12, n, dtype=torch.bfloat16, device=DEV)
+    flat = plan_linear_g4(x, wr, sr, gs, b, n, k)
+    layouts = [(x.view(3, 4, k), g.view(3, 4, n)),
+               (x.as_strided((12, 1, k), (k, 7, 1)), g.as_strided((12, 1, n), (n, 5, 1))),  # contiguous
+               (x.t().contiguous().t(), g.t().contiguous().t()),  # column-major
+               (x.view(4, 3, k).transpose(0, 1), g.view(4, 3, n).transpose(0, 1))]  # rows out of order
+    for xv, gv in layouts:
+        want_y = flat.forward(xv.reshape(12, k).contiguous(), b).view(*xv.shape[:-1], n)
+        want_gx = flat.grad(gv.reshape(12, n).contiguous()).view(xv.shape)
+        plan = plan_linear_g4(xv, wr, sr, gs, b, n, k)
+        for _ in range(2):
+            y, gx = plan.forward(xv, b), plan.grad(gv)
+            if gv.is_contiguous():  # the few-row kernel wrote dx in place of a view
+                assert gx._base is None
+            assert torch.equal(gx, want_gx)
+            if plan.config["kind"] == "gluon":  # the Gluon forward (GPU); on CPU: dequantize + F.linear
+                assert torch.equal(y, want_y) and (y._base is None or not xv.is_contiguous())
+            else:  # F.linear's own 2-D and 3-D routes may round the bias add differently
+                torch.testing.assert_close(y, want_y, rtol=1e-2, atol=5e-2)
 
 
 def test_kept_dense_bookkeeping_bounds_bytes_and_entries(monkeypatch):

@@ -250,7 +250,7 @@ def test_cli_quantize_and_export_end_to_end(tiny, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ the eager per-shape plan path of NVFP4Linear
-# On CUDA a plain eager call takes NVFP4Linear._forward_planned; SETTINGS.plan_on_cpu sends CPU tensors the same
+# On CUDA a plain eager call takes NVFP4Linear's kept plan (_plan); SETTINGS.plan_on_cpu sends CPU tensors the same
 # way (kernels under TRITON_INTERPRET=1), so these run that host path on both.
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -191,11 +191,13 @@ class NVFP4Linear(nn.Module):
         return fp4.mxfp4_dequantize(self.weight_packed, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Plain eager NVFP4 calls run this layer's kept plan (_forward_planned); torch.compile, fake/subclass
-        tensors, dispatch modes, functorch and CPU go through the registered op, whose CUDA kernel makes the same
-        plan per call; MXFP4 dequantizes for F.linear."""
+        """Plain eager NVFP4 calls run this layer's kept plan (_plan: hfq::nvfp4_linear's values and gradients);
+        torch.compile, fake/subclass tensors, dispatch modes, functorch and CPU go through the registered op, whose
+        CUDA kernel makes the same plan per call; MXFP4 dequantizes for F.linear."""
         if self.format == "nvfp4" and _K.plain_eager(x):
-            return self._forward_planned(x)
+            plan, x2, b, in_dtype = self._plan(x)
+            y = _K.plan_apply(plan, x2, b)
+            return y if y.dtype == in_dtype else y.to(in_dtype)
         in_dtype = x.dtype
         if self.compute_dtype is not None:
             x = x.to(self.compute_dtype)
@@ -209,12 +211,6 @@ class NVFP4Linear(nn.Module):
         else:
             y = F.linear(x, self.dequantize(x.dtype), bias)
         return y.to(in_dtype)
-
-    def _forward_planned(self, x: torch.Tensor) -> torch.Tensor:
-        """hfq::nvfp4_linear's values and gradients from this layer's kept plan (_plan)."""
-        plan, x, b, in_dtype = self._plan(x)
-        y = _K.plan_apply(plan, x, b)
-        return y if y.dtype == in_dtype else y.to(in_dtype)
 
     def forward_lora(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
                      dropout=None) -> torch.Tensor | None:
