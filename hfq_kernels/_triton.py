@@ -349,14 +349,21 @@ class BoundLaunch:
     specialized on: the same scalar arguments, tensor dtypes and 16-byte alignment, and the same current device;
     one that does not, a CPU call (the interpreter), or SETTINGS.bind off (HFQ_TRITON_BIND=0) takes the JIT path.
     Launch hooks (profilers) are honoured: while one is installed the compiled kernel's own launcher is used.
-    `check`: the positions of the arguments compared per call (default: all). A caller whose other arguments are
+    `check`: the kernel parameters (by name) compared per call (default: all). A caller whose other arguments are
     fixed for the launcher's life (a per-shape plan's weights, checked for dtype and alignment when it is made,
     its scalars, allocator-made outputs and scratch) names only the per-call ones."""
 
     __slots__ = ("kernel", "grid", "meta", "check", "ck", "tail", "tensors", "scalars", "dev", "raw")
 
     def __init__(self, kernel, grid, meta: dict, check: tuple | None = None):
-        self.kernel, self.meta, self.check = kernel, dict(meta), check
+        self.kernel, self.meta = kernel, dict(meta)
+        self.check = None
+        if check is not None:
+            names = list(kernel.arg_names)
+            unknown = [c for c in check if c not in names]
+            if unknown:
+                raise ValueError(f"BoundLaunch check: {unknown} are not parameters of {names}")
+            self.check = tuple(names.index(c) for c in check)
         self.grid = tuple(grid) + (1,) * (3 - len(grid))  # the compiled kernel's launcher takes all three
         self.ck = self.tail = self.tensors = self.scalars = self.dev = self.raw = None
 

@@ -607,6 +607,9 @@ def default_config(m: int, n: int, k: int, sms: int) -> dict:
     return dict(kind="gluon", BM=bm, R=r, warps=warps, split=split)
 
 
+_PER_CALL = ("x_ptr", "b_ptr", "stride_xm")  # what a plan's launch compares per call (launcher's `fixed`)
+
+
 def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: bool, serial: bool = False,
              fixed: bool = False):
     """run(x2, wr, sr, recip, bias, dst, y_stride, x_stride=None): launch() with the grid and meta-parameters of
@@ -623,7 +626,7 @@ def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: 
     if serial and partial:
         sbound = pdl_bound(_g4_serial_kernel, grid, dict(BM=bm, R=r, HAS_BIAS=has_bias,
                                                          PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps),
-                           check=(0, 4, 13) if fixed else None)
+                           check=_PER_CALL if fixed else None)
         tiles = grid[0] * grid[1]
 
         def run_serial(x2, wr, sr, recip, bias, dst, y_stride, x_stride=None):
@@ -636,7 +639,7 @@ def launcher(m: int, n: int, k: int, cfg: dict, split: int, cps: int, has_bias: 
     meta = dict(BM=bm, R=r, HAS_BIAS=has_bias and not partial, PARTIAL=partial,
                 PREFETCH=bool(cfg.get("prefetch", True)), num_warps=warps)
 
-    bound = pdl_bound(_g4_kernel, grid, meta, check=(0, 4, 11) if fixed else None)
+    bound = pdl_bound(_g4_kernel, grid, meta, check=_PER_CALL if fixed else None)
 
     def run(x2, wr, sr, recip, bias, dst, y_stride, x_stride=None):
         bound.pick(x2.device)(x2, wr, sr, recip, bias if bias is not None else recip, dst, m, n, k, kc, nt,

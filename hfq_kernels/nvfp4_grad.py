@@ -104,7 +104,7 @@ def grad_launcher(m: int, n: int, k: int, dev: torch.device, fixed: bool = False
     split, tiles = split_rows(n, k, sm_count(dev) if dev.type == "cuda" else 4)
     grad = BoundLaunch(_g4_grad_kernel, (cdiv(k, _BC), split),
                        dict(BM=_BM, BC=_BC, RT=_RT, PARTIAL=split > 1, F32_DOT=INTERPRET, num_warps=4,
-                            num_stages=3), check=(0, 12) if fixed else None)
+                            num_stages=3), check=("g_ptr", "stride_gm") if fixed else None)
     kc, nt, cols, numel = cdiv(k, 64), cdiv(n, 16), cdiv(k, _BC), split * m * k
 
     def run(g2, wr, sr, rcp, g_stride=None, out_shape=None):

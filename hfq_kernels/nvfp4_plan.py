@@ -339,7 +339,8 @@ def plan_linear(x, packed, scale, global_scale, bias=None, config: dict | None =
     if kind == "dequant":
         return LinearPlan(dense, grad, final, gen, config, dequant)
     c = _PlanCtx(m=m, n=n, k=k, dt=dt, dev=dev, global_scale=global_scale, packed=packed, scale=scale,
-                 has_bias=bias is not None, out_shape=(*x.shape[:-1], n), fixed=aligned16(global_scale))
+                 has_bias=bias is not None, out_shape=(*x.shape[:-1], n),
+                 fixed=False)  # a gluon kind reads its g4 copy per call (gluon.repacked), not fixed weights
     return LinearPlan(_kind_forward(c, kind, config, x), grad, final, gen, config)
 
 

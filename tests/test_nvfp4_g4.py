@@ -435,9 +435,12 @@ def test_bound_launch_same_values_and_jit_path_for_new_specializations(dtype):
     assert torch.equal(odd.cpu(), ref)
     run = G4.dequantizer(wr, sr, n, k)
     assert all(torch.equal(run(recip, dtype).cpu(), ref) for _ in range(2))
-    # check=(3,): only the output is compared per call (the other arguments are the caller's fixed ones)
+    # check names only the output: it alone is compared per call (the other arguments are the caller's fixed ones)
+    out_name = G4._g4_dequant_kernel.arg_names[3]
     bc = BoundLaunch(G4._g4_dequant_kernel, (G4.cdiv(n, 16), G4.cdiv(k, 256)), dict(BC=256, num_warps=4),
-                     check=(3,))
+                     check=(out_name,))
+    with pytest.raises(ValueError, match="not parameters"):
+        BoundLaunch(G4._g4_dequant_kernel, (1,), {}, check=("no_such_arg",))
     for out in (torch.full((n, k), float("nan"), dtype=dtype, device=DEV) for _ in range(2)):
         bc(wr, sr, recip, out, n, k, G4.cdiv(k, 64))
         assert torch.equal(out.cpu(), ref)
