@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import traceback
+import types
 
 import torch
 
@@ -119,6 +120,19 @@ def per_token_logps(model, ids, n_new):
     return torch.stack(rows)
 
 
+def own_forward_code(layers, tag: str) -> None:
+    """Give these layers a private copy of their class's forward code. TorchDynamo keeps its compiled entries per code
+    object: without this, the methods built side by side would share one cache (its size limit included) and every
+    call would first be guard-checked against the other models' entries, a host cost a user's single model never
+    pays."""
+    f = type(layers[0]).forward
+    g = types.FunctionType(f.__code__.replace(co_name=f"{f.__name__}_{tag}"), f.__globals__, f.__name__,
+                           f.__defaults__, f.__closure__)
+    g.__kwdefaults__, g.__dict__ = f.__kwdefaults__, dict(f.__dict__)
+    for layer in layers:
+        layer.forward = types.MethodType(g, layer)
+
+
 class Run:
     """One method's policy, optimizer, AQN and rollout engine, built once; step() runs one GRPO step.
 
@@ -138,6 +152,7 @@ class Run:
         if grad_ckpt:  # as GRPOConfig(gradient_checkpointing=True) does; the rollout engine is unaffected
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if compile_layers:  # regional compilation: each decoder layer (one graph serves all); the engine calls sub-modules
+            own_forward_code(model.get_base_model().model.layers, method)
             for layer in model.get_base_model().model.layers:
                 layer.compile()
         self.alloc = {"alloc_built_gb": round((torch.cuda.memory_allocated() - a0) / 2**30, 2)}
@@ -325,7 +340,33 @@ def selftest():
         print(md)
         assert "| qerl | qwen2.5-7b-shaped | 8 | 256 | 2048 | 3 | 5.2 | 5.0-5.4 |" in md, md
         assert "| 1.15 (1.07-1.20) |" in md  # bf16 6.0 / 5.2; per round 6/5, 5.8/5.4, 6.2/5.2
+    compiled_caches_apart()
     print("selftest ok")
+
+
+def compiled_caches_apart():
+    """Two models whose layers have their own forward code (own_forward_code) compile one graph each, in caches apart."""
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).relu()
+
+    torch._dynamo.reset()
+    models = [[Layer(), Layer()], [Layer(), Layer()]]
+    for tag, layers in zip("ab", models):
+        own_forward_code(layers, tag)
+        for layer in layers:
+            layer.compile(backend="eager")
+    x = torch.randn(2, 4)
+    for layers in models:
+        for layer in layers:
+            torch.testing.assert_close(layer(x), layer.lin(x).relu())
+    codes = {layers[0].forward.__code__ for layers in models}
+    assert len(codes) == 2 and all(layers[0].forward.__code__ is layers[1].forward.__code__ for layers in models)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2, dict(torch._dynamo.utils.counters["stats"])
 
 
 def decode_profile(run) -> str:
