@@ -117,6 +117,18 @@ class _PlanFn(torch.autograd.Function):
         return gx, gb, None, None
 
 
+# Function.apply's Python wrapper binds default arguments and unwraps functorch's dead wrappers before the C++ apply;
+# outside functorch transforms, with none of those, plan_apply calls the C++ apply itself (host time per call).
+_c_apply = getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
+_plan_fn_c = _c_apply.__get__(None, _PlanFn) if _c_apply is not None else _PlanFn.apply
+
+
+def _plan_fn(x, bias, plan, w):
+    if _functorch_active is not None and _functorch_active():
+        return _PlanFn.apply(x, bias, plan, w)
+    return _plan_fn_c(x, bias, plan, w)
+
+
 def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
     """plan.forward(x, bias) with its gradient where one is wanted (x or bias requires one). A dense plan's
     training forward keeps the dense weight it made for grad-input where KEPT_DENSE allows: then the product is
@@ -126,11 +138,11 @@ def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
     if not (torch.is_grad_enabled() and (x.requires_grad or (bias is not None and bias.requires_grad))):
         return plan.forward(x, bias)
     if plan.dequant is None:
-        return _PlanFn.apply(x, bias, plan, None)
+        return _plan_fn(x, bias, plan, None)
     w = plan.dequant(x.dtype)
     if x.requires_grad and KEPT_DENSE.take(w):
         return F.linear(x, w, bias)
-    return _PlanFn.apply(x, bias, plan, w)
+    return _plan_fn(x, bias, plan, w)
 
 
 def plan_lora_apply(plan: LinearPlan, x: torch.Tensor, bias, xl: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -32,6 +32,8 @@ def test_layer_grads_through_both_grad_routes(monkeypatch, keep_gb, shape):
     lay.bias.requires_grad_(True)
     x = torch.randn(*shape, dtype=torch.bfloat16, device=DEV, requires_grad=True)
     y = lay(x)
+    if keep_gb == 0.0:  # the plan's Function, applied through the C++ apply (plan_apply)
+        assert type(y.grad_fn).__name__ == "_PlanFnBackward"
     gy = torch.randn_like(y)
     y.backward(gy)
     x2 = x.detach().clone().requires_grad_()
@@ -198,6 +200,20 @@ def test_plan_reads_inputs_in_place_or_as_rows(bias):
                 assert torch.equal(y, want_y) and (y._base is None or not xv.is_contiguous())
             else:  # F.linear's own 2-D and 3-D routes may round the bias add differently
                 torch.testing.assert_close(y, want_y, rtol=1e-2, atol=5e-2)
+
+
+def test_plan_apply_under_functorch_takes_function_apply(monkeypatch):
+    """Inside a functorch transform plan_apply goes through Function.apply, which refuses this old-style Function
+    with functorch's own error, rather than the C++ apply that would bypass the transform."""
+    from hfq_kernels.nvfp4 import plan_apply
+    from hfq_kernels.nvfp4_plan import plan_linear_g4
+
+    lay = _layer(48, 96, seed=4)
+    x = torch.randn(3, 96, dtype=torch.bfloat16, device=DEV)
+    plan = plan_linear_g4(x, lay.weight_g4, lay.weight_g4_scale, lay.weight_global_scale, None, 48, 96)
+    monkeypatch.setattr(plan, "dequant", None)  # the plan's own Function, as for a few-row kernel plan
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda t: plan_apply(plan, t, None).float().sum())(x)
 
 
 def test_kept_dense_bookkeeping_bounds_bytes_and_entries(monkeypatch):
