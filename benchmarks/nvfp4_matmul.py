@@ -30,6 +30,7 @@ from hfq_kernels import nvfp4 as K  # noqa: E402
 from hfq_kernels import nvfp4_gluon as gluon  # noqa: E402
 from hfq_kernels import nvfp4_configs as CF  # noqa: E402
 from hfq_kernels import nvfp4_plan as PL  # noqa: E402
+from hfq_kernels._autotune import card_props, device_name  # noqa: E402
 from hfq_kernels._triton import sm_count  # noqa: E402
 
 SHAPES = [  # (K=in, N=out)
@@ -252,7 +253,10 @@ def sweep(out_dir: Path, quick: bool):
         del copies, wb
         torch.cuda.empty_cache()
 
-    (out_dir / "nvfp4_linear_tuned.json").write_text(json.dumps({"nvfp4_linear": tuned}, indent=1, sort_keys=True))
+    (cap, sms) = card_props(dev)  # lets cards of the same kind read this table (hfq_kernels._autotune)
+    cards = {device_name(dev): {"capability": list(cap), "sms": sms}}
+    (out_dir / "nvfp4_linear_tuned.json").write_text(json.dumps({"nvfp4_linear": tuned, "cards": cards}, indent=1,
+                                                                sort_keys=True))
     log["fails"] = fails
     log["asm_failed"] = {str(a): b for a, b in PL._ASM_FAILED.items()}
     save()

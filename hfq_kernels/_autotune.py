@@ -4,6 +4,9 @@ A choice is keyed by (op, M bucket, N, K, dtype, device name). On a miss, outsid
 candidate is timed (median of CUDA-event timings) and the fastest kept. During capture or tracing nothing is
 timed: the cached choice, else the caller's heuristic default, is used. Shipped tables (tuned on the device
 machine) live beside this file as `<op>_tuned.json`; `HFQ_AUTOTUNE_CACHE=<path>` adds a writable cache file.
+A table's "cards" section records each tuned card's compute capability and SM count: a card with no entry of its
+own reads the entries of a listed card with the same two (e.g. an H200 those of an H100 SXM); its own tuning
+runs are stored under its own name.
 """
 from __future__ import annotations
 
@@ -39,6 +42,31 @@ def device_name(device: torch.device) -> str:
             return torch.cuda.get_device_name(device)
         name = _DEVICE_NAMES[key] = torch.cuda.get_device_name(device)
     return name
+
+
+_PROPS: dict = {}  # (type, index) -> (compute capability, SM count)
+
+
+def card_props(device: torch.device) -> tuple[tuple[int, int], int] | None:
+    """(compute capability, SM count) of a CUDA device, cached per device; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    idx = torch.cuda.current_device() if device.index is None else device.index
+    props = _PROPS.get(idx)
+    if props is None:
+        p = torch.cuda.get_device_properties(idx)
+        props = _PROPS[idx] = ((p.major, p.minor), p.multi_processor_count)
+    return props
+
+
+def same_kind(cards: dict, own: str, props: tuple[tuple[int, int], int] | None) -> list[str]:
+    """Names of the cards in `cards` (name -> {"capability": [major, minor], "sms": n}) other than `own` with the
+    compute capability and SM count `props`, in table order."""
+    if props is None:
+        return []
+    (cap, sms) = props
+    return [name for name, c in cards.items()
+            if name != own and tuple(c.get("capability", ())) == tuple(cap) and c.get("sms") == sms]
 
 
 def _capturing() -> bool:
@@ -104,11 +132,14 @@ class Tuner:
         self._cache = _Table(self)
         self.log: list[dict] = []  # every tuning run's timings, for reports
         self._memo: dict = {}  # (m bucket, n, k, dtype, device type, index) -> (key, cache entry); see cached()
+        self.cards: dict = {}  # tuned card name -> {"capability": [major, minor], "sms": n}
         shipped = _HERE / f"{op}_tuned.json"
         for path in (shipped, SETTINGS.autotune_cache):
             if path and Path(path).is_file():
                 try:
-                    self.cache.update(json.loads(Path(path).read_text()).get(op, {}))
+                    data = json.loads(Path(path).read_text())
+                    self.cache.update(data.get(op, {}))
+                    self.cards.update(data.get("cards", {}))
                 except (OSError, ValueError):
                     pass
 
@@ -123,20 +154,31 @@ class Tuner:
 
     @staticmethod
     def key(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> str:
-        return f"m{m_bucket(m)}|n{n}|k{k}|{str(dtype).replace('torch.', '')}|{device_name(device)}"
+        return Tuner.card_key(m, n, k, dtype, device_name(device))
+
+    @staticmethod
+    def card_key(m: int, n: int, k: int, dtype: torch.dtype, card: str) -> str:
+        return f"m{m_bucket(m)}|n{n}|k{k}|{str(dtype).replace('torch.', '')}|{card}"
 
     def cached(self, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict | None:
-        """The cached choice for this shape, else None (then call choose). Per-call fast path: a tuple-keyed memo in
-        front of the string-keyed cache, so a hit formats no key; a memo entry counts only while it is still the
-        cache's entry for its key (the cache may be edited directly)."""
+        """The cached choice for this shape (this card's own, else a same-kind card's: see the module doc), else
+        None (then call choose). Per-call fast path: a tuple-keyed memo in front of the string-keyed cache, so a hit
+        formats no key; a memo entry counts only while it is still the cache's entry for its key and, for a
+        same-kind card's entry, while this card has none of its own (the cache may be edited directly)."""
         fk = (m_bucket(m), n, k, dtype, device.type, device.index)
         hit = self._memo.get(fk)
-        if hit is not None and self.cache.get(hit[0]) is hit[1]:
+        if hit is not None and self.cache.get(hit[0]) is hit[1] and (hit[2] == hit[0] or hit[2] not in self.cache):
             return hit[1]
-        key = self.key(m, n, k, dtype, device)
-        cfg = self.cache.get(key)
+        own = self.key(m, n, k, dtype, device)
+        key, cfg = own, self.cache.get(own)
+        if cfg is None and self.cards:
+            for card in same_kind(self.cards, device_name(device), card_props(device)):
+                key = self.card_key(m, n, k, dtype, card)
+                cfg = self.cache.get(key)
+                if cfg is not None:
+                    break
         if cfg is not None and (device.index is not None or device.type != "cuda"):
-            self._memo[fk] = (key, cfg)
+            self._memo[fk] = (key, cfg, own)
         return cfg
 
     def choose(self, key: str, candidates: Sequence[dict], runner: Callable[[dict], Callable[[], Any]],

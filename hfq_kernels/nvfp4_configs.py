@@ -94,7 +94,7 @@ def gluon_config(m: int, n: int, k: int, device) -> dict:
     """The "gluon" config a plan uses for bf16 x with M <= 64: a tuned "gluon" entry, else the default."""
     dev = torch.device(device)
     for mm in ((m, 8) if m <= 8 else (m,)):  # M <= 8 share the BM=8 kernel: fall back to the M=8 entry
-        hit = LINEAR_TUNER.cache.get(Tuner.key(mm, n, k, torch.bfloat16, dev))
+        hit = LINEAR_TUNER.cached(mm, n, k, torch.bfloat16, dev)
         if hit is not None and hit.get("kind") == "gluon":
             return dict(hit)
     return gluon.default_config(m, n, k, sm_count(dev))

@@ -259,6 +259,58 @@ def test_autotune_bucket_and_cache_key():
         assert best == {"a": 1} and t.choose(key, [], None, default={}) == {"a": 1}
 
 
+def test_tuner_reads_a_same_kind_cards_entries(monkeypatch):
+    """A card without entries of its own reads those of a listed card with its compute capability and SM count
+    (never another kind's); once it has its own entry for a shape, that one is used."""
+    from hfq_kernels import _autotune as A
+
+    cards = {"Card A": {"capability": [9, 0], "sms": 132}, "Card B": {"capability": [8, 0], "sms": 108},
+             "Card C": {"capability": [9, 0], "sms": 114}}
+    assert A.same_kind(cards, "Card D", ((9, 0), 132)) == ["Card A"]
+    assert A.same_kind(cards, "Card A", ((9, 0), 132)) == []
+    assert A.same_kind(cards, "Card D", None) == []
+    t = K.Tuner("hfq_test_kind")
+    t.cards = cards
+    monkeypatch.setattr(A, "device_name", lambda device: "Card D" if device.type == "cuda" else device.type)
+    monkeypatch.setattr(A, "card_props", lambda device: ((9, 0), 132) if device.type == "cuda" else None)
+    dev = torch.device("cuda", 0)
+    a_cfg, b_cfg, own_cfg = {"kind": "a"}, {"kind": "b"}, {"kind": "own"}
+    t.cache[K.Tuner.card_key(8, 64, 32, torch.bfloat16, "Card B")] = b_cfg
+    assert t.cached(8, 64, 32, torch.bfloat16, dev) is None
+    t.cache[K.Tuner.card_key(8, 64, 32, torch.bfloat16, "Card A")] = a_cfg
+    assert t.cached(8, 64, 32, torch.bfloat16, dev) is a_cfg
+    assert t.cached(5, 64, 32, torch.bfloat16, dev) is a_cfg  # the same M bucket
+    assert t.cached(8, 64, 32, torch.bfloat16, torch.device("cpu")) is None
+    t.cache[K.Tuner.key(8, 64, 32, torch.bfloat16, dev)] = own_cfg
+    assert K.Tuner.key(8, 64, 32, torch.bfloat16, dev).endswith("|Card D")
+    assert t.cached(8, 64, 32, torch.bfloat16, dev) is own_cfg
+
+
+def test_shipped_table_lists_its_card():
+    assert CF.LINEAR_TUNER.cards["NVIDIA H100 80GB HBM3"] == {"capability": [9, 0], "sms": 132}
+    cards = {k.rsplit("|", 1)[1] for k in CF.LINEAR_TUNER.cache if k.count("|") == 4}
+    assert cards <= set(CF.LINEAR_TUNER.cards), cards - set(CF.LINEAR_TUNER.cards)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA card's properties")
+def test_gluon_config_on_this_card_follows_the_table():
+    """On an H100 SXM or a card of its kind (H200: sm_90, 132 SMs) the decode config is the H100-tuned entry."""
+    from hfq_kernels._autotune import card_props, device_name, same_kind
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    h100 = "NVIDIA H100 80GB HBM3"
+    t = CF.LINEAR_TUNER
+    tuned = t.cache[K.Tuner.card_key(8, 18944, 3584, torch.bfloat16, h100)]
+    own = t.cache.get(K.Tuner.key(8, 18944, 3584, torch.bfloat16, dev))
+    got = CF.gluon_config(8, 18944, 3584, dev)
+    if own is not None:
+        assert got == own
+    elif h100 in same_kind(t.cards, device_name(dev), card_props(dev)):
+        assert got == tuned
+    else:
+        assert got == gluon.default_config(8, 18944, 3584, torch.cuda.get_device_properties(dev).multi_processor_count)
+
+
 def test_tuner_margin_keeps_the_baseline_and_skips_failures():
     """choose() with a custom bench: a candidate must beat candidates[0] by the margin; a raising runner loses."""
     times = {"base": 1.0, "close": 0.98, "fast": 0.9, "bad": 0.1}
