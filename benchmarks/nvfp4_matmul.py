@@ -30,8 +30,8 @@ from hfq_kernels import nvfp4 as K  # noqa: E402
 from hfq_kernels import nvfp4_gluon as gluon  # noqa: E402
 from hfq_kernels import nvfp4_configs as CF  # noqa: E402
 from hfq_kernels import nvfp4_plan as PL  # noqa: E402
-from hfq_kernels._autotune import card_props, device_name  # noqa: E402
-from hfq_kernels._triton import sm_count  # noqa: E402
+from hfq_kernels._autotune import device_name  # noqa: E402
+from hfq_kernels._triton import card_props, sm_count  # noqa: E402
 
 SHAPES = [  # (K=in, N=out)
     (3584, 3584), (3584, 512), (3584, 18944), (18944, 3584),  # Qwen2.5-7B

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hfq_kernels._settings import SETTINGS
+from hfq_kernels._triton import card_props
 
 _LOCK = threading.Lock()
 _HERE = Path(__file__).resolve().parent
@@ -42,21 +43,6 @@ def device_name(device: torch.device) -> str:
             return torch.cuda.get_device_name(device)
         name = _DEVICE_NAMES[key] = torch.cuda.get_device_name(device)
     return name
-
-
-_PROPS: dict = {}  # (type, index) -> (compute capability, SM count)
-
-
-def card_props(device: torch.device) -> tuple[tuple[int, int], int] | None:
-    """(compute capability, SM count) of a CUDA device, cached per device; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    idx = torch.cuda.current_device() if device.index is None else device.index
-    props = _PROPS.get(idx)
-    if props is None:
-        p = torch.cuda.get_device_properties(idx)
-        props = _PROPS[idx] = ((p.major, p.minor), p.multi_processor_count)
-    return props
 
 
 def same_kind(cards: dict, own: str, props: tuple[tuple[int, int], int] | None) -> list[str]:
@@ -169,10 +155,11 @@ class Tuner:
         hit = self._memo.get(fk)
         if hit is not None and self.cache.get(hit[0]) is hit[1] and (hit[2] == hit[0] or hit[2] not in self.cache):
             return hit[1]
-        own = self.key(m, n, k, dtype, device)
+        name = device_name(device)
+        own = self.card_key(m, n, k, dtype, name)
         key, cfg = own, self.cache.get(own)
         if cfg is None and self.cards:
-            for card in same_kind(self.cards, device_name(device), card_props(device)):
+            for card in same_kind(self.cards, name, card_props(device)):
                 key = self.card_key(m, n, k, dtype, card)
                 cfg = self.cache.get(key)
                 if cfg is not None:

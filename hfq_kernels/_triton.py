@@ -103,18 +103,25 @@ def next_pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
-_SMS: dict = {}
+_PROPS: dict = {}  # CUDA device index -> (compute capability, SM count)
+
+
+def card_props(device: torch.device) -> tuple[tuple[int, int], int] | None:
+    """(compute capability, SM count) of a CUDA device (read once per device); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    props = _PROPS.get(idx)
+    if props is None:
+        p = torch.cuda.get_device_properties(idx)
+        props = _PROPS[idx] = ((p.major, p.minor), p.multi_processor_count)
+    return props
 
 
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (read once per device); NOMINAL_SMS for CPU tensors."""
-    if device.type != "cuda":
-        return NOMINAL_SMS
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    n = _SMS.get(idx)
-    if n is None:
-        n = _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return n
+    props = card_props(device)
+    return NOMINAL_SMS if props is None else props[1]
 
 
 @triton.jit

@@ -295,7 +295,8 @@ def test_shipped_table_lists_its_card():
 @pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA card's properties")
 def test_gluon_config_on_this_card_follows_the_table():
     """On an H100 SXM or a card of its kind (H200: sm_90, 132 SMs) the decode config is the H100-tuned entry."""
-    from hfq_kernels._autotune import card_props, device_name, same_kind
+    from hfq_kernels._autotune import device_name, same_kind
+    from hfq_kernels._triton import card_props
 
     dev = torch.device("cuda", torch.cuda.current_device())
     h100 = "NVIDIA H100 80GB HBM3"
