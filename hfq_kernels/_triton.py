@@ -147,12 +147,30 @@ def e2m1_to_f32(c):
     return e2m1_raw(c) * 16384.0
 
 
+_EMULATE_RNE = tl.constexpr(INTERPRET) if HAS_TRITON else INTERPRET
+
+
 @triton.jit
 def f32_to_bf16_rne(v):
-    """fp32 -> bf16 with round-to-nearest-even on the bits (the interpreter's cast truncates)."""
-    b = v.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    return b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    """fp32 -> bf16 with round-to-nearest-even (finite values): the GPU's cvt.rn; under the interpreter, whose cast
+    truncates, the same rounding done on the bits."""
+    if _EMULATE_RNE:
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        out = b.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = v.to(tl.bfloat16)
+    return out
+
+
+@triton.jit
+def shift(v, n: tl.constexpr):
+    """v >> n for n >= 0, v << -n otherwise (n a compile-time constant)."""
+    if n >= 0:
+        out = v >> n
+    else:
+        out = v << (-n)
+    return out
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from hfq_kernels._settings import SETTINGS
-from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, SPLIT_SCRATCH, BoundLaunch, cdiv, e2m1_to_f32,
+from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, SPLIT_SCRATCH, BoundLaunch, cdiv, e2m1_to_f32, shift,
                                  f32_to_bf16_rne, pdl_bound, tl, triton)
 from hfq_kernels.nvfp4_quant import recip
 
@@ -359,12 +359,14 @@ def dequantize_g4_ref(wr, sr, global_scale, n: int, k: int, dtype=torch.bfloat16
 
 
 @triton.jit
-def _g4_value(word, eff, I: tl.constexpr, H: tl.constexpr):
-    """Code (i=I, h=H) of each word (column 2I + H of its 8-column group), times the block's scale eff."""
+def _g4_value(word, eff16, I: tl.constexpr, H: tl.constexpr):
+    """Code (i=I, h=H) of each word (column 2I + H of its 8-column group) times the block's scale: the code's
+    magnitude and sign bits moved straight to their places in an fp16 (the value * 2^-14, exact), times
+    eff16 = scale * 2^14 (so the product is e2m1 * scale rounded once, as e2m1_to_f32(code) * scale)."""
     sm: tl.constexpr = 0 if I == 0 else (3 if I == 1 else (-3 if I == 2 else 6))
     ss: tl.constexpr = 0 if I == 0 else (3 if I == 1 else (1 if I == 2 else 2))
-    code = ((word >> (6 + 16 * H - sm)) & 7) | (((word >> (15 + 16 * H - ss)) & 1) << 3)
-    return e2m1_to_f32(code) * eff
+    h = (shift(word, 16 * H - sm - 3) & 0x0E00) | (shift(word, 16 * H - ss) & 0x8000)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * eff16
 
 
 @triton.jit
@@ -374,12 +376,12 @@ def g4_decode_words(word, sb, recip, R: tl.constexpr, C: tl.constexpr):
     sb = sb.to(tl.int32)
     # the byte's bf16(scale * 2^112) as fp32 bits, exponent lowered by 112: the E4M3 scale exactly (>= 2^-9)
     sval = tl.where(sb == 208, 0.0, ((sb << 20) + (118 << 23)).to(tl.float32, bitcast=True))
-    eff = tl.math.div_rn(sval, recip)
+    eff16 = tl.math.div_rn(sval, recip) * 16384.0
     # joins add the fastest dimension last: i1, then i0, then h, so the flat index is 4 i1 + 2 i0 + h = 2i + h
-    t0 = tl.join(tl.join(_g4_value(word, eff, 0, 0), _g4_value(word, eff, 2, 0)),
-                 tl.join(_g4_value(word, eff, 1, 0), _g4_value(word, eff, 3, 0)))
-    t1 = tl.join(tl.join(_g4_value(word, eff, 0, 1), _g4_value(word, eff, 2, 1)),
-                 tl.join(_g4_value(word, eff, 1, 1), _g4_value(word, eff, 3, 1)))
+    t0 = tl.join(tl.join(_g4_value(word, eff16, 0, 0), _g4_value(word, eff16, 2, 0)),
+                 tl.join(_g4_value(word, eff16, 1, 0), _g4_value(word, eff16, 3, 0)))
+    t1 = tl.join(tl.join(_g4_value(word, eff16, 0, 1), _g4_value(word, eff16, 2, 1)),
+                 tl.join(_g4_value(word, eff16, 1, 1), _g4_value(word, eff16, 3, 1)))
     return tl.reshape(tl.join(t0, t1), (R, C))
 
 
