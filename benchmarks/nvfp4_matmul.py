@@ -2,7 +2,6 @@
 
     python benchmarks/nvfp4_matmul.py                 # benchmark -> benchmarks/results/nvfp4_matmul.{json,md}
     python benchmarks/nvfp4_matmul.py --sweep --out D # correctness at full shapes + config tuning -> D/
-    python benchmarks/nvfp4_matmul.py --tune-groups --out D  # Gluon configs of the decoder's grouped launches -> D/
 
 Timing: each method's call is captured R times in one CUDA graph, each call on a different weight copy
 (R large enough that the copies exceed 3x L2), the graph replayed and the median replay time divided by R.
@@ -264,99 +263,6 @@ def sweep(out_dir: Path, quick: bool):
     print(f"SWEEP DONE: {len(log['checks'])} checks, {len(fails)} failures: {fails[:10]}", flush=True)
 
 
-# ------------------------------------------------------------------------------------------- grouped launches
-GROUPS = [(3584, (3584, 512, 512)), (3584, (18944, 18944)),  # Qwen2.5-7B q/k/v, gate/up
-          (5120, (5120, 1024, 1024)), (5120, (27648, 27648))]  # Qwen2.5-32B
-GROUP_MS = (1, 8, 16)
-GROUP_MARGIN = 0.97  # a tuned entry must beat the default config by 3%
-
-
-def gluon_candidates(m: int, n: int, k: int, sms: int) -> list[dict]:
-    """The default Gluon config first, then row tiles per warp x warps x split-K around ~4 programs per SM."""
-    base = gluon.default_config(m, n, k, sms)
-    kc = math.ceil(k / 64)
-    out = [base]
-    for r in (1, 2, 4):
-        for warps in (4, 8):
-            tiles = math.ceil(math.ceil(n / 16) / (r * warps)) * math.ceil(m / base["BM"])
-            d = max(1, min(kc, math.ceil(4 * sms / tiles)))
-            for split in sorted({1, max(1, d // 2), d, min(kc, 2 * d)}):
-                c = dict(kind="gluon", BM=base["BM"], R=r, warps=warps, split=split)
-                if c not in out:
-                    out.append(c)
-    return out
-
-
-def tune_groups(out_dir: Path, rounds: int) -> None:
-    """Time every gluon_candidates config on the grouped decode launch (hfq_kernels.lora_nvfp4.group_plan: q/k/v and
-    gate/up sharing x) for each GROUPS entry and M, weights rotated over > 3x L2, each config's product checked
-    against the default's. Writes nvfp4_group_tune.{json,md} and nvfp4_linear_tuned.json: the shipped table plus
-    this card's entries (keyed by the group's total width, which is what the launch looks up) where the best config
-    beats the default by GROUP_MARGIN, and this card's row under "cards"."""
-    from hfq_kernels import lora_nvfp4 as LN
-    from hfq_kernels._autotune import _HERE
-
-    dev = torch.device("cuda")
-    sms = sm_count(dev)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    tuned, rows = {}, []
-    for k, ns in GROUPS:
-        n = sum(ns)
-        copies = []
-        for _ in range(n_copies(nvfp4_bytes(0, k, n))):
-            ops = []
-            for w_n in ns:
-                p, sc, gs = K.quantize(torch.randn(w_n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02)
-                ops.append(LN.G4Operands(*gluon.repack(p, sc), gs.float(), None, w_n))
-            copies.append(ops)
-        for m in GROUP_MS:
-            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            cands = gluon_candidates(m, n, k, sms)
-            ref = None
-            res = []
-            for cfg in cands:
-                try:
-                    plan = LN.group_plan(m, ns, k, False, torch.bfloat16, dev, config=cfg)
-                    y = torch.cat(plan(x, copies[0]), 1).float()
-                    if ref is None:
-                        ref = y
-                    err = float((y - ref).norm() / ref.norm())
-                    if not err <= 1e-2:
-                        raise ValueError(f"relative error {err:.3g} vs the default config")
-                    us, mode = time_us(lambda i: plan(x, copies[i]), len(copies))
-                except Exception as e:  # noqa: BLE001 - a config that fails to build or miscomputes loses
-                    us, mode, cfg = float("inf"), "failed", dict(cfg, error=f"{type(e).__name__}: {str(e)[:200]}")
-                res.append((us, cfg, mode))
-            default_us = res[0][0]
-            best_us, best, mode = min(res, key=lambda t: t[0])
-            keep = best_us < GROUP_MARGIN * default_us
-            if keep:
-                tuned[K.Tuner.key(m, n, k, torch.bfloat16, dev)] = best
-            rows.append({"K": k, "widths": "+".join(map(str, ns)), "M": m, "default_us": round(default_us, 3),
-                         "best_us": round(best_us, 3), "x_default": round(default_us / best_us, 3),
-                         "default": json.dumps(res[0][1]), "best": json.dumps(best), "kept": keep, "timing": mode,
-                         "candidates": [{"us": round(u, 3), "cfg": c} for u, c, _ in res]})
-            print(f"K{k} {ns} M{m}: default {default_us:.2f} us, best {best_us:.2f} us {best} "
-                  f"{'kept' if keep else 'not kept'}", flush=True)
-        del copies
-        torch.cuda.empty_cache()
-    shipped = json.loads((_HERE / "nvfp4_linear_tuned.json").read_text())
-    (cap, n_sm) = card_props(dev)
-    shipped["nvfp4_linear"].update(tuned)
-    shipped["cards"][device_name(dev)] = {"capability": list(cap), "sms": n_sm}
-    (out_dir / "nvfp4_linear_tuned.json").write_text(json.dumps(shipped, indent=1, sort_keys=True))
-    (out_dir / "nvfp4_group_entries.json").write_text(json.dumps(
-        {"nvfp4_linear": tuned, "cards": {device_name(dev): shipped["cards"][device_name(dev)]}}, indent=1))
-    columns = {"K": "K", "widths": "widths", "M": "M", "default_us": "default us", "best_us": "best us",
-               "x_default": "default/best", "best": "best config", "kept": "kept"}
-    write("nvfp4_group_tune", rows, columns, out_dir=str(out_dir),
-          title="Gluon configs of the grouped decode launches (q/k/v, gate/up): default vs best",
-          notes=(f"us per grouped launch inside CUDA graphs, weights rotated over > 3x L2; {len(GROUP_MS)} M values; "
-                 f"an entry is kept (shipped table, keyed by the group's total width) where the best config beats "
-                 f"the default by {round((1 - GROUP_MARGIN) * 100)}%. Each candidate's product is checked against "
-                 f"the default's (relative error <= 1e-2)."))
-
-
 # ------------------------------------------------------------------------------------------- compile check
 def compile_decode_check() -> dict:
     """torch.compile(fullgraph=True) + CUDA graphs of a tiny NVFP4 model's one-token forward."""
@@ -500,15 +406,10 @@ def main():
     ap = add_args(argparse.ArgumentParser())
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--tune-groups", action="store_true", help="tune the grouped decode launches' Gluon configs")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("nvfp4_matmul: needs a CUDA GPU")
-    if a.tune_groups:
-        out = Path(a.out or os.environ.get("OUT", "."))
-        out.mkdir(parents=True, exist_ok=True)
-        tune_groups(out, a.rounds)
-    elif a.sweep:
+    if a.sweep:
         out = Path(a.out or os.environ.get("OUT", "."))
         out.mkdir(parents=True, exist_ok=True)
         t = time.time()

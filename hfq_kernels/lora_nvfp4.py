@@ -61,13 +61,11 @@ def linear_group_g4(x2: torch.Tensor, weights, checked: bool = False) -> list:
     ns = tuple(w[4] for w in weights)
     hb = weights[0][3] is not None
     key = (m, ns, k, hb, x2.dtype, x2.device)
-    return _GROUP_PLANS.get_or(key, lambda: group_plan(m, ns, k, hb, x2.dtype, x2.device))(x2, weights)
+    return _GROUP_PLANS.get_or(key, lambda: _group_plan(m, ns, k, hb, x2.dtype, x2.device))(x2, weights)
 
 
-def group_plan(m, ns, k, hb, dt, dev, config=None):
-    """fwd(x2, weights, sh=None, join=None): the grouped launch of 2-3 g4 weights of widths ns over x2 [m, k], with
-    the Gluon config of the group's total width (tuned, else the default) or `config` (the group tuning sweep)."""
-    cfg = config if config is not None else gluon_config(m, sum(ns), k, dev)
+def _group_plan(m, ns, k, hb, dt, dev):
+    cfg = gluon_config(m, sum(ns), k, dev)
     split, cps = splits(cdiv(k, 64), cfg.get("split", 1))
     run = gluon.group_launcher(m, ns, k, cfg, split, cps, hb)
     g = len(ns)
@@ -127,7 +125,7 @@ def linear_lora_g4(x2: torch.Tensor, weights, sh, join=None) -> list:
                              f"{x2.device} with out_features {[w[4] for w in weights]} (see linear_group_g4)")
         ns = tuple(w[4] for w in weights)
         key = (m, ns, k, weights[0][3] is not None, x2.dtype, x2.device)
-        return _GROUP_PLANS.get_or(key, lambda: group_plan(m, ns, k, key[3], x2.dtype, x2.device))(x2, weights, sh,
+        return _GROUP_PLANS.get_or(key, lambda: _group_plan(m, ns, k, key[3], x2.dtype, x2.device))(x2, weights, sh,
                                                                                                     join)
     wr, sr, gs, bias, n = weights[0]
     check_g4_call(x2, wr, sr, gs, bias, n, k, "nvfp4 g4 + LoRA")
