@@ -145,16 +145,70 @@ def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
     return _plan_fn(x, bias, plan, w)
 
 
+class _PlanLoraFn(torch.autograd.Function):
+    """plan_lora_apply's training product as one autograd node: y = base(x) + scale * (xl a^T) b^T with the adapter's
+    update added into the base output in place (one addmm_). Its backward makes s = scale * g b once, adds s a into
+    the base's grad-input in place (x feeding both) and forms the adapter's grads from s, so the sum costs no view,
+    add or transpose nodes. forward(x, xl, bias, a, b, plan, w, keep, scale): xl None when the adapter reads x
+    itself (no dropout); w the dense weight a dense plan made (None: the plan's own kernel), kept for grad-input
+    when `keep` (KEPT_DENSE allowed it), else grad-input is the plan's grad."""
+
+    @staticmethod
+    def forward(ctx, x, xl, bias, a, b, plan, w, keep, scale):
+        y = F.linear(x, w, bias) if w is not None else plan.forward(x, bias)
+        src = x if xl is None else xl
+        t = F.linear(src, a)
+        y.view(-1, y.shape[-1]).addmm_(t.view(-1, t.shape[-1]), b.t(), alpha=scale)
+        ctx.save_for_backward(src, t, a, b, w if keep else None)
+        ctx.plan, ctx.scale, ctx.own_x = plan, scale, xl is None
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        src, t, a, b, w = ctx.saved_tensors
+        need_x, need_xl, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
+        g2 = g.reshape(-1, g.shape[-1])
+        s = (g2 @ b).mul_(ctx.scale) if (need_x and ctx.own_x) or need_xl or need_a else None  # grad of t
+        gx = gxl = gbias = ga = gb = None
+        if need_x:
+            gx = ctx.plan.grad(g) if w is None else g @ w
+            if ctx.own_x:
+                gx.view(-1, gx.shape[-1]).addmm_(s, a)
+        if need_xl:
+            gxl = (s @ a).view(src.shape)
+        if need_bias:
+            gbias = g2.sum(0)
+        if need_a:
+            ga = s.t() @ src.reshape(-1, src.shape[-1])
+        if need_b:
+            gb = (t.reshape(-1, t.shape[-1]).t() @ g2).mul_(ctx.scale).t()
+        return gx, gxl, gbias, ga, gb, None, None, None, None
+
+
+_plan_lora_fn = _c_apply.__get__(None, _PlanLoraFn) if _c_apply is not None else _PlanLoraFn.apply
+
+
 def plan_lora_apply(plan: LinearPlan, x: torch.Tensor, bias, xl: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """plan_apply(plan, x, bias) + scale * (xl a^T) b^T: one LoRA adapter on the frozen base (xl is x or its
-    dropout), as three products with one rounding of the sum (the adapter's update is added by addmm)."""
-    y = plan_apply(plan, x, bias)
-    t = F.linear(xl, a)
-    y2, t2 = y.view(-1, y.shape[-1]), t.view(-1, t.shape[-1])
-    if torch.is_grad_enabled() and (y.requires_grad or t.requires_grad or b.requires_grad):
-        return torch.addmm(y2, t2, b.t(), alpha=scale).view(y.shape)
-    return y2.addmm_(t2, b.t(), alpha=scale).view(y.shape)
+    dropout), as three products with one rounding of the sum (the adapter's update is added by addmm). Where a
+    gradient is wanted, _PlanLoraFn runs it (the dense weight of a dense plan kept for grad-input as plan_apply
+    keeps it). Adapter weights of another dtype (fp32 under autocast) take x's dtype first, as autocast's products
+    would. Callers are plain eager (plain_eager: no functorch transform)."""
+    if a.dtype != x.dtype:
+        a = a.to(x.dtype)
+    if b.dtype != x.dtype:
+        b = b.to(x.dtype)
+    grad = torch.is_grad_enabled() and (x.requires_grad or xl.requires_grad or a.requires_grad or b.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+    if not grad:
+        y = plan.forward(x, bias)
+        t = F.linear(xl, a)
+        y.view(-1, y.shape[-1]).addmm_(t.view(-1, t.shape[-1]), b.t(), alpha=scale)
+        return y
+    w = plan.dequant(x.dtype) if plan.dequant is not None else None
+    keep = w is not None and x.requires_grad and KEPT_DENSE.take(w)  # else grad-input dequantizes again
+    return _plan_lora_fn(x, None if xl is x else xl, bias, a, b, plan, w, keep, scale)
 
 
 def plain_eager(x: torch.Tensor) -> bool:

@@ -21,9 +21,9 @@ def _nodes(y) -> set:
 
 
 def _fused(y) -> bool:
-    """The one-node route adds the adapter with addmm; PEFT's forward scales with a multiply and adds."""
+    """The short route is one autograd node (base + adapter); PEFT's forward scales with a multiply and adds."""
     names = _nodes(y)
-    return "AddmmBackward0" in names and "MulBackward0" not in names and "AddBackward0" not in names
+    return "_PlanLoraFnBackward" in names and "MulBackward0" not in names and "AddBackward0" not in names
 
 
 class _Two(nn.Module):
@@ -141,7 +141,7 @@ def test_peft_forward_runs_where_the_fused_node_does_not_apply(planned):
     lay.lora_B["default"].bfloat16()
     lay.merge()  # the layer's base is now dense: one product, no adapter path
     names = _nodes(lay(torch.randn(4, 48, dtype=torch.bfloat16, device=DEV, requires_grad=True)))
-    assert "AddmmBackward0" not in names and "MulBackward0" not in names
+    assert not names & {"_PlanLoraFnBackward", "AddmmBackward0", "MulBackward0"}
 
 
 def test_fp32_adapters_under_autocast_match_peft(planned):
@@ -187,3 +187,37 @@ def test_fused_under_activation_checkpointing(planned):
     for n, p in pm.named_parameters():
         if p.grad is not None:
             assert torch.equal(p.grad, g_ref[n]), n
+
+
+@pytest.mark.parametrize("x_grad,train_bias,keep_gb,dropout", [(True, True, 0.0, 0.0), (False, False, 2.0, 0.3),
+                                                               (False, True, 2.0, 0.0), (True, False, 0.0, 0.3)])
+@pytest.mark.parametrize("rows", [5, 80])
+def test_fused_node_gradients_for_every_input(planned, monkeypatch, x_grad, train_bias, keep_gb, dropout, rows):
+    """The one-node route's gradient for each input against PEFT's forward: x with and without a gradient, a
+    trainable base bias, dropout, few rows (the plan's own kernel) and many (dense weight kept, or no room for it)."""
+    monkeypatch.setattr(SETTINGS, "grad_dense_gb", keep_gb)
+    pm = _model(dropout)
+    if train_bias:
+        for lay in _layers(pm):
+            if lay.base_layer.bias is not None:
+                lay.base_layer.bias.requires_grad_(True)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16, device=DEV)
+    out = []
+    for force_peft in (False, True):
+        hooks = _peft_path(pm) if force_peft else []
+        torch.manual_seed(1)
+        xx = x.clone().requires_grad_(x_grad)
+        y = pm(xx)
+        assert ("_PlanLoraFnBackward" in _nodes(y)) != force_peft  # (dropout adds a multiply of its own)
+        y.float().square().sum().backward()
+        out.append((y.detach(), xx.grad, {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}))
+        pm.zero_grad(set_to_none=True)
+        for h in hooks:
+            h.remove()
+    (y_f, gx_f, g_f), (y_p, gx_p, g_p) = out
+    assert set(g_f) == set(g_p) and len(g_f) == 4 + (1 if train_bias else 0)
+    assert (gx_f is None) == (gx_p is None) == (not x_grad)
+    pairs = [(y_f, y_p)] + ([(gx_f, gx_p)] if x_grad else []) + [(g_f[n], g_p[n]) for n in g_p]
+    for got, ref in pairs:
+        err = float((got.float() - ref.float()).norm() / ref.float().norm())
+        assert err < 2e-2, err
