@@ -21,6 +21,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from hfq_kernels._autotune import Tuner, m_bucket
 from hfq_kernels._settings import SETTINGS
@@ -108,6 +109,7 @@ class _PlanFn(torch.autograd.Function):
         return plan.forward(x, bias) if w is None else F.linear(x, w, bias)
 
     @staticmethod
+    @once_differentiable  # its kernels record no graph: a second derivative raises instead of coming out zero
     def backward(ctx, grad):
         gx = gb = None
         if ctx.needs_input_grad[0]:
@@ -164,6 +166,7 @@ class _PlanLoraFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # as _PlanFn's
     def backward(ctx, g):
         src, t, a, b, w = ctx.saved_tensors
         need_x, need_xl, need_bias, need_a, need_b = ctx.needs_input_grad[:5]

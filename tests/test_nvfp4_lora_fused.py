@@ -221,3 +221,19 @@ def test_fused_node_gradients_for_every_input(planned, monkeypatch, x_grad, trai
     for got, ref in pairs:
         err = float((got.float() - ref.float()).norm() / ref.float().norm())
         assert err < 2e-2, err
+
+
+@pytest.mark.parametrize("rows", [5, 80])
+def test_second_derivatives_raise(planned, rows):
+    """The planned nodes' backward runs kernels that record no graph: differentiating their gradient again raises
+    (it would otherwise miss the base weight's part and come out wrong without a word). A plain layer's dense
+    training product (many rows) is F.linear's own and stays twice differentiable."""
+    from hfq.nvfp4 import NVFP4Linear
+
+    pm = _model()
+    plain = NVFP4Linear.from_linear(nn.Linear(96, 48).to(DEV, torch.bfloat16))
+    for mod in (pm, plain) if rows <= 64 else (pm,):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16, device=DEV, requires_grad=True)
+        (gx,) = torch.autograd.grad(mod(x).float().square().sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            gx.float().sum().backward()
