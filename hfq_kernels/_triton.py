@@ -135,10 +135,15 @@ def e4m3_to_f32(b):
 
 
 @triton.jit
+def f16_bits_to_f32(h):
+    """The fp16 whose bits are the low 16 of int32 h, as float32 (exact)."""
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def e2m1_raw(c):
     """4-bit E2M1 code (int32) -> float32 value * 2^-14 (the code's bits placed in an fp16; exact)."""
-    h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16)
-    return h.to(tl.float16, bitcast=True).to(tl.float32)
+    return f16_bits_to_f32(((c & 7) << 9) | ((c & 8) << 12))
 
 
 @triton.jit

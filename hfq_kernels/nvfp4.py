@@ -147,6 +147,13 @@ def plan_apply(plan: LinearPlan, x: torch.Tensor, bias) -> torch.Tensor:
     return _plan_fn(x, bias, plan, w)
 
 
+def _add_adapter(y, xl, a, b, scale: float) -> torch.Tensor:
+    """y += scale * (xl a^T) b^T in place (one addmm_ on y's rows); returns t = xl a^T."""
+    t = F.linear(xl, a)
+    y.view(-1, y.shape[-1]).addmm_(t.view(-1, t.shape[-1]), b.t(), alpha=scale)
+    return t
+
+
 class _PlanLoraFn(torch.autograd.Function):
     """plan_lora_apply's training product as one autograd node: y = base(x) + scale * (xl a^T) b^T with the adapter's
     update added into the base output in place (one addmm_). Its backward makes s = scale * g b once, adds s a into
@@ -159,8 +166,7 @@ class _PlanLoraFn(torch.autograd.Function):
     def forward(ctx, x, xl, bias, a, b, plan, w, keep, scale):
         y = F.linear(x, w, bias) if w is not None else plan.forward(x, bias)
         src = x if xl is None else xl
-        t = F.linear(src, a)
-        y.view(-1, y.shape[-1]).addmm_(t.view(-1, t.shape[-1]), b.t(), alpha=scale)
+        t = _add_adapter(y, src, a, b, scale)
         ctx.save_for_backward(src, t, a, b, w if keep else None)
         ctx.plan, ctx.scale, ctx.own_x = plan, scale, xl is None
         return y
@@ -206,8 +212,7 @@ def plan_lora_apply(plan: LinearPlan, x: torch.Tensor, bias, xl: torch.Tensor, a
                                         or (bias is not None and bias.requires_grad))
     if not grad:
         y = plan.forward(x, bias)
-        t = F.linear(xl, a)
-        y.view(-1, y.shape[-1]).addmm_(t.view(-1, t.shape[-1]), b.t(), alpha=scale)
+        _add_adapter(y, xl, a, b, scale)
         return y
     w = plan.dequant(x.dtype) if plan.dequant is not None else None
     keep = w is not None and x.requires_grad and KEPT_DENSE.take(w)  # else grad-input dequantizes again

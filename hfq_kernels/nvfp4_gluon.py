@@ -29,7 +29,7 @@ import torch
 
 from hfq_kernels._settings import SETTINGS
 from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, SPLIT_SCRATCH, BoundLaunch, cdiv, e2m1_to_f32, shift,
-                                 f32_to_bf16_rne, pdl_bound, tl, triton)
+                                 f16_bits_to_f32, f32_to_bf16_rne, pdl_bound, tl, triton)
 from hfq_kernels.nvfp4_quant import recip
 
 _G4_SM = (0, 3, -3, 6)
@@ -365,8 +365,7 @@ def _g4_value(word, eff16, I: tl.constexpr, H: tl.constexpr):
     eff16 = scale * 2^14 (so the product is e2m1 * scale rounded once, as e2m1_to_f32(code) * scale)."""
     sm: tl.constexpr = 0 if I == 0 else (3 if I == 1 else (-3 if I == 2 else 6))
     ss: tl.constexpr = 0 if I == 0 else (3 if I == 1 else (1 if I == 2 else 2))
-    h = (shift(word, 16 * H - sm - 3) & 0x0E00) | (shift(word, 16 * H - ss) & 0x8000)
-    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * eff16
+    return f16_bits_to_f32((shift(word, 16 * H - sm - 3) & 0x0E00) | (shift(word, 16 * H - ss) & 0x8000)) * eff16
 
 
 @triton.jit
