@@ -20,7 +20,7 @@ from hfq_kernels.nvfp4_gluon import g4_decode_words
 from hfq_kernels.nvfp4_quant import recip
 
 MAX_ROWS = 16  # rows of g the kernel takes; more go through dequantize + cuBLAS
-_BM, _BC, _RT = 16, 64, 2  # padded rows, output columns and 16-row weight tiles per step
+_BM, _BC, _RT = 16, 64, 8  # padded rows, output columns and 16-row weight tiles per step
 
 
 @triton.jit
@@ -29,7 +29,8 @@ def _g4_grad_kernel(g_ptr, wr_ptr, sr_ptr, recip_ptr, out_ptr, y_ptr, cnt_ptr, M
                     F32_DOT: tl.constexpr):
     """out[:, BC*c : BC*c + BC] (+)= g[:, rows of split s] @ W[rows of split s, same columns]. PARTIAL: out is
     fp32 partials [split, M, K]; the last program of a column block to finish (counted in cnt_ptr[c]) sums
-    them in split order into y [M, K] and resets its counter."""
+    them in split order into y [M, K] and resets its counter. The sums are kept transposed ([BC, BM]: the
+    decoded weight is the dot's left operand, which Hopper's wgmma takes from registers)."""
     R: tl.constexpr = 16 * RT
     pc = tl.program_id(0)
     ps = tl.program_id(1)
@@ -41,7 +42,7 @@ def _g4_grad_kernel(g_ptr, wr_ptr, sr_ptr, recip_ptr, out_ptr, y_ptr, cnt_ptr, M
     m = tl.arange(0, BM)
     m_ok = (m < M)[:, None]
     rcp = tl.load(recip_ptr)
-    acc = tl.zeros((BM, BC), dtype=tl.float32)
+    acc = tl.zeros((BC, BM), dtype=tl.float32)
     t_lo = ps * tiles_per_split
     t_hi = tl.minimum(t_lo + tiles_per_split, NT)
     for t0 in range(t_lo, t_hi, RT):
@@ -55,9 +56,10 @@ def _g4_grad_kernel(g_ptr, wr_ptr, sr_ptr, recip_ptr, out_ptr, y_ptr, cnt_ptr, M
         gt = tl.load(g_ptr + m[:, None].to(tl.int64) * stride_gm + n[None, :], mask=m_ok & (n < N)[None, :],
                      other=0.0)
         if F32_DOT:  # the interpreter's dot reads bf16 operands as raw integers (and its casts truncate)
-            acc = tl.dot(gt.to(tl.float32), f32_to_bf16_rne(w).to(tl.float32), acc)
+            acc = tl.dot(tl.trans(f32_to_bf16_rne(w).to(tl.float32)), tl.trans(gt.to(tl.float32)), acc)
         else:
-            acc = tl.dot(gt, w.to(tl.bfloat16), acc)
+            acc = tl.dot(tl.trans(w.to(tl.bfloat16)), tl.trans(gt), acc)
+    acc = tl.trans(acc)
     col = pc * BC + tl.arange(0, BC)
     omask = m_ok & (col < K)[None, :]
     if PARTIAL:
@@ -87,10 +89,10 @@ def fused_rows_ok(m: int, dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def split_rows(n: int, k: int, sms: int) -> tuple[int, int]:
-    """(splits, 16-row tiles per split): splits over the weight rows until about 4 programs per SM, each keeping
-    at least two steps of RT tiles."""
+    """(splits, 16-row tiles per split): splits over the weight rows until about 8 programs per SM, each keeping
+    at least three steps of RT tiles."""
     nt = cdiv(n, 16)
-    split = max(1, min(cdiv(4 * sms, cdiv(k, _BC)), nt // (2 * _RT)))
+    split = max(1, min(cdiv(8 * sms, cdiv(k, _BC)), nt // (3 * _RT)))
     tiles = cdiv(cdiv(nt, split), _RT) * _RT
     return cdiv(nt, tiles), tiles
 
