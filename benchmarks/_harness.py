@@ -19,14 +19,21 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def commit() -> str:
-    """The commit measured: HFQ_COMMIT when the tree was copied without .git (the device), else git's HEAD."""
+    """The commit measured: HFQ_COMMIT where set (a device copy of the tree, whose .git may be absent or stale),
+    else git's HEAD, marked "+modified" when tracked files differ from it (the tree measured is not that commit)."""
     sha = os.environ.get("HFQ_COMMIT")
     if sha:
         return sha
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=root, timeout=30).stdout.strip()
+
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=os.path.dirname(RESULTS), timeout=10)
-        return out.stdout.strip() or "unknown"
+        head = git("rev-parse", "--short", "HEAD")
+        if not head:
+            return "unknown"
+        return head + ("+modified" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
