@@ -2,7 +2,7 @@
 
 For M <= MAX_ROWS rows of g (decode-sized micro-batches), dequantize + cuBLAS writes and re-reads the whole dense
 weight (2 bytes per element, twice) to use it for a few rows; this kernel reads the 4-bit codes and their scale
-bytes once, decodes a [32, BC] tile in registers (nvfp4_gluon.g4_decode_words: the values dequantize_g4 writes,
+bytes once, decodes a [16 RT, BC] tile in registers (nvfp4_gluon.g4_decode_words: the values dequantize_g4 writes,
 rounded to bf16 the same way) and multiplies it into [M, BC] fp32 sums. Program (c, s): output columns
 BC*c .. BC*c + BC - 1 over the weight rows of split s; with splits > 1 each writes fp32 partials and the last
 program of column block c to finish sums them in split order (one launch, no reduce kernel; scratch from
