@@ -136,3 +136,33 @@ def test_qerl_config_turns_bf16_on_only_where_the_device_has_it(tmp_path):
     assert QeRLConfig.paper_preset("gsm8k", output_dir=str(tmp_path)).bf16 is has
     assert QeRLConfig(output_dir=str(tmp_path), use_cpu=True).bf16 is False
     assert QeRLConfig(output_dir=str(tmp_path), bf16=False).bf16 is False  # an explicit choice is kept
+
+
+def test_nvfp4_model_pickles_and_deepcopies_after_calls(tmp_path, monkeypatch):
+    """torch.save(model) (a whole-module pickle, as multiprocessing sends one) and copy.deepcopy (TRL's reference
+    model) work after NVFP4 calls made the layers' per-shape plans: the plans, closures over the layer's tensors,
+    stay behind and the copy makes its own, giving the same logits."""
+    import copy
+    import io
+
+    from hfq_kernels._settings import SETTINGS
+
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)  # the eager plan route GPUs take, here under the interpreter
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    m = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "m"), quantization_config=hfq.NVFP4Config()).to(dev)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0)).to(dev)
+    with torch.no_grad():
+        ref = m(ids).logits
+    layers = [mod for mod in m.modules() if isinstance(mod, NVFP4Linear)]
+    assert layers and all("_hfq_plans" in lay.__dict__ for lay in layers)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    copies = {"pickled": torch.load(buf, weights_only=False), "deepcopy": copy.deepcopy(m)}
+    for how, c in copies.items():
+        fresh = [mod for mod in c.modules() if isinstance(mod, NVFP4Linear)]
+        assert not any("_hfq_plans" in lay.__dict__ for lay in fresh), how
+        with torch.no_grad():
+            assert torch.equal(c(ids).logits, ref), how
+        assert all("_hfq_plans" in lay.__dict__ for lay in fresh), how
+    assert all("_hfq_plans" in lay.__dict__ for lay in layers)  # the original keeps its own

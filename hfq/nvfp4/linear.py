@@ -107,6 +107,13 @@ class NVFP4Linear(nn.Module):
         """Whether this layer keeps the g4 layout on `device` (NVFP4, allow_g4, the Gluon kernel runs there)."""
         return self.format == "nvfp4" and self.allow_g4 and _G4.device_ok(device)
 
+    def __getstate__(self):
+        """Pickling and copy.deepcopy leave the kept plans behind: they are per-process caches of closures over this
+        layer's tensors (not picklable; a copy would reach the original's), rebuilt on the next call."""
+        state = self.__dict__.copy()
+        state.pop("_hfq_plans", None)
+        return state
+
     def _drop(self, names) -> None:
         for nm in names:
             self._buffers.pop(nm, None)
