@@ -1,5 +1,6 @@
 """The `hfq` command: `hfq grpo --model PATH` on a CPU-only machine picks CPU settings by itself."""
 import json
+import re
 
 import pytest
 import torch
@@ -78,3 +79,25 @@ def test_demo_explains_itself_and_ends_with_a_heldout_verdict(tmp_path, capsys):
         assert f"held-out {key} {held['before']:.3f} -> {held['after']:.3f}" in text.split("verdict")[-1]
         assert held["verdict"] in text.split("verdict")[-1]
     assert (out / "curves.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["quantize", "/no/such/model", "--out", "o"], "/no/such/model: no such directory"),
+    (["export", "./no_such_model", "--out", "o"], "./no_such_model: not a local checkpoint directory"),
+    (["export", "org/name", "--out", "o"], "org/name: not a local checkpoint directory"),
+    (["grpo", "--model", "~/no_such_model"], "~/no_such_model: no such directory"),
+])
+def test_missing_model_dir_stops_with_one_line(argv, said, tmp_path, monkeypatch):
+    """A model path that is not there stops the command with its name, before anything loads."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match=re.escape(said)):
+        main(argv)
+
+
+def test_hub_errors_end_the_command_without_a_traceback(capsys, tmp_path, monkeypatch):
+    """A Hub id that cannot be fetched (offline here) ends the command with exit status 1 and transformers' own
+    message after `hfq quantize: error:`, no traceback."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["quantize", "nobody-hfq-test/not-a-model", "--out", "o"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hfq quantize: error: ") and "Traceback" not in err

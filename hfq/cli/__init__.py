@@ -35,8 +35,25 @@ def copy_tokenizer(src: str, out: str) -> None:
     tok.save_pretrained(out)
 
 
+def check_model_dir(path: str, local_only: bool = False) -> None:
+    """Stop with a one-line error for a model path that is not there: a path-like name (absolute, ./, ../, ~) that
+    is no directory, or with `local_only` any name that is not a local directory (a Hub id is fine otherwise)."""
+    import os
+
+    if os.path.isdir(path):
+        return
+    if local_only:
+        raise SystemExit(f"{path}: not a local checkpoint directory")
+    if os.path.isabs(path) or path.startswith((".", "~")):
+        raise SystemExit(f"{path}: no such directory")
+
+
 def main(argv=None) -> int:
     import hfq  # noqa: F401  (registers quantizers)
 
     args = build_parser().parse_args(argv)
-    return int(importlib.import_module(args._module).main(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).main(args) or 0)
+    except OSError as e:  # a file, network or Hub error (missing checkpoint, offline): its message, no traceback
+        print(f"hfq {args.command}: error: {e}", file=sys.stderr)
+        return 1

@@ -21,6 +21,8 @@ from pathlib import Path
 from hfq._settings import SETTINGS
 from hfq.qerl.demo import DEMO_ARCH, DEMO_PRETRAIN_STEPS, build_demo_base
 
+from . import check_model_dir
+
 HELDOUT = 200
 _EXPLAIN = """\
 [hfq grpo] What this shows: QeRL = GRPO on a quantized base + LoRA, with Adaptive Quantization Noise (AQN), teaching
@@ -179,6 +181,8 @@ def main(args) -> int:
 
     torch.manual_seed(args.seed)
     demo = args.model is None
+    if not demo:
+        check_model_dir(args.model)
     t0 = time.time()
     note = _one_thread_if_busy()
     if note:
