@@ -101,3 +101,13 @@ def test_hub_errors_end_the_command_without_a_traceback(capsys, tmp_path, monkey
     assert main(["quantize", "nobody-hfq-test/not-a-model", "--out", "o"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("hfq quantize: error: ") and "Traceback" not in err
+
+
+def test_model_dir_with_a_tilde_is_expanded(tmp_path, monkeypatch):
+    """A quoted ~/... path (the shell left it as it is) names the home directory's folder, as it would unquoted."""
+    from hfq.cli import check_model_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "m").mkdir()
+    assert check_model_dir("~/m") == str(tmp_path / "m") == check_model_dir("~/m", local_only=True)
+    assert check_model_dir("org/name") == "org/name"

@@ -35,17 +35,20 @@ def copy_tokenizer(src: str, out: str) -> None:
     tok.save_pretrained(out)
 
 
-def check_model_dir(path: str, local_only: bool = False) -> None:
-    """Stop with a one-line error for a model path that is not there: a path-like name (absolute, ./, ../, ~) that
-    is no directory, or with `local_only` any name that is not a local directory (a Hub id is fine otherwise)."""
+def check_model_dir(path: str, local_only: bool = False) -> str:
+    """The model path to load (~ expanded), or a one-line stop for one that is not there: a path-like name (absolute,
+    ./, ../, ~) that is no directory, or with `local_only` any name that is not a local directory (a Hub id is fine
+    otherwise)."""
     import os
 
-    if os.path.isdir(path):
-        return
+    full = os.path.expanduser(path)
+    if os.path.isdir(full):
+        return full
     if local_only:
         raise SystemExit(f"{path}: not a local checkpoint directory")
-    if os.path.isabs(path) or path.startswith((".", "~")):
+    if os.path.isabs(full) or path.startswith((".", "~")):
         raise SystemExit(f"{path}: no such directory")
+    return path
 
 
 def main(argv=None) -> int:

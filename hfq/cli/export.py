@@ -25,7 +25,7 @@ def main(args) -> int:
     from hfq.nvfp4.config import NVFP4Config
     from hfq.nvfp4.export import export_compressed_tensors
 
-    check_model_dir(args.model_dir, local_only=True)
+    args.model_dir = check_model_dir(args.model_dir, local_only=True)
     with open(os.path.join(args.model_dir, "config.json")) as f:
         qc = json.load(f).get("quantization_config")
     method = (qc or {}).get("quant_method")

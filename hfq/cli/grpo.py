@@ -182,7 +182,7 @@ def main(args) -> int:
     torch.manual_seed(args.seed)
     demo = args.model is None
     if not demo:
-        check_model_dir(args.model)
+        args.model = check_model_dir(args.model)
     t0 = time.time()
     note = _one_thread_if_busy()
     if note:

@@ -87,7 +87,7 @@ def main(args) -> int:
     from hfq.nvfp4.config import NVFP4Config
     from hfq.nvfp4.export import export_compressed_tensors
 
-    check_model_dir(args.model_dir)
+    args.model_dir = check_model_dir(args.model_dir)
     if args.export == "compressed-tensors" and args.format != "nvfp4":
         raise SystemExit("--export compressed-tensors needs --format nvfp4")
     if args.calibrate and args.format != "nvfp4":
