@@ -303,7 +303,9 @@ class _Bucket:
             sent = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]
             out = sent.new_empty((sent.shape[1],))
             shapes = [(g.shape[0] // world,) + tuple(g.shape[1:]) for g, _ in items]
-            work = dist.reduce_scatter_tensor(out, sent.reshape(-1), group=group, async_op=True)
+            # reduce_scatter_tensor's new name where torch has it (the old one warns there)
+            rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            work = rs(out, sent.reshape(-1), group=group, async_op=True)
 
         def finish(_sent=sent):  # the collective's input is held until it is finished
             at = 0
