@@ -58,6 +58,20 @@ def test_plain_get_peft_model_wraps_every_nvfp4_layer(tiny, targets):
     assert all(p.grad is not None for n, p in pm.named_parameters() if "lora_A" in n)
 
 
+def test_trainable_parameter_count_includes_the_nvfp4_weights(tiny):
+    """print_trainable_parameters() on an NVFP4 base counts its frozen weights as the dense model's count does
+    (they are buffers, which PEFT's own count skips), merged or not: the same numbers as on the bf16 base."""
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS)
+    dense = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny), cfg)
+    pm = peft.get_peft_model(_base(tiny), cfg)
+    want = dense.get_nb_trainable_parameters()
+    assert pm.get_nb_trainable_parameters() == want and want[1] > 4 * want[0]
+    pm.merge_adapter()
+    assert pm.get_nb_trainable_parameters() == want
+    pm.unmerge_adapter()
+    assert pm.get_nb_trainable_parameters() == want
+
+
 def test_adapter_save_and_plain_peft_from_pretrained(tiny, tmp_path):
     pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     _randomize_lora(pm)

@@ -8,7 +8,9 @@ LoRA/IA3/OFT merges, PiSSA/OLoRA init, weight init) would silently write into a 
 `register_peft_dispatch()`, which extends exactly those two PEFT entry points, process-wide: LoRA wraps every
 NVFP4Linear in `NVFP4LoraLinear`, and "all-linear" includes NVFP4Linear layers. That reaches every route that goes
 through PEFT's LoRA injection: `peft.get_peft_model`, `PeftModel.from_pretrained`, `model.add_adapter`, TRL's
-`peft_config`. Other PEFT methods keep refusing NVFP4Linear ("not supported").
+`peft_config`. Other PEFT methods keep refusing NVFP4Linear ("not supported"). It also extends the parameter count
+behind `print_trainable_parameters()` (`PeftModel.get_nb_trainable_parameters`), which walks `parameters()` and would
+leave out the NVFP4 weights (buffers), as bitsandbytes' 4-bit weights get their own case there.
 """
 from __future__ import annotations
 
@@ -164,9 +166,32 @@ def _all_linear_with_nvfp4(include_all_linear):
     return _maybe_include_all_linear_layers
 
 
+def _count_nvfp4_weights(get_nb):
+    """get_nb_trainable_parameters plus the frozen NVFP4 weights' logical elements (out x in each). A base kept for
+    unmerge while its dense merged copy stands in (NVFP4LoraLinear._nvfp4_base) is counted once, by the copy."""
+
+    def get_nb_trainable_parameters(self) -> tuple[int, int]:
+        trainable, total = get_nb(self)
+        for name, m in self.named_modules():
+            if not isinstance(m, NVFP4Linear):
+                continue
+            if name.endswith("_nvfp4_base"):
+                for p in m.parameters():
+                    total -= p.numel()
+                    trainable -= p.numel() if p.requires_grad else 0
+            else:
+                total += m.in_features * m.out_features
+        return trainable, total
+
+    get_nb_trainable_parameters.__doc__ = get_nb.__doc__
+    get_nb_trainable_parameters.hfq_wrapped = True
+    return get_nb_trainable_parameters
+
+
 def register_peft_dispatch() -> bool:
     """Teach PEFT's LoRA, process-wide, to wrap NVFP4Linear (see the module docstring). Called on `import hfq`;
     idempotent. Returns True when it installed the hooks now, False when they were already in place."""
+    from peft import PeftMixedModel, PeftModel
     from peft.tuners import tuners_utils
     from peft.tuners.lora.model import LoraModel
 
@@ -180,6 +205,9 @@ def register_peft_dispatch() -> bool:
         return False
     LoraModel._create_new_module = staticmethod(_lora_for_nvfp4(LoraModel._create_new_module))
     tuners_utils._maybe_include_all_linear_layers = _all_linear_with_nvfp4(tuners_utils._maybe_include_all_linear_layers)
+    for owner in (PeftModel, PeftMixedModel):
+        if hasattr(owner, "get_nb_trainable_parameters"):
+            owner.get_nb_trainable_parameters = _count_nvfp4_weights(owner.get_nb_trainable_parameters)
     return True
 
 
