@@ -170,6 +170,8 @@ def _load_policy(args, path, demo: bool):
 
 
 def main(args) -> int:
+    if args.model is not None:  # before the heavy imports: a wrong path stops at once
+        args.model = check_model_dir(args.model)
     import torch
     from transformers import PrinterCallback, TrainerCallback
 
@@ -181,8 +183,6 @@ def main(args) -> int:
 
     torch.manual_seed(args.seed)
     demo = args.model is None
-    if not demo:
-        args.model = check_model_dir(args.model)
     t0 = time.time()
     note = _one_thread_if_busy()
     if note:
