@@ -36,7 +36,7 @@ for part in "$@"; do
              tests/test_kernels_imports.py tests/test_peft_routes.py tests/test_optim_guard.py \
              tests/test_qft_kernels.py tests/test_qft_grads.py tests/test_qft_outliers.py tests/test_qft.py \
              > "$OUT/tests.txt" 2>&1 ;;
-    alltests) timeout 560 $PYTEST -m "not real_model" --deselect tests/test_packaging.py tests > "$OUT/alltests.txt" 2>&1 ;;
+    alltests) timeout 560 $PYTEST -n 6 --dist loadfile -m "not real_model" --deselect tests/test_packaging.py tests > "$OUT/alltests.txt" 2>&1 ;;
     multi_gpu) timeout 300 $PYTEST tests/test_qft_grads.py -k "two_gpus or ddp or accelerate" > "$OUT/multi_gpu.txt" 2>&1
                timeout 280 $PYTEST tests/test_scaleout.py >> "$OUT/multi_gpu.txt" 2>&1 ;;
     scaleout) timeout 580 python benchmarks/scaleout.py --out "$OUT" > "$OUT/scaleout.txt" 2>&1 ;;
