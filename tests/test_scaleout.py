@@ -34,9 +34,12 @@ def _free_port():
 
 
 def _env(**extra):
-    # CPU processes on any machine (a visible GPU would take both ranks); test_scaleout_gpu.py runs NCCL
-    return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1", CUDA_VISIBLE_DEVICES="",
-                **extra, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    """The workers' environment: CPU processes on any machine (a visible GPU would take both ranks) unless `extra`
+    says otherwise (test_scaleout_gpu.py: CUDA_VISIBLE_DEVICES for its NCCL runs)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TQDM_DISABLE="1", CUDA_VISIBLE_DEVICES="")
+    env.update(extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return env
 
 
 def _run(cmd, env=None, ok=True):

@@ -27,7 +27,7 @@ def _one(out, methods, resume=None):
 def _two(out, methods, resume=None):
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
           WORKER, str(out), "-", ",".join(methods)] + ([str(resume)] if resume else []),
-         env=_env(SCALEOUT_FSDP2="1", **GPU))
+         env=_env(SCALEOUT_FSDP2="1", CUDA_VISIBLE_DEVICES="0,1", **GPU))
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +89,8 @@ def _trainer(out, method, n, resume=None):
     """Trainer under accelerate's fsdp2.yaml on n GPUs; checkpoints as FSDP2 sharded state dicts (DCP)."""
     _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "fsdp2.yaml"),
           "--num_processes", str(n), "--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--main_process_port",
-          str(_free_port()), TRAINER, str(out), method] + ([str(resume)] if resume else []))
+          str(_free_port()), TRAINER, str(out), method] + ([str(resume)] if resume else []),
+         env=_env(CUDA_VISIBLE_DEVICES=",".join(map(str, range(n))), **GPU))
 
 
 @pytest.mark.parametrize("method", QPARAM_FSDP2)
@@ -102,6 +103,8 @@ def test_trainer_fsdp2_sharded_checkpoint_resumes_on_another_world_size(tmp_path
     two = torch.load(tmp_path / f"{method}_w2.pt", weights_only=False)
     one = torch.load(tmp_path / f"{method}_w1.pt", weights_only=False)
     resumed = torch.load(tmp_path / f"{method}_w1_resumed.pt", weights_only=False)
+    for run in (two, one, resumed):  # on the GPUs under FSDP2, not on CPU processes
+        assert run["device"] == "cuda" and run["fsdp"], {k: run[k] for k in ("device", "fsdp", "world")}
     assert len(two["losses"]) == len(one["losses"]) == 4 and two["losses"][0] != two["losses"][-1]
     _close_losses(two["losses"], one["losses"], 1e-2)
     _close_losses(resumed["losses"][-2:], one["losses"][2:], 1e-2)

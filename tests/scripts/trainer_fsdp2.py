@@ -41,7 +41,8 @@ def main(out, method, resume=None):
         logits = trainer.model(input_ids=batch(99, 0, 1).to(trainer.args.device)).logits.float().cpu()
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        torch.save({"losses": losses, "logits": logits, "world": world},
+        torch.save({"losses": losses, "logits": logits, "world": world, "device": trainer.args.device.type,
+                    "fsdp": trainer.is_fsdp_enabled},
                    os.path.join(out, f"{method}_w{world}{'_resumed' if resume else ''}.pt"))
 
 
