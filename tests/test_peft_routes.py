@@ -247,3 +247,31 @@ def test_cli_export_adapter_writes_base_and_adapter(tiny, tmp_path):
     assert cfg["format"] == "nvfp4-pack-quantized"
     re = PeftModel.from_pretrained(_base(tiny), str(out / "adapter"))
     assert torch.equal(re(x).logits, y)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj"]])
+def test_save_after_merge_and_unload_refused_until_dequantized(tiny, tmp_path, targets):
+    """PEFT's merge_and_unload leaves dense layers under an hfq_nvfp4 config: save_pretrained refuses (such a
+    checkpoint reloaded as 'corrupt', or not at all), and after model.dequantize() the dense save reloads exactly."""
+    pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, target_modules=targets))
+    _randomize_lora(pm)
+    merged = pm.merge_and_unload()
+    x = _ids()
+    with torch.no_grad():
+        want = merged(x).logits
+    with pytest.raises(ValueError, match=r"no longer hfq_nvfp4 layers .*merge_and_unload.*model\.dequantize\(\)"):
+        merged.save_pretrained(tmp_path / "refused")
+    assert not (tmp_path / "refused" / "config.json").exists()  # refused before anything was written
+    merged.dequantize()
+    merged.save_pretrained(tmp_path / "dense")
+    assert "quantization_config" not in json.load(open(tmp_path / "dense" / "config.json"))
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "dense")
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, want)
+
+
+def test_save_with_lora_wrappers_still_in_place_is_not_refused(tiny, tmp_path):
+    """The layer check looks through PEFT's wrappers (their base layers are the saved NVFP4 layers)."""
+    pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, target_modules=["q_proj"]))
+    pm.base_model.model.save_pretrained(tmp_path / "wrapped")
+    assert (tmp_path / "wrapped" / "config.json").exists()

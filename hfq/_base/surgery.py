@@ -284,7 +284,33 @@ class HfqQuantizer(HfQuantizer):
                 "(fsdp_state_dict_type: SHARDED_STATE_DICT)")
         return model.state_dict()
 
+    def check_layers_kept(self, model: nn.Module) -> None:
+        """Raise ValueError before a save whose quantization_config would not describe the layers: a layer this
+        method converted (model.hfq_quantization_report) that is no longer one of its layers, e.g. a dense
+        nn.Linear that PEFT's merge_and_unload() put in its place. Such a checkpoint could not be reloaded."""
+        gone = []
+        for name in getattr(model, "hfq_quantization_report", {}).get("quantized", ()):
+            try:
+                mod = model.get_submodule(name)
+            except AttributeError:
+                continue  # not part of this (sub)model
+            while hasattr(mod, "base_layer"):  # a PEFT wrapper: its base layer is what is saved
+                mod = mod.base_layer
+            if not isinstance(mod, self.layer_types):
+                gone.append((name, type(mod).__name__))
+        if gone:
+            name, kind = gone[0]
+            method = self.quantization_config.quant_method
+            raise ValueError(
+                f"save_pretrained: {len(gone)} layer(s) that {method} quantized are no longer {method} layers (e.g. "
+                f"{name} is now {kind}; PEFT's merge_and_unload() puts dense layers in their place), so the saved "
+                f"quantization_config would not describe them and the checkpoint could not be reloaded. To save a "
+                f"dense model call model.dequantize() first (it turns the remaining quantized layers dense and drops "
+                f"the quantization_config); for NVFP4 + LoRA, hfq.nvfp4.merge_and_requantize(peft_model) instead of "
+                f"merge_and_unload() keeps the merged layers in NVFP4")
+
     def get_state_dict_and_metadata(self, model):
+        self.check_layers_kept(model)
         state = dict(self.checkpoint_state(model))
         guard_state_dict(state, converted_names(model, self.layer_types))
         return state, {"hfq": GUARD_DOC}
