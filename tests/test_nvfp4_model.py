@@ -133,6 +133,24 @@ def test_compressed_tensors_interop(tiny, tmp_path):
     assert cos > 0.999
 
 
+def test_compressed_tensors_export_of_an_fp32_model_is_bf16_and_runs(tiny, tmp_path):
+    """compressed-tensors decompresses NVFP4 to bf16 whatever the config says: an fp32 model's export is bf16 (with
+    a warning), so transformers' default load of it runs (with fp32 weights beside it, its first product failed)."""
+    m = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=NVFP4Config())
+    assert m.dtype == torch.float32
+    with pytest.warns(UserWarning, match="export is bfloat16"):
+        out = hfq.nvfp4.export_compressed_tensors(m, str(tmp_path / "ct32"))
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+    sd = load_file(os.path.join(out, "model.safetensors"))
+    assert sd["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert sd["model.layers.0.mlp.down_proj.weight_global_scale"].dtype == torch.float32
+    ct = AutoModelForCausalLM.from_pretrained(out)  # defaults, as `vllm serve` / a user would
+    x = _ids()
+    with torch.no_grad():
+        cos = torch.nn.functional.cosine_similarity(ct(x).logits.float().flatten(), m(x).logits.flatten(), dim=0)
+    assert cos > 0.999
+
+
 def test_lora_trains_only_adapters_and_lowers_loss(tiny, tmp_path):
     m = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=NVFP4Config())
     pm = hfq.nvfp4.get_peft_model(m, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))

@@ -46,7 +46,9 @@ def test_stream_matches_merged_export(tiny_dir, tmp_path):
         exported.update(load_file(f))
     for k, v in stream.items():
         assert k in exported, k
-        assert v.dtype == exported[k].dtype and torch.equal(v.cpu(), exported[k]), k
+        # the export is bf16 (compressed-tensors decompresses to bf16); vLLM's loader casts the streamed tensors
+        assert v.dtype == exported[k].dtype or not k.endswith(("weight_packed", "weight_scale", "global_scale")), k
+        assert torch.equal(v.cpu().to(exported[k].dtype), exported[k]), k
 
 
 def test_stream_carries_aqn_noise(tiny_dir):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
+import torch
 from torch import nn
 
 from .linear import NVFP4Linear
@@ -48,6 +50,16 @@ def export_compressed_tensors(model: nn.Module, out_dir: str, max_shard_bytes: i
     # tied parameters (e.g. lm_head tied to embed_tokens) are stored once: the loader re-ties them
     tied = set(getattr(model, "all_tied_weights_keys", None) or ())
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in tied}
+    # compressed-tensors decompresses NVFP4 weights to bf16 whatever the checkpoint's dtype: the other weights
+    # must be bf16 too, or a default load's first product mixes dtypes
+    codes = {f"{n}.{b}" for n in nv for b in ("weight_packed", "weight_scale", "weight_global_scale")}
+    cast = [k for k, v in sd.items() if k not in codes and v.is_floating_point() and v.dtype != torch.bfloat16]
+    if cast:
+        warnings.warn(f"export_compressed_tensors: the export is bfloat16 (compressed-tensors decompresses NVFP4 to "
+                      f"bf16); {len(cast)} {sd[cast[0]].dtype} tensors (e.g. {cast[0]}) are cast to it",
+                      UserWarning, stacklevel=2)
+        for k in cast:
+            sd[k] = sd[k].to(torch.bfloat16)
     # shard by size; safetensors refuses shared storage, so clone any other shared tensors
     shards, cur, size = [], {}, 0
     seen = set()
@@ -74,6 +86,9 @@ def export_compressed_tensors(model: nn.Module, out_dir: str, max_shard_bytes: i
     cfg = model.config.to_dict()
     cfg["quantization_config"] = compressed_tensors_config(ignore)
     cfg.pop("_is_quantized", None)
+    cfg["dtype"] = "bfloat16"
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = "bfloat16"
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, default=str)
     if getattr(model, "generation_config", None) is not None:
