@@ -275,3 +275,25 @@ def test_save_with_lora_wrappers_still_in_place_is_not_refused(tiny, tmp_path):
     pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, target_modules=["q_proj"]))
     pm.base_model.model.save_pretrained(tmp_path / "wrapped")
     assert (tmp_path / "wrapped" / "config.json").exists()
+
+
+@pytest.mark.parametrize("scales", ["amax", "mse"])
+def test_merge_and_requantize_of_a_zero_delta_keeps_the_codes(tiny, scales):
+    """An untrained adapter (lora_B = 0) merges to the very base codes, also on an scales="mse" base (re-quantizing
+    its dequantized weight searched another global scale and moved up to 2% of the weights); layers that are
+    re-quantized keep the base's scale rule."""
+    base = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=NVFP4Config(scales=scales))
+    before = {n: b.clone() for n, b in base.named_buffers()}
+    x = _ids()
+    with torch.no_grad():
+        want = base(x).logits
+    pm = peft.get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    merged, report = hfq.nvfp4.merge_and_requantize(pm)
+    assert report.overall["delta_error_ratio"] == 0.0
+    assert all(torch.equal(b, before[n]) for n, b in merged.named_buffers())
+    with torch.no_grad():
+        assert torch.equal(merged(x).logits, want)
+    pm = peft.get_peft_model(merged, LoraConfig(r=4, target_modules=["q_proj"]))
+    _randomize_lora(pm)
+    merged, _ = hfq.nvfp4.merge_and_requantize(pm)
+    assert {m.scale_rule for m in merged.modules() if isinstance(m, NVFP4Linear)} == {scales}

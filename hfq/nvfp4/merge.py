@@ -17,6 +17,7 @@ def requantized(base: NVFP4Linear, weight: torch.Tensor, bias: torch.Tensor | No
     """A new NVFP4Linear like `base` (format, compute and weight dtype, device) holding Q(weight) and `bias`."""
     new = NVFP4Linear(base.in_features, base.out_features, bias is not None, base.format, base.compute_dtype,
                       device=weight.device, dtype=base.weight_dtype)
+    new.scale_rule = base.scale_rule  # NVFP4Config.scales of the loaded model
     new.set_weight(weight, name=name)
     if bias is not None:
         new.bias.data.copy_(bias)
@@ -65,7 +66,10 @@ def merge_and_requantize(peft_model, warn_ratio: float = 0.5):
             base: NVFP4Linear = mod.get_base_layer()
             w = base.dequantize(torch.float32)
             merged, bias, delta = merge_lora(mod, w, base.bias, name=name)
-            new = requantized(base, merged, bias, name)
+            same_bias = (bias is None) == (base.bias is None) and (bias is None or torch.equal(bias, base.bias))
+            # a zero delta (an untrained or zero-initialized adapter) keeps the codes: re-quantizing the dequantized
+            # weight picks its scales anew (scales="mse" searches another global scale), which would move them
+            new = base if same_bias and not delta.any() else requantized(base, merged, bias, name)
             moved = new.dequantize(torch.float32) - w
             err = moved - delta
             s = dict(d2=float(delta.square().sum()), w2=float(w.square().sum()), e2=float(err.square().sum()),
