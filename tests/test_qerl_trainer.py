@@ -123,6 +123,8 @@ def test_unrecognised_norms_error(tiny_dir, tmp_path):
 @pytest.mark.parametrize("kw, field", [
     (dict(aqn_sigma_start=-0.1), "aqn_sigma_start"), (dict(aqn_sigma_end=0.5), "aqn_sigma_end"),
     (dict(aqn_num_stages=1), "aqn_num_stages"), (dict(aqn_schedule="step"), "aqn_schedule"),
+    (dict(aqn_sigma_start=True), "aqn_sigma_start"), (dict(aqn_num_stages=True), "aqn_num_stages"),
+    (dict(aqn_seed="abc"), "aqn_seed"), (dict(aqn_seed=1.5), "aqn_seed"),
     (dict(aqn_scope="everywhere"), "aqn_scope"), (dict(aqn_norm_names=[]), "aqn_norm_names"),
     (dict(rollout_max_batch=0), "rollout_max_batch"), (dict(rollout_max_seq_len=1), "rollout_max_seq_len"),
     (dict(rollout_gpu_memory_utilization=1.5), "rollout_gpu_memory_utilization"),

@@ -50,9 +50,9 @@ class AQNSchedule:
     def __post_init__(self):
         for name in ("sigma_start", "sigma_end"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        if not isinstance(self.num_stages, int) or self.num_stages < 2:
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or self.num_stages < 2:
             raise ValueError(f"num_stages (K) must be an int >= 2, got {self.num_stages!r}")
         if self.kind not in SCHEDULES:
             raise ValueError(f"schedule kind: unknown {self.kind!r}; allowed {SCHEDULES}")

@@ -56,6 +56,8 @@ class QeRLConfig(RolloutArguments, GRPOConfig):
                 self.aqn_norm_names = [n.strip() for n in self.aqn_norm_names.split(",") if n.strip()]
             if not self.aqn_norm_names or not all(isinstance(n, str) and n for n in self.aqn_norm_names):
                 raise ValueError(f"aqn_norm_names must be a non-empty list of names, got {self.aqn_norm_names!r}")
+        if self.aqn_seed is not None and (isinstance(self.aqn_seed, bool) or not isinstance(self.aqn_seed, int)):
+            raise ValueError(f"aqn_seed must be an int or None, got {self.aqn_seed!r}")
         self.aqn_schedule_obj  # validates sigma/K/kind, raising ValueError naming the field
 
     @property
