@@ -349,3 +349,28 @@ def test_fsdp2_int8_gradient_buckets_flush_by_size_and_at_backward_end(monkeypat
             assert torch.equal(codes, stores[1][n][0]) and torch.equal(scales, stores[1][n][1]), n
     finally:
         dist.destroy_process_group()
+
+
+def test_save_pretrained_of_an_fsdp2_sharded_quest_model_is_refused(tmp_path):
+    """QuEST's checkpoint_state refuses DTensor shards as the base's does (it handed them to safetensors, which
+    failed on rank 0 with 'invalid python storage' after writing config.json)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import hfq
+    from hfq.tiny import tiny_model
+
+    model = hfq.quest.quantize_model(tiny_model("llama"), hfq.QuESTConfig(weight_bits=4, activation_bits=4))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with pytest.raises(ValueError, match="save_pretrained of an FSDP2-sharded hfq model"):
+            model.save_pretrained(tmp_path / "q")
+        assert not (tmp_path / "q" / "model.safetensors").exists()
+    finally:
+        dist.destroy_process_group()

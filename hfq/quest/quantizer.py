@@ -53,7 +53,7 @@ class QuESTHfQuantizer(HfqQuantizer):
         return model
 
     def checkpoint_state(self, model):
-        state = model.state_dict()
+        state = super().checkpoint_state(model)  # refuses FSDP2-sharded (DTensor) models with what to do instead
         if self.quantization_config.save_format != "codes":
             return state
         for name, mod in model.named_modules():
