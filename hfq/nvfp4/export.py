@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch import nn
 
-from .linear import NVFP4Linear
+from .linear import _CODE_BUFFERS, NVFP4Linear
 
 
 def compressed_tensors_config(ignore: list[str]) -> dict:
@@ -52,7 +52,7 @@ def export_compressed_tensors(model: nn.Module, out_dir: str, max_shard_bytes: i
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in tied}
     # compressed-tensors decompresses NVFP4 weights to bf16 whatever the checkpoint's dtype: the other weights
     # must be bf16 too, or a default load's first product mixes dtypes
-    codes = {f"{n}.{b}" for n in nv for b in ("weight_packed", "weight_scale", "weight_global_scale")}
+    codes = {f"{n}.{b}" for n in nv for b in _CODE_BUFFERS}
     cast = [k for k, v in sd.items() if k not in codes and v.is_floating_point() and v.dtype != torch.bfloat16]
     if cast:
         warnings.warn(f"export_compressed_tensors: the export is bfloat16 (compressed-tensors decompresses NVFP4 to "
