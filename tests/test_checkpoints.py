@@ -84,6 +84,38 @@ def test_nvfp4_lora_trainer_resume_is_exact(llama_dir, tmp_path):
         assert torch.equal(sa[k], sb[k]), k
 
 
+def _quest_built(model_dir):
+    return quantize_model(AutoModelForCausalLM.from_pretrained(model_dir), QuESTConfig())
+
+
+def _qft_built(model_dir):
+    m = AutoModelForCausalLM.from_pretrained(model_dir)
+    hfq.qft.quantize_model_(m, QFTConfig())
+    return m
+
+
+@pytest.mark.parametrize("build", ["nvfp4", "quest-master", "qft", "quest-built", "qft-built"])
+def test_checkpoint_tensors_load_strictly_without_unexpected_keys(llama_dir, tmp_path, build):
+    """Trainer's resume reads model.safetensors with model.load_state_dict: the guard marker and the note are
+    not unexpected keys there (a strict load passes and Trainer has nothing to warn about)."""
+    from hfq._base.surgery import NOTE_KEY
+
+    make = {"quest-built": _quest_built, "qft-built": _qft_built}.get(build)
+    m = make(llama_dir) if make else AutoModelForCausalLM.from_pretrained(
+        llama_dir, quantization_config=_METHODS[build])
+    m.save_pretrained(tmp_path)
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    assert NOTE_KEY in sd
+    res = m.load_state_dict(sd, strict=True)
+    assert res.unexpected_keys == [] and res.missing_keys == []
+    sd["model.norm.bogus"] = torch.zeros(1)  # a real stray key is still reported
+    with pytest.raises(RuntimeError, match="model.norm.bogus"):
+        m.load_state_dict(sd, strict=True)
+    # and a model reloaded from the checkpoint (the resume of a fresh interpreter) passes over it as well
+    again = AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert again.load_state_dict(load_file(str(tmp_path / "model.safetensors")), strict=True).unexpected_keys == []
+
+
 # ----------------------------------------------------------------------------- loading without import hfq
 _LOADER = """
 import sys, torch

@@ -10,6 +10,7 @@ transformers 5.23 adds that the match must end at a module boundary) or when the
 """
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from typing import Callable
@@ -199,6 +200,23 @@ def ignore_guard_on_load(model: nn.Module, names: list[str]) -> None:
                                                    or ()) | patterns
 
 
+def _drop_guard_keys(layer_types: tuple, module: nn.Module, incompatible) -> None:
+    """load_state_dict post-hook: the guard marker and the note are hfq's, not unexpected keys (Trainer's
+    resume would warn about them, a strict load would fail on them)."""
+    names = (NOTE_KEY, guard_key(converted_names(module, layer_types)) or NOTE_KEY)
+    ends = tuple("." + n for n in names)
+    incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys
+                                       if k not in names and not k.endswith(ends)]
+
+
+def ignore_guard_on_state_dict_load(model: nn.Module, layer_types: tuple) -> None:
+    """Let `model.load_state_dict` of an hfq checkpoint's tensors (Trainer's resume) pass over the guard; the
+    guarded layer is looked up when the load runs, so this may be called before the conversion."""
+    if getattr(model, "_hfq_guard_hook", None) is None:
+        model._hfq_guard_hook = model.register_load_state_dict_post_hook(
+            functools.partial(_drop_guard_keys, tuple(layer_types)))
+
+
 def unguard_weight(w: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor | None:
     """The weight as [out, in] when `w` is that or the guarded [1, out, in]; None for the empty marker."""
     if w.numel() == 0:
@@ -243,6 +261,7 @@ class HfqQuantizer(HfQuantizer):
         report = check_conversion(cfg.quant_method, model, converted, skip, reasons, cfg.strict,
                                   warn=not self.pre_quantized)
         model.hfq_quantization_report = report
+        ignore_guard_on_state_dict_load(model, self.layer_types)
         return report
 
     def check_checkpoint_method(self, index: dict) -> None:

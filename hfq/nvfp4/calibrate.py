@@ -18,7 +18,7 @@ from torch import nn
 import hfq_kernels.nvfp4_calib  # noqa: F401  (registers torch.ops.hfq.nvfp4_gptq / nvfp4_quantize_search)
 from hfq_kernels.reference import fp4_calib
 
-from .._base.surgery import modules_to_skip, set_submodule, should_convert
+from .._base.surgery import ignore_guard_on_state_dict_load, modules_to_skip, set_submodule, should_convert
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
 
@@ -399,4 +399,5 @@ def _mark_quantized(model, config, converted, skipped, rel_error, quantizer_cls)
     model.quantization_method = config.quant_method
     model.hfq_quantization_report = {"quantized": list(converted), "skipped": dict(skipped),
                                      "rel_error": dict(rel_error)}
+    ignore_guard_on_state_dict_load(model, q.layer_types)
     mark_ddp_ignore(model)

@@ -11,8 +11,9 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, checkpoint_index, modules_to_skip,
-                             raise_load_errors, replace_linears, set_submodule, should_convert)
+from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, checkpoint_index,
+                             ignore_guard_on_state_dict_load, modules_to_skip, raise_load_errors, replace_linears,
+                             set_submodule, should_convert)
 from ..qparam import QLinear, ddp_ignore_int8_grad_weights_, name_qparams_
 from .config import QFTConfig
 from .linear import convert_linears_, finalize_, layer_maker
@@ -94,6 +95,7 @@ def quantize_model_(model: nn.Module, config) -> list[str]:
     if hasattr(model, "config"):
         model.config.quantization_config = config
         model.hf_quantizer = QFTHfQuantizer(config, pre_quantized=False)
+        ignore_guard_on_state_dict_load(model, QFTHfQuantizer.layer_types)
         model.is_quantized = True
         model.quantization_method = config.quant_method
     return names

@@ -6,8 +6,8 @@ from torch import nn
 
 from hfq_kernels.reference.fp4 import check_finite
 
-from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, modules_to_skip, replace_linears,
-                             unguard_weight)
+from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, ignore_guard_on_state_dict_load,
+                             modules_to_skip, replace_linears, unguard_weight)
 from .config import QuESTConfig
 from .linear import QuESTLinear, layer_maker
 
@@ -78,6 +78,7 @@ def quantize_model(model: torch.nn.Module, config: QuESTConfig | None = None) ->
                               strict=config.strict)
     if hasattr(model, "config"):
         model.hfq_quantization_report = report
+        ignore_guard_on_state_dict_load(model, quantizer.layer_types)
         model.config.quantization_config = config
         model.hf_quantizer = quantizer
         model.is_quantized = True
