@@ -4,7 +4,8 @@
     python benchmarks/nvfp4_overhead.py --device cpu --quick --out /tmp/oh   # end-to-end check on CPU, tiny shapes
 
 What is timed is what a model pays per layer call in eager mode, host work included: `calls` back-to-back calls
-(default 200) and one synchronize, divided by `calls`. Forward under no_grad; forward+backward as
+(default 200) and one synchronize, divided by `calls`; the calls go through --copies copies of each layer in turn
+(default 4), as a model's layers follow one another, so that no weight is still in L2 at its next call. Forward under no_grad; forward+backward as
 y = layer(x); torch.autograd.grad(y, [x, trainable params], gy) (the base weight frozen on both sides, as in
 LoRA training; the gradient of x is wanted, as for every layer but the first). Each measurement runs --rounds
 rounds (default 3) with ours and the baseline interleaved (ours, bf16, ours, bf16, ...); the report gives the
@@ -88,26 +89,32 @@ class _PyLinear(nn.Module):
         return _PyLinearFn.apply(x, self.base.weight)
 
 
-def measure(ours: nn.Module, base: nn.Module, x: torch.Tensor, mode: str, calls: int, rounds: int,
+def measure(ours: list, base: list, x: torch.Tensor, mode: str, calls: int, rounds: int,
             warmup: int = 5) -> dict:
-    """ours / base in one mode ("fwd" or "fwdbwd"): interleaved rounds of `calls` back-to-back calls, us per call."""
+    """ours / base in one mode ("fwd" or "fwdbwd"): interleaved rounds of `calls` back-to-back calls, us per call.
+    Each side is a list of copies of its layer called in turn, so a weight is not found in L2 by the next call."""
     fns = {}
-    for name, layer in (("ours", ours), ("bf16", base)):
+    for name, layers in (("ours", ours), ("bf16", base)):
         if mode == "fwd":
-            def fn(layer=layer):
+            def fn(layers=layers):
                 with torch.no_grad():
-                    layer(x)
+                    for layer in layers:
+                        layer(x)
         else:
             xg = x.detach().clone().requires_grad_(True)
-            params = [p for p in layer.parameters() if p.requires_grad]
+            params = [[p for p in layer.parameters() if p.requires_grad] for layer in layers]
             with torch.no_grad():
-                gy = torch.randn_like(layer(xg))
+                gy = torch.randn_like(layers[0](xg))
 
-            def fn(layer=layer, xg=xg, params=params, gy=gy):
-                y = layer(xg)
-                torch.autograd.grad(y, [xg, *params], gy)
+            def fn(layers=layers, xg=xg, params=params, gy=gy):
+                for layer, ps in zip(layers, params):
+                    y = layer(xg)
+                    torch.autograd.grad(y, [xg, *ps], gy)
         fns[name] = fn
-    t = interleaved(fns, rounds=rounds, warmup=warmup, inner=calls)  # warm-up: first calls plan / tune / repack
+    per = len(ours)
+    t = interleaved(fns, rounds=rounds, warmup=warmup, inner=max(1, calls // per))
+    t = {k: {**v, **{s: v[s] / per for s in ("median", "min", "max")}, "times": [x / per for x in v["times"]]}
+         for k, v in t.items()}
     q = ratio(t["ours"], t["bf16"])  # ours / bf16 time
     us = {k: {s: round(v[s] * 1e6, 2) for s in ("median", "min", "max")} for k, v in t.items()}
     return dict(ours_us=us["ours"]["median"], ours_range=f"{us['ours']['min']}-{us['ours']['max']}",
@@ -132,7 +139,8 @@ COLUMNS = {"layer": "layer", "K": "in", "N": "out", "M": "M", "mode": "mode", "o
 
 
 def save(rows: list, calls: int, rounds: int, out: str | None, extra: dict) -> str:
-    notes = (f"{calls} back-to-back calls, one sync, {rounds} interleaved rounds. us per call: median (range min-max "
+    notes = (f"{calls} back-to-back calls, one sync, {rounds} interleaved rounds; the calls cycle through "
+             f"{extra.get('copies', 1)} copies of each layer, so no weight stays in L2 between its calls. us per call: median (range min-max "
              "over rounds). ratio = median ours / median bf16 (range: worst to best pairing of rounds); < 1 means ours "
              "is faster. fwd: no_grad forward; fwdbwd: forward + grad of x (+ LoRA A/B), frozen base. kind: the "
              "kernel our eager plan chose (gluon: the few-row decode kernel, whose training calls take the few-row "
@@ -147,7 +155,7 @@ def selftest() -> None:
     import tempfile
 
     base = nn.Linear(8, 16, bias=False).requires_grad_(False)
-    row = dict(layer="linear", K=8, N=16, M=1, mode="fwd", **measure(base, base, torch.randn(1, 8), "fwd", 2, 3, 1))
+    row = dict(layer="linear", K=8, N=16, M=1, mode="fwd", **measure([base], [base], torch.randn(1, 8), "fwd", 2, 3, 1))
     assert row["ours_us"] > 0 and len(row["times_us"]["ours"]) == 3
     with tempfile.TemporaryDirectory() as d:
         md = open(save([row, dict(layer="lora", K=8, N=16, M=1, mode="fwd", error="RuntimeError: x")], 2, 3, d,
@@ -164,6 +172,8 @@ def main():
     ap.add_argument("--calls", type=int, default=None, help="back-to-back calls per measurement (default 200)")
     ap.add_argument("--ms", default=None, help="comma-separated M values")
     ap.add_argument("--no-lora", action="store_true")
+    ap.add_argument("--copies", type=int, default=4,
+                    help="copies of each layer called in turn (default 4: more weight bytes than an H100/H200's L2)")
     ap.add_argument("--selftest", action="store_true")
     a = ap.parse_args()
     if a.selftest:
@@ -176,16 +186,18 @@ def main():
     shapes = QUICK_SHAPES if a.quick else SHAPES
     ms = [int(m) for m in a.ms.split(",")] if a.ms else (QUICK_MS if a.quick else MS)
     calls = a.calls or (20 if a.quick else 200)
-    extra = dict(calls=calls, rounds=a.rounds, shapes=shapes, ms=ms)
+    extra = dict(calls=calls, rounds=a.rounds, shapes=shapes, ms=ms, copies=a.copies)
     rows = []
     t0 = time.time()
     for k, n in shapes:
         torch.manual_seed(0)
-        base = nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16).requires_grad_(False)
-        ours = NVFP4Linear.from_linear(base)
-        layers = [("linear", ours, base), ("pyfn", _PyLinear(base), base)]
+        bases = [nn.Linear(k, n, bias=False, device=dev, dtype=torch.bfloat16).requires_grad_(False)
+                 for _ in range(a.copies)]
+        ours = [NVFP4Linear.from_linear(b) for b in bases]
+        layers = [("linear", ours, bases), ("pyfn", [_PyLinear(b) for b in bases], bases)]
         if not a.no_lora:
-            layers.append(("lora_r32", _lora(NVFP4Linear.from_linear(base), dev), _lora(base, dev)))
+            layers.append(("lora_r32", [_lora(NVFP4Linear.from_linear(b), dev) for b in bases],
+                           [_lora(b, dev) for b in bases]))
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             for name, o, b in layers:
@@ -193,13 +205,13 @@ def main():
                     row = dict(layer=name, K=k, N=n, M=m, mode=mode)
                     try:
                         row.update(measure(o, b, x, mode, calls, a.rounds))
-                        row["kind"] = _plan_kind(o)
+                        row["kind"] = _plan_kind(o[0])
                     except Exception as e:  # noqa: BLE001  (keep the other rows)
                         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                     rows.append(row)
                     md = save(rows, calls, a.rounds, a.out, extra)
                     print(f"[{time.time() - t0:6.1f}s] {json.dumps(row)}", flush=True)
-        del base, ours, layers
+        del bases, ours, layers
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     print(f"wrote {md}")

@@ -38,24 +38,29 @@ ZERO_SCALE_BYTE = 208  # (bf16 bits 0x8000 - 0x7300) >> 4: decodes to -0.0
 FEW_ROWS = 64  # rows up to which the decode kernels run (the Gluon kernel's largest BM); above: dequantize + cuBLAS
 
 
-def _shifted(dst: str, a: int) -> str:
-    """PTX: dst = word $4 shifted left by a (right by -a)."""
-    return f"shl.b32 {dst}, $4, {a};" if a >= 0 else f"shr.u32 {dst}, $4, {-a};"
+def _shifted(dst: str, src: str, a: int) -> str:
+    """PTX: dst = src shifted left by a (right by -a)."""
+    return f"shl.b32 {dst}, {src}, {a};" if a >= 0 else f"shr.u32 {dst}, {src}, {-a};"
 
 
-def _g4_asm() -> str:
-    """Inline PTX: word $4 -> the A registers $0..$3 (k-slab i: (w << SM[i]) & magnitudes | (w << SS[i]) & signs,
-    as a bf16 pair, times the bf16x2 scale pair $5 (an fma adding -0, i.e. a multiply; exact, see the module doc))."""
+def g4_asm(halves: bool = False) -> str:
+    """Inline PTX: a g4 word -> for k-slab i, (w << SM[i]) & magnitudes | (w << SS[i]) & signs as a bf16 pair,
+    times the bf16x2 scale pair (an fma adding -0, i.e. a multiply; exact, see the module doc). Word $4 and
+    scale $5 give registers $0..$3; `halves`: word $8 and scale $9 give the eight bf16 values $0..$7 (2i + h)."""
+    w, sc = ("$8", "$9") if halves else ("$4", "$5")
     lines = ["{", ".reg .b32 " + ", ".join(f"m{i}, s{i}" for i in range(4)) + ", NZ;", "mov.b32 NZ, 0x80008000;"]
     for i, (sm, ss) in enumerate(zip(_G4_SM, _G4_SS)):
         if sm == ss == 0:
-            lines.append(f"and.b32 m{i}, $4, 0x81C081C0;")
+            lines.append(f"and.b32 m{i}, {w}, 0x81C081C0;")
         elif sm == ss:
-            lines += [_shifted(f"m{i}", sm), f"and.b32 m{i}, m{i}, 0x81C081C0;"]
+            lines += [_shifted(f"m{i}", w, sm), f"and.b32 m{i}, m{i}, 0x81C081C0;"]
         else:
-            lines += [_shifted(f"m{i}", sm), _shifted(f"s{i}", ss), f"and.b32 m{i}, m{i}, 0x01C001C0;",
+            lines += [_shifted(f"m{i}", w, sm), _shifted(f"s{i}", w, ss), f"and.b32 m{i}, m{i}, 0x01C001C0;",
                       f"and.b32 s{i}, s{i}, 0x80008000;", f"or.b32 m{i}, m{i}, s{i};"]
-        lines.append(f"fma.rn.bf16x2 ${i}, m{i}, $5, NZ;")
+        if halves:
+            lines += [f"fma.rn.bf16x2 m{i}, m{i}, {sc}, NZ;", f"mov.b32 {{${2 * i}, ${2 * i + 1}}}, m{i};"]
+        else:
+            lines.append(f"fma.rn.bf16x2 ${i}, m{i}, {sc}, NZ;")
     return "\n".join(lines + ["}"])
 
 
@@ -69,7 +74,7 @@ except Exception:  # pragma: no cover - older triton
     HAS_GLUON = False
 
 if HAS_GLUON:
-    _G4_ASM = gl.constexpr(_g4_asm())
+    _G4_ASM = gl.constexpr(g4_asm())
 
     @gluon.constexpr_function
     def _g4_x_layout(BM, W):
@@ -381,6 +386,23 @@ def g4_decode_words(word, sb, recip, R: tl.constexpr, C: tl.constexpr):
                  tl.join(_g4_value(word, eff16, 1, 0), _g4_value(word, eff16, 3, 0)))
     t1 = tl.join(tl.join(_g4_value(word, eff16, 0, 1), _g4_value(word, eff16, 2, 1)),
                  tl.join(_g4_value(word, eff16, 1, 1), _g4_value(word, eff16, 3, 1)))
+    return tl.reshape(tl.join(t0, t1), (R, C))
+
+
+_G4_ASM_HALVES = tl.constexpr(g4_asm(halves=True)) if HAS_TRITON else None
+
+
+@triton.jit
+def g4_decode_unscaled(word, sb, R: tl.constexpr, C: tl.constexpr):
+    """Words [R, C/8] and their scale bytes -> bf16 e2m1 * scale * 2^-14 [R, C] in column order (exact; the
+    global scale left to the caller: W = this * 2^14 / recip). Inline PTX, so GPU only; under the interpreter
+    g4_decode_words(word, sb, 16384.0, ...) gives the same values in fp32."""
+    s2 = sb.to(tl.int32) * 0x00100010 + 0x73007300
+    v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+        _G4_ASM_HALVES, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [word, s2], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    # as in g4_decode_words: i1, then i0, then h fastest, so the flat index is 4 i1 + 2 i0 + h = 2i + h
+    t0 = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    t1 = tl.join(tl.join(v1, v5), tl.join(v3, v7))
     return tl.reshape(tl.join(t0, t1), (R, C))
 
 

@@ -2,13 +2,13 @@
 
 For M <= MAX_ROWS rows of g (decode-sized micro-batches), dequantize + cuBLAS writes and re-reads the whole dense
 weight (2 bytes per element, twice) to use it for a few rows; this kernel reads the 4-bit codes and their scale
-bytes once, decodes a [16 RT, BC] tile in registers (nvfp4_gluon.g4_decode_words: the values dequantize_g4 writes,
-rounded to bf16 the same way) and multiplies it into [M, BC] fp32 sums. Program (c, s): output columns
-BC*c .. BC*c + BC - 1 over the weight rows of split s; with splits > 1 each writes fp32 partials and the last
-program of column block c to finish sums them in split order (one launch, no reduce kernel; scratch from
-_triton.SPLIT_SCRATCH). The result is `g @ dequantize_g4(...)` up to fp32 summation order. It serves the
-grad-input of few-row eager training calls (nvfp4_plan.g4_grad, every g4 plan's grad) and of compiled ones
-(hfq::nvfp4_g4_grad_input_rows).
+bytes once, decodes a [16 RT, BC] tile in registers (nvfp4_gluon.g4_decode_unscaled: e2m1 * scale, exact in
+bf16, by inline PTX; the global scale is applied to the sums) and multiplies it into [M, BC] fp32 sums. Program
+(c, s): output columns BC*c .. BC*c + BC - 1 over the weight rows of split s; with splits > 1 each writes fp32
+partials and the last program of column block c to finish sums them in split order (one launch, no reduce kernel;
+scratch from _triton.SPLIT_SCRATCH). The result is g @ W for W the exact NVFP4 values, up to fp32 summation order
+(dequantize_g4 + matmul rounds each weight to bf16 first). It serves the grad-input of few-row eager training
+calls (nvfp4_plan.g4_grad, every g4 plan's grad) and of compiled ones (hfq::nvfp4_g4_grad_input_rows).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 from hfq_kernels._triton import (INTERPRET, LRU, SPLIT_SCRATCH, BoundLaunch, cdiv, f32_to_bf16_rne, sm_count, tl,
                                  triton)
-from hfq_kernels.nvfp4_gluon import g4_decode_words
+from hfq_kernels.nvfp4_gluon import g4_decode_unscaled, g4_decode_words
 from hfq_kernels.nvfp4_quant import recip
 
 MAX_ROWS = 16  # rows of g the kernel takes; more go through dequantize + cuBLAS
@@ -41,7 +41,6 @@ def _g4_grad_kernel(g_ptr, wr_ptr, sr_ptr, recip_ptr, out_ptr, y_ptr, cnt_ptr, M
     in_k = (q < KC * 8)[None, :]
     m = tl.arange(0, BM)
     m_ok = (m < M)[:, None]
-    rcp = tl.load(recip_ptr)
     acc = tl.zeros((BC, BM), dtype=tl.float32)
     t_lo = ps * tiles_per_split
     t_hi = tl.minimum(t_lo + tiles_per_split, NT)
@@ -51,15 +50,15 @@ def _g4_grad_kernel(g_ptr, wr_ptr, sr_ptr, recip_ptr, out_ptr, y_ptr, cnt_ptr, M
         base = ((rt[:, None] * KC + (q // 8)[None, :]) * 32 + lane).to(tl.int64)
         word = tl.load(wr_ptr + base * 4 + 2 * hrow + (q % 2)[None, :], mask=ok, other=0)
         sb = tl.load(sr_ptr + base * 2 + hrow, mask=ok, other=0)
-        w = g4_decode_words(word, sb, rcp, R, BC)
         n = t0 * 16 + r
         gt = tl.load(g_ptr + m[:, None].to(tl.int64) * stride_gm + n[None, :], mask=m_ok & (n < N)[None, :],
                      other=0.0)
-        if F32_DOT:  # the interpreter's dot reads bf16 operands as raw integers (and its casts truncate)
-            acc = tl.dot(tl.trans(f32_to_bf16_rne(w).to(tl.float32)), tl.trans(gt.to(tl.float32)), acc)
+        if F32_DOT:  # the interpreter: no inline PTX, and its dot reads bf16 operands as raw integers
+            w = g4_decode_words(word, sb, 16384.0, R, BC)  # the same exact values, in fp32
+            acc = tl.dot(tl.trans(w), tl.trans(gt.to(tl.float32)), acc)
         else:
-            acc = tl.dot(tl.trans(w.to(tl.bfloat16)), tl.trans(gt), acc)
-    acc = tl.trans(acc)
+            acc = tl.dot(tl.trans(g4_decode_unscaled(word, sb, R, BC)), tl.trans(gt), acc)
+    acc = tl.trans(acc) * (16384.0 / tl.load(recip_ptr))
     col = pc * BC + tl.arange(0, BC)
     omask = m_ok & (col < K)[None, :]
     if PARTIAL:
