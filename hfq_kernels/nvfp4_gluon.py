@@ -389,23 +389,6 @@ def g4_decode_words(word, sb, recip, R: tl.constexpr, C: tl.constexpr):
     return tl.reshape(tl.join(t0, t1), (R, C))
 
 
-_G4_ASM_HALVES = tl.constexpr(g4_asm(halves=True)) if HAS_TRITON else None
-
-
-@triton.jit
-def g4_decode_unscaled(word, sb, R: tl.constexpr, C: tl.constexpr):
-    """Words [R, C/8] and their scale bytes -> bf16 e2m1 * scale * 2^-14 [R, C] in column order (exact; the
-    global scale left to the caller: W = this * 2^14 / recip). Inline PTX, so GPU only; under the interpreter
-    g4_decode_words(word, sb, 16384.0, ...) gives the same values in fp32."""
-    s2 = sb.to(tl.int32) * 0x00100010 + 0x73007300
-    v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
-        _G4_ASM_HALVES, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [word, s2], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-    # as in g4_decode_words: i1, then i0, then h fastest, so the flat index is 4 i1 + 2 i0 + h = 2i + h
-    t0 = tl.join(tl.join(v0, v4), tl.join(v2, v6))
-    t1 = tl.join(tl.join(v1, v5), tl.join(v3, v7))
-    return tl.reshape(tl.join(t0, t1), (R, C))
-
-
 @triton.jit
 def _g4_dequant_kernel(wr_ptr, sr_ptr, recip_ptr, out_ptr, N, K, KC, BC: tl.constexpr):
     """Row tile pid_r (16 rows) x columns BC*pid_c .. of the g4 weight -> out [N, K]: each int32 word holds 8

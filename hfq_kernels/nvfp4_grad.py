@@ -2,7 +2,7 @@
 
 For M <= MAX_ROWS rows of g (decode-sized micro-batches), dequantize + cuBLAS writes and re-reads the whole dense
 weight (2 bytes per element, twice) to use it for a few rows; this kernel reads the 4-bit codes and their scale
-bytes once, decodes a [16 RT, BC] tile in registers (nvfp4_gluon.g4_decode_unscaled: e2m1 * scale, exact in
+bytes once, decodes a [16 RT, BC] tile in registers (g4_decode_unscaled: e2m1 * scale, exact in
 bf16, by inline PTX; the global scale is applied to the sums) and multiplies it into [M, BC] fp32 sums. Program
 (c, s): output columns BC*c .. BC*c + BC - 1 over the weight rows of split s; with splits > 1 each writes fp32
 partials and the last program of column block c to finish sums them in split order (one launch, no reduce kernel;
@@ -14,13 +14,28 @@ from __future__ import annotations
 
 import torch
 
-from hfq_kernels._triton import (INTERPRET, LRU, SPLIT_SCRATCH, BoundLaunch, cdiv, f32_to_bf16_rne, sm_count, tl,
-                                 triton)
-from hfq_kernels.nvfp4_gluon import g4_decode_unscaled, g4_decode_words
+from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, SPLIT_SCRATCH, BoundLaunch, cdiv, f32_to_bf16_rne,
+                                 sm_count, tl, triton)
+from hfq_kernels.nvfp4_gluon import g4_asm, g4_decode_words
 from hfq_kernels.nvfp4_quant import recip
 
 MAX_ROWS = 16  # rows of g the kernel takes; more go through dequantize + cuBLAS
 _BM, _BC, _RT = 16, 64, 8  # padded rows, output columns and 16-row weight tiles per step
+_G4_ASM_HALVES = tl.constexpr(g4_asm(halves=True)) if HAS_TRITON else None
+
+
+@triton.jit
+def g4_decode_unscaled(word, sb, R: tl.constexpr, C: tl.constexpr):
+    """Words [R, C/8] and their scale bytes -> bf16 e2m1 * scale * 2^-14 [R, C] in column order (exact; the
+    global scale left to the caller: W = this * 2^14 / recip). Inline PTX, so GPU only; under the interpreter
+    nvfp4_gluon.g4_decode_words(word, sb, 16384.0, ...) gives the same values in fp32."""
+    s2 = sb.to(tl.int32) * 0x00100010 + 0x73007300
+    v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+        _G4_ASM_HALVES, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [word, s2], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    # as in g4_decode_words: i1, then i0, then h fastest, so the flat index is 4 i1 + 2 i0 + h = 2i + h
+    t0 = tl.join(tl.join(v0, v4), tl.join(v2, v6))
+    t1 = tl.join(tl.join(v1, v5), tl.join(v3, v7))
+    return tl.reshape(tl.join(t0, t1), (R, C))
 
 
 @triton.jit
