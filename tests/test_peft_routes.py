@@ -231,6 +231,36 @@ def test_trainers_take_peft_config_on_nvfp4(tiny_dir, tmp_path, trainer_name):
     assert torch.equal(layers[0].base_layer.weight_packed, codes)  # the NVFP4 base is frozen
 
 
+def test_prepare_model_for_kbit_training_then_trainer(tiny, tmp_path):
+    """The QLoRA recipe as users write it: peft.prepare_model_for_kbit_training, get_peft_model, Trainer: the
+    adapters train, the NVFP4 codes stay, and the losses are those without it. PEFT turns on gradient
+    checkpointing only for the methods it knows, so that is the user's call (docs/nvfp4.md): checked both ways."""
+    from transformers import Trainer, TrainingArguments
+
+    def run(kbit, gc=False):
+        torch.manual_seed(0)
+        m = _base(tiny)
+        if kbit:
+            m = peft.prepare_model_for_kbit_training(m)
+            assert not m.is_gradient_checkpointing and not any(p.requires_grad for p in m.parameters())
+        pm = peft.get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        layer = next(x for x in pm.modules() if isinstance(x, NVFP4LoraLinear))
+        codes = layer.base_layer.weight_packed.clone()
+        data = [{"input_ids": ids, "labels": ids} for ids in _ids(8, 12, seed=5)]
+        args = TrainingArguments(str(tmp_path / f"{kbit}{gc}"), max_steps=3, per_device_train_batch_size=4,
+                                 learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+                                 disable_tqdm=True, save_strategy="no", gradient_checkpointing=gc)
+        tr = Trainer(model=pm, args=args, train_dataset=data)
+        tr.train()
+        assert pm.base_model.model.is_gradient_checkpointing == gc
+        assert torch.equal(layer.base_layer.weight_packed, codes)
+        assert any(p.abs().sum() > 0 for n, p in pm.named_parameters() if "lora_B" in n)
+        return [h["loss"] for h in tr.state.log_history if "loss" in h]
+
+    plain = run(False)
+    assert len(plain) == 3 and run(True) == plain and run(True, gc=True) == plain
+
+
 def test_cli_export_adapter_writes_base_and_adapter(tiny, tmp_path):
     from hfq.cli import main
 
