@@ -139,6 +139,10 @@ def test_fused_grad_input_matches_dequantize_then_matmul(n, k, m):
     got = nvfp4_grad.grad_input_g4_fused(g, wr, sr, gs, n, k)
     assert got.shape == (m, k) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+    # the kernel multiplies the exact NVFP4 weights (the reference rounds each to bf16 first): no further off the
+    # exact product than the reference is
+    exact = g.double() @ dequantize_g4_ref(wr.cpu(), sr.cpu(), gs.cpu(), n, k, torch.float32).double().to(DEV)
+    assert float((got.double() - exact).norm()) <= 1.05 * float((ref.to(torch.bfloat16).double() - exact).norm())
     split = nvfp4_grad.split_rows(n, k, sm_count(got.device) if got.is_cuda else 4)[0]
     if not got.is_cuda:
         assert (split > 1) == (n >= 800)  # the CPU plan (4 nominal SMs) splits only the two tallest weights
