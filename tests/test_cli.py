@@ -94,6 +94,19 @@ def test_missing_model_dir_stops_with_one_line(argv, said, tmp_path, monkeypatch
         main(argv)
 
 
+def test_quantize_refuses_a_quantized_checkpoint_and_export_a_missing_adapter(tiny_dir, tmp_path, monkeypatch):
+    """`hfq quantize` of an already-quantized checkpoint would load it as it is and ignore --format / --scales
+    (transformers keeps the checkpoint's config): it stops, naming the method; `hfq export --adapter` with no
+    adapter there stops before loading anything."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["quantize", str(tiny_dir), "--out", "q"]) == 0
+    with pytest.raises(SystemExit, match=re.escape("q: already quantized (hfq_nvfp4)")):
+        main(["quantize", "q", "--out", "q2", "--format", "mxfp4"])
+    assert not (tmp_path / "q2").exists()
+    with pytest.raises(SystemExit, match=re.escape("nothere: not a PEFT adapter directory")):
+        main(["export", "q", "--out", "e", "--adapter", "nothere"])
+
+
 def test_hub_errors_end_the_command_without_a_traceback(capsys, tmp_path, monkeypatch):
     """A Hub id that cannot be fetched (offline here) ends the command with exit status 1 and transformers' own
     message after `hfq quantize: error:`, no traceback."""

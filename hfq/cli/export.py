@@ -26,6 +26,8 @@ def main(args) -> int:
     from hfq.nvfp4.export import export_compressed_tensors
 
     args.model_dir = check_model_dir(args.model_dir, local_only=True)
+    if args.adapter and not os.path.isfile(os.path.join(os.path.expanduser(args.adapter), "adapter_config.json")):
+        raise SystemExit(f"{args.adapter}: not a PEFT adapter directory (no adapter_config.json)")
     with open(os.path.join(args.model_dir, "config.json")) as f:
         qc = json.load(f).get("quantization_config")
     method = (qc or {}).get("quant_method")
@@ -38,7 +40,7 @@ def main(args) -> int:
 
         from hfq.nvfp4.merge import export_with_adapter
 
-        paths = export_with_adapter(PeftModel.from_pretrained(model, args.adapter), args.out)
+        paths = export_with_adapter(PeftModel.from_pretrained(model, os.path.expanduser(args.adapter)), args.out)
         copy_tokenizer(args.model_dir, paths["base"])
         print(f"exported the NVFP4 base to {os.path.abspath(paths['base'])} and the adapter to "
               f"{os.path.abspath(paths['adapter'])}")
