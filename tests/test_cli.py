@@ -96,8 +96,8 @@ def test_missing_model_dir_stops_with_one_line(argv, said, tmp_path, monkeypatch
 
 def test_quantize_refuses_a_quantized_checkpoint_and_export_a_missing_adapter(tiny_dir, tmp_path, monkeypatch):
     """`hfq quantize` of an already-quantized checkpoint would load it as it is and ignore --format / --scales
-    (transformers keeps the checkpoint's config): it stops, naming the method; `hfq export --adapter` with no
-    adapter there stops before loading anything."""
+    (transformers keeps the checkpoint's config): it stops, naming the method; so does `hfq grpo` when --quant is
+    not the checkpoint's format; `hfq export --adapter` with no adapter there stops before loading anything."""
     monkeypatch.chdir(tmp_path)
     assert main(["quantize", str(tiny_dir), "--out", "q"]) == 0
     with pytest.raises(SystemExit, match=re.escape("q: already quantized (hfq_nvfp4)")):
@@ -105,6 +105,9 @@ def test_quantize_refuses_a_quantized_checkpoint_and_export_a_missing_adapter(ti
     assert not (tmp_path / "q2").exists()
     with pytest.raises(SystemExit, match=re.escape("nothere: not a PEFT adapter directory")):
         main(["export", "q", "--out", "e", "--adapter", "nothere"])
+    for quant in ("mxfp4", "none"):  # grpo on it: only the format it holds
+        with pytest.raises(SystemExit, match=re.escape(f"q: already quantized (hfq_nvfp4, nvfp4), not --quant {quant}")):
+            main(["grpo", "--model", "q", "--quant", quant, "--output-dir", "g"])
 
 
 def test_hub_errors_end_the_command_without_a_traceback(capsys, tmp_path, monkeypatch):

@@ -24,6 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def checkpoint_quantization(path: str) -> dict | None:
+    """The checkpoint's quantization_config as a dict (None for a dense checkpoint)."""
+    from transformers import AutoConfig
+
+    qc = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
+    if qc is None or isinstance(qc, dict):
+        return qc
+    return qc.to_dict() if hasattr(qc, "to_dict") else {"quant_method": getattr(qc, "quant_method", "unknown")}
+
+
 def copy_tokenizer(src: str, out: str) -> None:
     """Save `src`'s tokenizer next to a converted model; a model directory without one is fine."""
     from transformers import AutoTokenizer

@@ -21,7 +21,7 @@ from pathlib import Path
 from hfq._settings import SETTINGS
 from hfq.qerl.demo import DEMO_ARCH, DEMO_PRETRAIN_STEPS, build_demo_base
 
-from . import check_model_dir
+from . import check_model_dir, checkpoint_quantization
 
 HELDOUT = 200
 _EXPLAIN = """\
@@ -150,6 +150,12 @@ def _load_policy(args, path, demo: bool):
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    held = checkpoint_quantization(path)
+    if held is not None and (held.get("quant_method"), held.get("format")) != ("hfq_nvfp4", args.quant):
+        # transformers would load it as it is: the policy would not be in the --quant format asked for
+        raise SystemExit(f"{path}: already quantized ({held.get('quant_method', 'unknown')}"
+                         f"{', ' + held['format'] if held.get('format') else ''}), not --quant {args.quant}; "
+                         "pass the matching --quant or the dense checkpoint")
     tok = AutoTokenizer.from_pretrained(path)
     kw = {"dtype": _device_settings(demo)[1]}
     if args.quant != "none":

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from . import check_model_dir, copy_tokenizer
+from . import check_model_dir, checkpoint_quantization, copy_tokenizer
 
 
 def add_arguments(p) -> None:
@@ -81,16 +81,6 @@ def summary(model) -> str:
     return "\n".join(lines)
 
 
-def quant_method(path: str) -> str | None:
-    """The quant_method of the checkpoint's quantization_config (None for a dense checkpoint)."""
-    from transformers import AutoConfig
-
-    qc = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
-    if qc is None:
-        return None
-    return qc.get("quant_method", "unknown") if isinstance(qc, dict) else getattr(qc, "quant_method", "unknown")
-
-
 def main(args) -> int:
     from transformers import AutoModelForCausalLM
 
@@ -98,9 +88,10 @@ def main(args) -> int:
     from hfq.nvfp4.export import export_compressed_tensors
 
     args.model_dir = check_model_dir(args.model_dir)
-    held = quant_method(args.model_dir)
+    held = checkpoint_quantization(args.model_dir)
     if held is not None:  # transformers would load it as it is and ignore --format / --scales / --calibrate
-        raise SystemExit(f"{args.model_dir}: already quantized ({held}); hfq quantize takes a dense checkpoint "
+        raise SystemExit(f"{args.model_dir}: already quantized ({held.get('quant_method', 'unknown')}); hfq quantize "
+                         "takes a dense checkpoint "
                          "(`hfq export` turns an hfq_nvfp4 checkpoint into compressed-tensors as it is)")
     if args.export == "compressed-tensors" and args.format != "nvfp4":
         raise SystemExit("--export compressed-tensors needs --format nvfp4")
