@@ -66,14 +66,17 @@ def test_every_method_refuses_non_finite_weights_naming_the_layer(method, tiny_d
 
 
 def test_options_the_format_ignores_are_announced():
-    with pytest.warns(UserWarning, match=r"group_size=64 has no effect: weight_format='fp8_e4m3_row'"):
+    """Each warning names the caller's line (this file), not the config's internals."""
+    with pytest.warns(UserWarning, match=r"group_size=64 has no effect: weight_format='fp8_e4m3_row'") as rec:
         hfq.QFTConfig(weight_format="fp8_e4m3_row", group_size=64)
-    with pytest.warns(UserWarning, match=r"outlier_fraction=0\.05 has no effect"):
+    with pytest.warns(UserWarning, match=r"outlier_fraction=0\.05 has no effect") as rec2:
         hfq.QFTConfig(weight_format="int4_tensor", outlier_fraction=0.05)
-    with pytest.warns(UserWarning, match=r"trust_scale=1\.5 has no effect"):
+    with pytest.warns(UserWarning, match=r"trust_scale=1\.5 has no effect") as rec3:
         hfq.QuESTConfig(weight_bits=4, activation_bits=4, trust_scale=1.5)
-    with pytest.warns(UserWarning, match=r"hadamard_block_size=64 has no effect"):
+    with pytest.warns(UserWarning, match=r"hadamard_block_size=64 has no effect") as rec4:
         hfq.QuESTConfig(hadamard=False, hadamard_block_size=64)
+    for r in (rec, rec2, rec3, rec4):
+        assert {w.filename for w in r if "has no effect" in str(w.message)} == {__file__}
 
 
 def test_int4_group_default_fits_the_width_and_says_which(tmp_path):

@@ -33,8 +33,10 @@ def check_positive(field: str, value, allow_none: bool = False) -> None:
 
 
 def warn_unused(field: str, value, why: str) -> None:
-    """A field set to something that the rest of the config makes irrelevant: say so instead of ignoring it."""
-    warnings.warn(f"{field}={value!r} has no effect: {why}", UserWarning, stacklevel=4)
+    """A field set to something that the rest of the config makes irrelevant: say so instead of ignoring it. Called
+    from a config's validate(); the warning names the line that built the config (validate <- __post_init__ <- the
+    dataclass __init__ <- the caller)."""
+    warnings.warn(f"{field}={value!r} has no effect: {why}", UserWarning, stacklevel=5)
 
 
 def check_module_names(field: str, value) -> list[str] | None:
