@@ -29,9 +29,7 @@ def checkpoint_quantization(path: str) -> dict | None:
     from transformers import AutoConfig
 
     qc = getattr(AutoConfig.from_pretrained(path), "quantization_config", None)
-    if qc is None or isinstance(qc, dict):
-        return qc
-    return qc.to_dict() if hasattr(qc, "to_dict") else {"quant_method": getattr(qc, "quant_method", "unknown")}
+    return qc if qc is None or isinstance(qc, dict) else qc.to_dict()
 
 
 def copy_tokenizer(src: str, out: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import check_model_dir, copy_tokenizer
+from . import check_model_dir, checkpoint_quantization, copy_tokenizer
 
 
 def add_arguments(p) -> None:
@@ -17,7 +17,6 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    import json
     import os
 
     from transformers import AutoModelForCausalLM
@@ -28,9 +27,7 @@ def main(args) -> int:
     args.model_dir = check_model_dir(args.model_dir, local_only=True)
     if args.adapter and not os.path.isfile(os.path.join(os.path.expanduser(args.adapter), "adapter_config.json")):
         raise SystemExit(f"{args.adapter}: not a PEFT adapter directory (no adapter_config.json)")
-    with open(os.path.join(args.model_dir, "config.json")) as f:
-        qc = json.load(f).get("quantization_config")
-    method = (qc or {}).get("quant_method")
+    method = (checkpoint_quantization(args.model_dir) or {}).get("quant_method")
     if method not in (None, "hfq_nvfp4"):
         raise SystemExit(f"{args.model_dir}: quantization_config {method!r} is not hfq_nvfp4 (nor a dense model)")
     kw = {} if method == "hfq_nvfp4" else {"quantization_config": NVFP4Config()}
