@@ -5,16 +5,16 @@
 
 What is timed is what a model pays per layer call in eager mode, host work included: `calls` back-to-back calls
 (default 200) and one synchronize, divided by `calls`; the calls go through --copies copies of each layer in turn
-(default 4), as a model's layers follow one another, so that no weight is still in L2 at its next call. Forward under no_grad; forward+backward as
-y = layer(x); torch.autograd.grad(y, [x, trainable params], gy) (the base weight frozen on both sides, as in
-LoRA training; the gradient of x is wanted, as for every layer but the first). Each measurement runs --rounds
-rounds (default 3) with ours and the baseline interleaved (ours, bf16, ours, bf16, ...); the report gives the
-median, the range (min-max over rounds) and the ratio of medians ours/bf16 (with its range: worst to best
-pairing of rounds). Rows are written to nvfp4_overhead.{json,md} after each one, so a killed run keeps
-what it measured. The LoRA layers are PEFT's own (get_peft_model, r=32, alpha=64, no dropout), timed as the
-wrapped layer (PEFT's LoRA Linear / hfq's NVFP4LoraLinear), without the PeftModel wrapper around it, with the
-adapter weights in bf16 as QeRL's training runs them (bf16 adapters, or fp32 ones under bf16 autocast; PEFT's fp32
-adapters without autocast take PEFT's own forward on both sides).
+(default 4), as a model's layers follow one another, so that no weight is still in L2 at its next call. Forward
+under no_grad; forward+backward as y = layer(x); torch.autograd.grad(y, [x, trainable params], gy) (the base weight
+frozen on both sides, as in LoRA training; the gradient of x is wanted, as for every layer but the first). Each
+measurement runs --rounds rounds (default 3) with ours and the baseline interleaved (ours, bf16, ours, bf16, ...);
+the report gives the median, the range (min-max over rounds) and the ratio of medians ours/bf16 (with its range:
+worst to best pairing of rounds). Rows are written to nvfp4_overhead.{json,md} after each one, so a killed run keeps
+what it measured. The LoRA layers are PEFT's own (get_peft_model, r=32, alpha=64, no dropout), timed as the wrapped
+layer (PEFT's LoRA Linear / hfq's NVFP4LoraLinear), without the PeftModel wrapper around it, with the adapter
+weights in bf16 as QeRL's training runs them (bf16 adapters, or fp32 ones under bf16 autocast; PEFT's fp32 adapters
+without autocast take PEFT's own forward on both sides).
 The "pyfn" rows time the floor of any layer written in Python: a torch.autograd.Function around the same bf16
 F.linear (its backward g @ W), against nn.Linear; NVFP4Linear's eager route is such a Function.
 """
@@ -32,7 +32,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import add_args, interleaved, ratio, write  # noqa: E402
+from _harness import add_args, interleaved, ratio, spread, write  # noqa: E402
 
 SHAPES = [(3584, 18944), (18944, 3584), (3584, 3584)]  # (in, out): Qwen2.5-7B gate/up, down, and a square one
 MS = [1, 8, 16, 256, 2048]  # the training-speed target's ranges: M <= 16 and M >= 256
@@ -111,10 +111,9 @@ def measure(ours: list, base: list, x: torch.Tensor, mode: str, calls: int, roun
                     y = layer(xg)
                     torch.autograd.grad(y, [xg, *ps], gy)
         fns[name] = fn
-    per = len(ours)
-    t = interleaved(fns, rounds=rounds, warmup=warmup, inner=max(1, calls // per))
-    t = {k: {**v, **{s: v[s] / per for s in ("median", "min", "max")}, "times": [x / per for x in v["times"]]}
-         for k, v in t.items()}
+    per = len(ours)  # layer calls per fn call
+    t = interleaved(fns, rounds=rounds, warmup=warmup, inner=max(1, calls // per))  # warm-up: plan / tune / repack
+    t = {k: dict(spread(times), times=times) for k, times in ((k, [x / per for x in v["times"]]) for k, v in t.items())}
     q = ratio(t["ours"], t["bf16"])  # ours / bf16 time
     us = {k: {s: round(v[s] * 1e6, 2) for s in ("median", "min", "max")} for k, v in t.items()}
     return dict(ours_us=us["ours"]["median"], ours_range=f"{us['ours']['min']}-{us['ours']['max']}",
@@ -140,12 +139,13 @@ COLUMNS = {"layer": "layer", "K": "in", "N": "out", "M": "M", "mode": "mode", "o
 
 def save(rows: list, calls: int, rounds: int, out: str | None, extra: dict) -> str:
     notes = (f"{calls} back-to-back calls, one sync, {rounds} interleaved rounds; the calls cycle through "
-             f"{extra.get('copies', 1)} copies of each layer, so no weight stays in L2 between its calls. us per call: median (range min-max "
-             "over rounds). ratio = median ours / median bf16 (range: worst to best pairing of rounds); < 1 means ours "
-             "is faster. fwd: no_grad forward; fwdbwd: forward + grad of x (+ LoRA A/B), frozen base. kind: the "
-             "kernel our eager plan chose (gluon: the few-row decode kernel, whose training calls take the few-row "
-             "grad-input kernel in backward; dequant: dequantize + cuBLAS, the training forward keeping its dense "
-             "weight for grad-input). pyfn rows: 'ours' is the same bf16 product through a Python autograd.Function.")
+             f"{extra.get('copies', 1)} copies of each layer, so no weight stays in L2 between its calls. us per "
+             "call: median (range min-max over rounds). ratio = median ours / median bf16 (range: worst to best "
+             "pairing of rounds); < 1 means ours is faster. fwd: no_grad forward; fwdbwd: forward + grad of x (+ LoRA "
+             "A/B), frozen base. kind: the kernel our eager plan chose (gluon: the few-row decode kernel, whose "
+             "training calls take the few-row grad-input kernel in backward; dequant: dequantize + cuBLAS, the "
+             "training forward keeping its dense weight for grad-input). pyfn rows: 'ours' is the same bf16 product "
+             "through a Python autograd.Function.")
     return write("nvfp4_overhead", rows, COLUMNS, notes, out_dir=out, extra=extra,
                  title="NVFP4Linear vs bf16 nn.Linear: per-call time, host work included")[1]
 
@@ -155,7 +155,8 @@ def selftest() -> None:
     import tempfile
 
     base = nn.Linear(8, 16, bias=False).requires_grad_(False)
-    row = dict(layer="linear", K=8, N=16, M=1, mode="fwd", **measure([base], [base], torch.randn(1, 8), "fwd", 2, 3, 1))
+    row = dict(layer="linear", K=8, N=16, M=1, mode="fwd",
+               **measure([base], [base], torch.randn(1, 8), "fwd", 2, 3, 1))
     assert row["ours_us"] > 0 and len(row["times_us"]["ours"]) == 3
     with tempfile.TemporaryDirectory() as d:
         md = open(save([row, dict(layer="lora", K=8, N=16, M=1, mode="fwd", error="RuntimeError: x")], 2, 3, d,
