@@ -159,3 +159,41 @@ def test_rollout_settings_are_declared_fields(tmp_path):
         ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false", "--rollout_max_batch", "12",
          "--rollout_graph_mode", "eager", "--use_hfq_rollout", "false"])
     assert (cfg.rollout_max_batch, cfg.rollout_graph_mode, cfg.use_hfq_rollout) == (12, "eager", False)
+
+
+def test_resume_from_checkpoint_continues_the_noise_schedule_exactly(tiny_dir, tmp_path):
+    """TRL's `peft_config` route, 4 steps in one go vs stopped after checkpoint-2 and resumed in a new trainer on a
+    freshly loaded base: same losses, rewards and AQN sigmas per step, identical adapters (AQN's noise is a function
+    of (seed, step), the stage of the restored global_step)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from hfq.nvfp4 import NVFP4Config
+
+    class StopAfterSave(TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            control.should_training_stop = True
+
+    def run(out, stop=False, resume=None):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=NVFP4Config(), dtype=torch.float32)
+        lcfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM")
+        args = _config(tmp_path, output_dir=str(out), learning_rate=1e-2, max_steps=4, save_strategy="steps",
+                       save_steps=2, aqn_num_stages=3, seed=3, max_completion_length=8)
+        tr = QeRLGRPOTrainer(model=model, reward_funcs=[digit_reward], args=args, train_dataset=_dataset(),
+                             processing_class=AutoTokenizer.from_pretrained(tiny_dir), peft_config=lcfg)
+        if stop:
+            tr.add_callback(StopAfterSave())
+        tr.train(resume_from_checkpoint=resume)
+        rows = [(h["step"], h["loss"], h["reward"], h["aqn/sigma"]) for h in tr.state.log_history if "loss" in h]
+        return rows, {n: p.detach().clone() for n, p in tr.model.named_parameters() if "lora_" in n}
+
+    full, lora_full = run(tmp_path / "a")
+    first, _ = run(tmp_path / "b", stop=True)
+    rest, lora_resumed = run(tmp_path / "b", resume=str(tmp_path / "b" / "checkpoint-2"))
+    assert first == full[:2]
+    assert rest == full and [r[0] for r in full] == [1, 2, 3, 4]  # the resumed trainer's history starts from the checkpoint's
+    assert [r[3] for r in full] == [0.0, 2e-2, pytest.approx(1e-2), 5e-3]  # all four stages were crossed
+    assert lora_full.keys() == lora_resumed.keys() and len(lora_full) == 12
+    assert any(p.abs().sum() > 0 for n, p in lora_full.items() if "lora_B" in n)
+    assert all(torch.equal(lora_full[n], lora_resumed[n]) for n in lora_full)
