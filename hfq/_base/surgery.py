@@ -217,6 +217,19 @@ def ignore_guard_on_state_dict_load(model: nn.Module, layer_types: tuple) -> Non
             functools.partial(_drop_guard_keys, tuple(layer_types)))
 
 
+def mark_quantized(model: nn.Module, quantizer, report: dict) -> None:
+    """Make an already-built model what a quantize-on-load gives (quest.quantize_model, qft.quantize_model_, NVFP4
+    calibrate): its config names the method so save_pretrained writes an hfq checkpoint, Trainer sees a
+    quantized model, `hfq_quantization_report` is set and a load_state_dict passes over the guard."""
+    config = quantizer.quantization_config
+    model.config.quantization_config = config
+    model.hf_quantizer = quantizer
+    model.is_quantized = True
+    model.quantization_method = config.quant_method
+    model.hfq_quantization_report = report
+    ignore_guard_on_state_dict_load(model, quantizer.layer_types)
+
+
 def unguard_weight(w: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor | None:
     """The weight as [out, in] when `w` is that or the guarded [1, out, in]; None for the empty marker."""
     if w.numel() == 0:

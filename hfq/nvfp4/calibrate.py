@@ -18,7 +18,7 @@ from torch import nn
 import hfq_kernels.nvfp4_calib  # noqa: F401  (registers torch.ops.hfq.nvfp4_gptq / nvfp4_quantize_search)
 from hfq_kernels.reference import fp4_calib
 
-from .._base.surgery import ignore_guard_on_state_dict_load, modules_to_skip, set_submodule, should_convert
+from .._base.surgery import mark_quantized, modules_to_skip, set_submodule, should_convert
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
 
@@ -393,11 +393,5 @@ def _mark_quantized(model, config, converted, skipped, rel_error, quantizer_cls)
     """Make `model` what a quantize-on-load gives: config + quantizer for save_pretrained, report, DDP ignore."""
     q = quantizer_cls(config, pre_quantized=False)
     q.converted, q.skipped, q.rel_error = list(converted), dict(skipped), dict(rel_error)
-    model.config.quantization_config = config
-    model.hf_quantizer = q
-    model.is_quantized = True
-    model.quantization_method = config.quant_method
-    model.hfq_quantization_report = {"quantized": list(converted), "skipped": dict(skipped),
-                                     "rel_error": dict(rel_error)}
-    ignore_guard_on_state_dict_load(model, q.layer_types)
+    mark_quantized(model, q, {"quantized": list(converted), "skipped": dict(skipped), "rel_error": dict(rel_error)})
     mark_ddp_ignore(model)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from torch import nn
 
 from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, checkpoint_index,
-                             ignore_guard_on_state_dict_load, modules_to_skip, raise_load_errors, replace_linears,
+                             mark_quantized, modules_to_skip, raise_load_errors, replace_linears,
                              set_submodule, should_convert)
 from ..qparam import QLinear, ddp_ignore_int8_grad_weights_, name_qparams_
 from .config import QFTConfig
@@ -89,13 +89,10 @@ def quantize_model_(model: nn.Module, config) -> list[str]:
     marked quantized with `hfq_qft` so that save_pretrained writes an hfq checkpoint."""
     skip = modules_to_skip(model, config, False)
     names = replace_linears(model, layer_maker(config), skip)
-    model.hfq_quantization_report = check_conversion(config.quant_method, model, names, skip, strict=config.strict)
+    report = check_conversion(config.quant_method, model, names, skip, strict=config.strict)
+    model.hfq_quantization_report = report
     ddp_ignore_int8_grad_weights_(model)
     name_qparams_(model)
     if hasattr(model, "config"):
-        model.config.quantization_config = config
-        model.hf_quantizer = QFTHfQuantizer(config, pre_quantized=False)
-        ignore_guard_on_state_dict_load(model, QFTHfQuantizer.layer_types)
-        model.is_quantized = True
-        model.quantization_method = config.quant_method
+        mark_quantized(model, QFTHfQuantizer(config, pre_quantized=False), report)
     return names

@@ -6,7 +6,7 @@ from torch import nn
 
 from hfq_kernels.reference.fp4 import check_finite
 
-from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, ignore_guard_on_state_dict_load,
+from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, mark_quantized,
                              modules_to_skip, replace_linears, unguard_weight)
 from .config import QuESTConfig
 from .linear import QuESTLinear, layer_maker
@@ -77,10 +77,5 @@ def quantize_model(model: torch.nn.Module, config: QuESTConfig | None = None) ->
     report = check_conversion(config.quant_method, model, converted, quantizer.modules_to_not_convert,
                               strict=config.strict)
     if hasattr(model, "config"):
-        model.hfq_quantization_report = report
-        ignore_guard_on_state_dict_load(model, quantizer.layer_types)
-        model.config.quantization_config = config
-        model.hf_quantizer = quantizer
-        model.is_quantized = True
-        model.quantization_method = config.quant_method
+        mark_quantized(model, quantizer, report)
     return model
