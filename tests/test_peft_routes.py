@@ -300,11 +300,25 @@ def test_save_after_merge_and_unload_refused_until_dequantized(tiny, tmp_path, t
         torch.testing.assert_close(back(x).logits, want)
 
 
-def test_save_with_lora_wrappers_still_in_place_is_not_refused(tiny, tmp_path):
-    """The layer check looks through PEFT's wrappers (their base layers are the saved NVFP4 layers)."""
+def test_base_save_with_lora_wrappers_in_place_is_refused_with_what_to_do(tiny, tmp_path):
+    """Saving the inner model of a PEFT model would write PEFT's base_layer/lora_* keys that no load reads back (hfq's
+    load stops on the missing codes): refused before writing, naming the adapter save, and unmerge_adapter() when
+    merged. transformers' own adapter integration (add_adapter) saves the adapter alone and is not refused."""
     pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, target_modules=["q_proj"]))
-    pm.base_model.model.save_pretrained(tmp_path / "wrapped")
-    assert (tmp_path / "wrapped" / "config.json").exists()
+    with pytest.raises(ValueError, match=r"carry PEFT adapter layers \(e.g. model.layers.0.self_attn.q_proj\).*"
+                                         r"peft_model.save_pretrained"):
+        pm.base_model.model.save_pretrained(tmp_path / "wrapped")
+    pm.merge_adapter()
+    with pytest.raises(ValueError, match="merged into it by merge_adapter.*after unmerge_adapter"):
+        pm.base_model.model.save_pretrained(tmp_path / "wrapped")
+    assert not (tmp_path / "wrapped" / "model.safetensors").exists()
+    pm.unmerge_adapter()
+    pm.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    base = _base(tiny)
+    base.add_adapter(LoraConfig(r=4, target_modules=["q_proj"]))
+    base.save_pretrained(tmp_path / "tf_adapter")
+    assert (tmp_path / "tf_adapter" / "adapter_model.safetensors").exists()
 
 
 @pytest.mark.parametrize("scales", ["amax", "mse"])
@@ -327,3 +341,84 @@ def test_merge_and_requantize_of_a_zero_delta_keeps_the_codes(tiny, scales):
     _randomize_lora(pm)
     merged, _ = hfq.nvfp4.merge_and_requantize(pm)
     assert {m.scale_rule for m in merged.modules() if isinstance(m, NVFP4Linear)} == {scales}
+
+
+def _dense_copy(model):
+    """The model with every NVFP4Linear swapped for an nn.Linear holding its dequantized weight (the reference)."""
+    import copy
+
+    ref = copy.deepcopy(model)
+    for name, mod in list(ref.named_modules()):
+        if isinstance(mod, NVFP4Linear):
+            lin = torch.nn.Linear(mod.in_features, mod.out_features, mod.bias is not None)
+            lin.weight.data = mod.dequantize(torch.float32)
+            if mod.bias is not None:
+                lin.bias.data = mod.bias.data.clone()
+            ref.set_submodule(name, lin)
+    return ref
+
+
+def test_merging_one_adapter_leaves_the_other_active_adapter_alone(tiny):
+    """merge_adapter(["b"]) where "b" targets q_proj only: the other layers stay unmerged and keep computing the
+    active "default" adapter, as PEFT's own Linear does on a dense model (same logits, still trainable)."""
+    x = _ids()
+    outs = []
+    for base in (_base(tiny), _dense_copy(_base(tiny))):
+        pm = peft.get_peft_model(base, LoraConfig(r=4, target_modules=TARGETS))
+        pm.add_adapter("b", LoraConfig(r=4, target_modules=["q_proj"]))
+        _randomize_lora(pm)
+        pm.base_model.merge_adapter(["b"])
+        k = pm.base_model.model.model.layers[0].self_attn.k_proj
+        assert k.merged_adapters == [] and not k.merged
+        loss = pm(x, labels=x).loss
+        assert loss.requires_grad
+        with torch.no_grad():
+            outs.append(pm(x).logits)
+    assert (outs[0] - outs[1]).abs().max() < 1e-4
+
+
+def test_modules_to_save_holding_nvfp4_layers_is_refused(tiny):
+    """PEFT's trainable copy of an NVFP4Linear (or of a module holding some) would train none of its weights."""
+    for mts in (["down_proj"], ["mlp"]):
+        with pytest.raises(ValueError, match="modules_to_save.*NVFP4Linear.*target_modules"):
+            peft.get_peft_model(_base(tiny), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=mts))
+    pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    assert any("modules_to_save" in n and p.requires_grad for n, p in pm.named_parameters())
+
+
+@pytest.mark.parametrize("cfg", [peft.IA3Config(target_modules="all-linear", feedforward_modules=[]),
+                                 peft.LoHaConfig(target_modules="all-linear")])
+def test_all_linear_with_a_method_other_than_lora_is_refused_on_nvfp4(tiny, tmp_path, cfg):
+    """hfq supports LoRA only on NVFP4 layers: "all-linear" with another PEFT method would adapt the dense linears
+    alone (here down_proj is kept dense), silently skipping every NVFP4 layer."""
+    base = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=NVFP4Config(
+        modules_to_not_convert=["lm_head", "down_proj"]))
+    with pytest.raises(ValueError, match=f"all-linear' with {cfg.peft_type.value}.*NVFP4Linear.*LoRA only"):
+        peft.get_peft_model(base, cfg)
+
+
+def test_export_with_adapter_writes_the_active_named_adapter(tiny, tmp_path):
+    """A named adapter lands where PEFT saves it (adapter/NAME), and the path returned is that folder; only the
+    active adapter is written; two active adapters and transformers' own adapter integration are refused clearly."""
+    from hfq.nvfp4 import export_with_adapter, merge_and_requantize
+
+    pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, target_modules=["q_proj"]), adapter_name="sft")
+    pm.add_adapter("other", LoraConfig(r=4, target_modules=["v_proj"]))
+    _randomize_lora(pm)
+    pm.set_adapter("other")
+    paths = export_with_adapter(pm, str(tmp_path / "out"))
+    assert paths["adapter"] == str(tmp_path / "out" / "adapter" / "other")
+    assert json.load(open(os.path.join(paths["adapter"], "adapter_config.json")))["target_modules"] == ["v_proj"]
+    assert not (tmp_path / "out" / "adapter" / "sft").exists()
+    re = PeftModel.from_pretrained(_base(tiny), paths["adapter"])
+    x = _ids()
+    with torch.no_grad():
+        assert torch.equal(re(x).logits, pm(x).logits)
+    pm.base_model.set_adapter(["sft", "other"])
+    with pytest.raises(ValueError, match="2 adapters are active"):
+        export_with_adapter(pm, str(tmp_path / "two"))
+    base = _base(tiny)
+    base.load_adapter(paths["adapter"])
+    for fn in (export_with_adapter, merge_and_requantize):
+        with pytest.raises(ValueError, match="transformers' load_adapter/add_adapter.*PeftModel.from_pretrained"):
+            fn(base, *([str(tmp_path / "tf")] if fn is export_with_adapter else []))

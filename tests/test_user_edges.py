@@ -3,6 +3,7 @@ weights are refused by every method, options a format ignores are announced, int
 checkpoint whose config does not match its tensors says what it holds."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -63,6 +64,57 @@ def test_every_method_refuses_non_finite_weights_naming_the_layer(method, tiny_d
             (d / f).write_text(open(os.path.join(tiny_dir, f)).read())
     with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj.*NaN/Inf"):
         AutoModelForCausalLM.from_pretrained(d, quantization_config=CONFIGS[method]())
+
+
+NVFP4_BAD_SCALES = {"global_nan": ("weight_global_scale", lambda t: torch.full_like(t, float("nan")), "NaN/Inf"),
+                    "global_zero": ("weight_global_scale", torch.zeros_like, "do not decode.*= 0.0"),
+                    "global_inf": ("weight_global_scale", lambda t: torch.full_like(t, float("inf")), "NaN/Inf"),
+                    "block_nan": ("weight_scale", lambda t: (t.view(torch.uint8) | 0x7F).view(t.dtype), "NaN/Inf")}
+
+
+@pytest.mark.parametrize("method, case", [("nvfp4", c) for c in NVFP4_BAD_SCALES] + [("qft", "scale_nan"),
+                                                                                    ("quest", "master_nan")])
+def test_every_method_refuses_a_saved_checkpoint_with_corrupt_tensors(method, case, tiny_dir, tmp_path):
+    """A pre-quantized checkpoint whose quantized tensors do not decode (NaN/Inf, a zero NVFP4 global scale) is
+    refused naming the tensor, instead of loading a model that outputs NaN or a zeroed layer."""
+    layer = "model.layers.1.mlp.up_proj"
+    AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=CONFIGS[method]()).save_pretrained(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    if method == "nvfp4":
+        key, corrupt, msg = NVFP4_BAD_SCALES[case]
+        key = f"{layer}.{key}"
+        sd[key] = corrupt(sd[key])
+    else:
+        key = next(k for k in sd if k.startswith(layer) and sd[k].is_floating_point() and sd[k].numel() > 1)
+        sd[key] = sd[key].clone()
+        sd[key].view(-1)[0] = float("nan")
+        msg = "NaN/Inf"
+    save_file(sd, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as err:
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert key in str(err.value) and re.search(msg, str(err.value))
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_a_config_edited_after_construction_is_checked_and_not_shared(method, tiny_dir):
+    """Fields assigned after the config was built skip its validation: the quantizer validates its own copy (a bad
+    value is the field's ValueError), and later edits of the caller's object reach no model built with it."""
+    cfg = CONFIGS[method]()
+    field, bad = {"nvfp4": ("scales", "MSE"), "quest": ("weight_bits", 9), "qft": ("weight_format", "int3")}[method]
+    good = getattr(cfg, field)
+    setattr(cfg, field, bad)
+    with pytest.raises(ValueError, match=field):
+        AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=cfg)
+    setattr(cfg, field, good)
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=cfg)
+    setattr(cfg, field, bad)
+    assert getattr(m.config.quantization_config, field) == good
+    if method == "quest":
+        cfg = hfq.QuESTConfig(weight_bits=4)
+        built = hfq.quest.quantize_model(AutoModelForCausalLM.from_pretrained(tiny_dir), cfg)
+        cfg.weight_bits = 2
+        assert built.config.quantization_config.weight_bits == 4
+        assert {(m.spec.wbits, m.config.weight_bits) for m in built.modules() if isinstance(m, QuESTLinear)} == {(4, 4)}
 
 
 def test_options_the_format_ignores_are_announced():

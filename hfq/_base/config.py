@@ -6,6 +6,7 @@ as they are (`to_dict` is what config.json stores, `from_dict` rebuilds and re-v
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
@@ -78,6 +79,15 @@ class HfqConfig(QuantizationConfigMixin):
 
     def validate(self) -> None:
         """Check the method's own fields; raise ValueError naming the field and what is allowed."""
+
+    def checked_copy(self) -> "HfqConfig":
+        """A copy, validated again, for one model to keep: fields assigned after construction (which skip
+        __post_init__) are checked here, and later edits of this object cannot reach a model built with it."""
+        c = copy.deepcopy(self)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the no-effect warnings were given when this object was built
+            HfqConfig.__post_init__(c)
+        return c
 
     def to_dict(self) -> dict:
         return asdict(self)

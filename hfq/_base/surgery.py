@@ -217,6 +217,36 @@ def ignore_guard_on_state_dict_load(model: nn.Module, layer_types: tuple) -> Non
             functools.partial(_drop_guard_keys, tuple(layer_types)))
 
 
+def _nonfinite(t: torch.Tensor) -> bool:
+    if t.dtype == torch.float8_e4m3fn:  # no Inf in this format; NaN is S.1111.111
+        return bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    return not bool(torch.isfinite(t).all())
+
+
+def refuse_nonfinite(method: str, model: nn.Module, layer_types: tuple) -> None:
+    """After a pre-quantized load: a NaN/Inf in a quantized layer's own float tensors (codes' scales, master
+    weights, outliers) means a corrupt checkpoint; a ValueError names them instead of a model that outputs NaN."""
+    def parts(key, t):  # a tensor subclass (QParam) is checked through its inner tensors
+        if type(t) in (torch.Tensor, nn.Parameter):
+            yield key, t
+        elif hasattr(t, "__tensor_flatten__"):
+            for inner in t.__tensor_flatten__()[0]:
+                yield from parts(f"{key}_{inner}", getattr(t, inner))  # its checkpoint name
+
+    bad = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, layer_types):
+            continue
+        for key, t in [*mod._parameters.items(), *mod._buffers.items()]:
+            for part, u in parts(key, t) if t is not None else ():
+                if u.is_floating_point() and u.device.type != "meta" and _nonfinite(u.detach()):
+                    bad.append(f"{name}.{part}")
+    if bad:
+        raise ValueError(f"{method} checkpoint holds NaN/Inf in {len(bad)} quantized tensor(s) ({', '.join(bad[:5])}"
+                         f"{', ...' if len(bad) > 5 else ''}): the file is corrupt; hfq does not load non-finite "
+                         "quantized weights or scales")
+
+
 def mark_quantized(model: nn.Module, quantizer, report: dict) -> None:
     """Make an already-built model what a quantize-on-load gives (quest.quantize_model, qft.quantize_model_, NVFP4
     calibrate): its config names the method so save_pretrained writes an hfq checkpoint, Trainer sees a
@@ -262,6 +292,10 @@ class HfqQuantizer(HfQuantizer):
         super().__init_subclass__(**kwargs)
         if cls.QUANT_METHOD and cls.signature:
             HfqQuantizer.SIGNATURES[cls.QUANT_METHOD] = cls.signature
+
+    def __init__(self, quantization_config, **kwargs):
+        # the quantizer (and the model it marks) keeps its own validated copy: see HfqConfig.checked_copy
+        super().__init__(quantization_config.checked_copy(), **kwargs)
 
     def validate_environment(self, *args, **kwargs):
         return
@@ -320,16 +354,28 @@ class HfqQuantizer(HfQuantizer):
         """Raise ValueError before a save whose quantization_config would not describe the layers: a layer this
         method converted (model.hfq_quantization_report) that is no longer one of its layers, e.g. a dense
         nn.Linear that PEFT's merge_and_unload() put in its place. Such a checkpoint could not be reloaded."""
-        gone = []
+        gone, wrapped = [], []
+        adapter_save = getattr(model, "_hf_peft_config_loaded", False)  # transformers then saves the adapter only
         for name in getattr(model, "hfq_quantization_report", {}).get("quantized", ()):
             try:
                 mod = model.get_submodule(name)
             except AttributeError:
                 continue  # not part of this (sub)model
+            if hasattr(mod, "base_layer") and not adapter_save:
+                wrapped.append((name, bool(getattr(mod, "merged", False))))
             while hasattr(mod, "base_layer"):  # a PEFT wrapper: its base layer is what is saved
                 mod = mod.base_layer
             if not isinstance(mod, self.layer_types):
                 gone.append((name, type(mod).__name__))
+        if wrapped:
+            name, merged = next((w for w in wrapped if w[1]), wrapped[0])
+            raise ValueError(
+                f"save_pretrained: {len(wrapped)} quantized layer(s) carry PEFT adapter layers (e.g. {name}"
+                f"{', merged into it by merge_adapter()' if merged else ''}): this model's save would write PEFT's "
+                "base_layer / lora_* tensors, which no from_pretrained reads back. Save the adapter with "
+                "peft_model.save_pretrained(dir) (the base checkpoint stays as it is)"
+                f"{', after unmerge_adapter()' if merged else ''}; or fold it in and save the result: "
+                "hfq.nvfp4.merge_and_requantize(peft_model) for NVFP4")
         if gone:
             name, kind = gone[0]
             method = self.quantization_config.quant_method

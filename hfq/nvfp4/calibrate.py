@@ -303,7 +303,7 @@ def calibrate_(model: nn.Module, data, tokenizer=None, config: NVFP4Config | Non
     hfq_nvfp4 model (save_pretrained writes the hfq checkpoint). Returns the per-layer report."""
     from .quantizer import NVFP4HfQuantizer
 
-    config = config or NVFP4Config()
+    config = (config or NVFP4Config()).checked_copy()
     if config.format != "nvfp4":
         raise ValueError(f"calibrate_: format={config.format!r} is not supported; GPTQ calibration writes 'nvfp4'")
     if any(isinstance(m, NVFP4Linear) for m in model.modules()):

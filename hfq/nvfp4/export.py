@@ -28,6 +28,11 @@ def compressed_tensors_config(ignore: list[str]) -> dict:
 
 def _unwrap(model: nn.Module) -> nn.Module:
     """A PEFT model exports its base (adapters must be merged first; see merge_and_requantize)."""
+    if getattr(model, "_hf_peft_config_loaded", False):
+        raise ValueError("export_compressed_tensors: the model has an adapter attached by transformers' "
+                         "load_adapter/add_adapter; export the base model loaded without it, or load the adapter as "
+                         "peft.PeftModel.from_pretrained(base, adapter_dir) and call "
+                         "hfq.nvfp4.merge_and_requantize(peft_model) or hfq.nvfp4.export_with_adapter first")
     if hasattr(model, "peft_config"):
         raise ValueError("export_compressed_tensors: got a PEFT model; call hfq.nvfp4.merge_and_requantize(model) "
                          "first (vLLM takes LoRA separately), or export model.get_base_model()")

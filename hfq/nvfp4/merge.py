@@ -55,6 +55,7 @@ def merge_and_requantize(peft_model, warn_ratio: float = 0.5):
     """
     from peft.tuners.lora import LoraLayer
 
+    _check_peft_model(peft_model, "merge_and_requantize")
     if not (isinstance(warn_ratio, (int, float)) and warn_ratio > 0):
         raise ValueError(f"warn_ratio must be a positive number, got {warn_ratio!r}")
     report = MergeReport()
@@ -100,33 +101,51 @@ def _ratios(s: dict) -> dict:
             "delta_kept": s["dot"] / s["d2"] if d > 0 else 1.0}
 
 
+def _check_peft_model(model, what: str) -> None:
+    """A PeftModel is required: a transformers model with an adapter attached by its own PEFT integration
+    (`load_adapter` / `add_adapter`) has no PeftModel API (get_base_model, unload) to work on."""
+    if hasattr(model, "get_base_model") and getattr(model, "peft_config", None):
+        return
+    if getattr(model, "_hf_peft_config_loaded", False):
+        raise ValueError(f"{what}: this adapter was attached with transformers' load_adapter/add_adapter; load it "
+                         "as a PEFT model instead: peft.PeftModel.from_pretrained(base_model, adapter_dir)")
+    raise ValueError(f"{what}: expected a PEFT model (peft.get_peft_model / PeftModel.from_pretrained)")
+
+
 def export_with_adapter(peft_model, out_dir: str) -> dict[str, str]:
     """Write `out_dir/base` (the NVFP4 base in compressed-tensors' nvfp4-pack-quantized layout: the very codes the
-    adapter was trained on) and `out_dir/adapter` (the PEFT LoRA adapter) side by side; returns both paths.
+    adapter was trained on) and the active PEFT LoRA adapter side by side; returns both paths ("adapter": the
+    folder holding its adapter_config.json: `out_dir/adapter`, or `out_dir/adapter/NAME` for an adapter not named
+    "default", as PEFT saves it).
 
     Nothing is re-quantized, so the fine-tune survives exactly; serve with e.g.
-    `vllm serve OUT/base --enable-lora --lora-modules tuned=OUT/adapter`. The model must be an unmerged PEFT LoRA
-    model without `modules_to_save` (vLLM's LoRA carries A/B matrices only)."""
+    `vllm serve OUT/base --enable-lora --lora-modules tuned=<adapter path>`. The model must be an unmerged PEFT
+    LoRA model with one active adapter (what it computes with; other adapters are not written) and no
+    `modules_to_save` (vLLM's LoRA carries A/B matrices only)."""
     from peft import PeftType
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     from .export import export_compressed_tensors
 
-    cfgs = getattr(peft_model, "peft_config", None)
-    if not cfgs:
-        raise ValueError("export_with_adapter: expected a PEFT model (peft.get_peft_model / PeftModel.from_pretrained)")
-    for adapter, cfg in cfgs.items():
-        if cfg.peft_type != PeftType.LORA:
-            raise ValueError(f"export_with_adapter: adapter {adapter!r} is {cfg.peft_type}, not LoRA")
-        if getattr(cfg, "modules_to_save", None):
-            raise ValueError(f"export_with_adapter: adapter {adapter!r} has modules_to_save={cfg.modules_to_save}; "
-                             "vLLM's LoRA serves A/B matrices only")
+    _check_peft_model(peft_model, "export_with_adapter")
+    active = peft_model.base_model.active_adapters
+    if len(active) != 1:
+        raise ValueError(f"export_with_adapter: {len(active)} adapters are active ({active}); vLLM serves one "
+                         "adapter per path: set_adapter(name) to the one to export")
+    adapter = active[0]
+    cfg = peft_model.peft_config[adapter]
+    if cfg.peft_type != PeftType.LORA:
+        raise ValueError(f"export_with_adapter: adapter {adapter!r} is {cfg.peft_type}, not LoRA")
+    if getattr(cfg, "modules_to_save", None):
+        raise ValueError(f"export_with_adapter: adapter {adapter!r} has modules_to_save={cfg.modules_to_save}; "
+                         "vLLM's LoRA serves A/B matrices only")
     base_model = peft_model.get_base_model()
     layers = [(n, m) for n, m in base_model.named_modules() if isinstance(m, BaseTunerLayer)]
     merged = [n for n, m in layers if m.merged]
     if merged:
         raise ValueError(f"export_with_adapter: {merged[:3]} are merged; call unmerge_adapter() first")
-    paths = {"base": os.path.join(out_dir, "base"), "adapter": os.path.join(out_dir, "adapter")}
+    paths = {"base": os.path.join(out_dir, "base"),
+             "adapter": os.path.join(out_dir, "adapter", *([] if adapter == "default" else [adapter]))}
     swapped = []
     tag = base_model.__dict__.pop("peft_config", None)  # PEFT tags the base model; export refuses tagged models
     try:  # export the base exactly as loaded: each LoRA wrapper replaced by its base layer for the duration
@@ -141,5 +160,5 @@ def export_with_adapter(peft_model, out_dir: str) -> dict[str, str]:
             setattr(holder, child, mod)
         if tag is not None:
             base_model.peft_config = tag
-    peft_model.save_pretrained(paths["adapter"])
+    peft_model.save_pretrained(os.path.join(out_dir, "adapter"), selected_adapters=[adapter])
     return paths

@@ -8,7 +8,9 @@ LoRA/IA3/OFT merges, PiSSA/OLoRA init, weight init) would silently write into a 
 `register_peft_dispatch()`, which extends exactly those two PEFT entry points, process-wide: LoRA wraps every
 NVFP4Linear in `NVFP4LoraLinear`, and "all-linear" includes NVFP4Linear layers. That reaches every route that goes
 through PEFT's LoRA injection: `peft.get_peft_model`, `PeftModel.from_pretrained`, `model.add_adapter`, TRL's
-`peft_config`. Other PEFT methods keep refusing NVFP4Linear ("not supported"). It also extends the parameter count
+`peft_config`. Other PEFT methods keep refusing NVFP4Linear ("not supported"), and "all-linear" with them is refused
+on a model with NVFP4 layers (they would adapt its dense linears alone). `modules_to_save` (PEFT's trainable copy,
+`ModulesToSaveWrapper.update`) refuses a module that is or holds an NVFP4Linear: the copy would train none of it. It also extends the parameter count
 behind `print_trainable_parameters()` (`PeftModel.get_nb_trainable_parameters`), which walks `parameters()` and would
 leave out the NVFP4 weights (buffers), as bitsandbytes' 4-bit weights get their own case there.
 """
@@ -99,7 +101,9 @@ class NVFP4LoraLinear(LoraLinear):
         return lora_delta(self, adapter)
 
     def merge(self, safe_merge: bool = False, adapter_names=None) -> None:
-        adapter_names = check_adapters_to_merge(self, adapter_names)
+        # as PEFT's Linear.merge: only the adapters this layer holds (a model-wide merge of an adapter that targets
+        # other layers must leave this one, and its active adapters, unmerged)
+        adapter_names = [a for a in check_adapters_to_merge(self, adapter_names) if a in self.lora_A]
         if not adapter_names:
             return
         base = self.get_base_layer()
@@ -155,15 +159,41 @@ def _all_linear_with_nvfp4(include_all_linear):
         tm = getattr(peft_config, "target_modules", None)
         all_linear = isinstance(tm, str) and tm.lower() == "all-linear"
         peft_config = include_all_linear(peft_config, model)
-        if all_linear and peft_config.peft_type == PeftType.LORA:
-            inside = {f"{p}.{s}" for p, m in model.named_modules() if isinstance(m, BaseTunerLayer)
-                      for s, _ in m.named_modules() if s}
-            nv = {n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)} - inside
-            peft_config.target_modules = set(peft_config.target_modules) | nv
+        if not all_linear:
+            return peft_config
+        inside = {f"{p}.{s}" for p, m in model.named_modules() if isinstance(m, BaseTunerLayer)
+                  for s, _ in m.named_modules() if s}
+        nv = sorted({n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)} - inside)
+        if nv and peft_config.peft_type != PeftType.LORA:
+            raise ValueError(
+                f"target_modules='all-linear' with {peft_config.peft_type.value}: {len(nv)} linears of this model are "
+                f"NVFP4Linear (e.g. {nv[0]}), which hfq supports with LoRA only; {peft_config.peft_type.value} would "
+                "adapt the remaining dense linears alone. Use peft.LoraConfig, or name dense target_modules yourself")
+        if nv:
+            peft_config.target_modules = set(peft_config.target_modules) | set(nv)
         return peft_config
 
     _maybe_include_all_linear_layers.hfq_wrapped = include_all_linear
     return _maybe_include_all_linear_layers
+
+
+def _refuse_nvfp4_modules_to_save(update):
+    """Wrap `ModulesToSaveWrapper.update` (PEFT's trainable full copy of a `modules_to_save` module): a module that
+    is or holds an NVFP4Linear is refused, since its copy would train nothing of those layers (their weights are
+    frozen codes, not parameters)."""
+
+    def update_checked(self, adapter_name, *args, **kwargs):
+        held = [n for n, m in self.original_module.named_modules() if isinstance(m, NVFP4Linear)]
+        if held:
+            what = "is an NVFP4Linear" if held == [""] else f"holds NVFP4Linear layers ({held[0]}, ...)"
+            raise ValueError(
+                f"modules_to_save: the module for adapter {adapter_name!r} {what}, whose weights are frozen NVFP4 "
+                "codes: a trainable copy of it would train none of them. Put those layers in target_modules (LoRA), "
+                "or keep them out of quantization with NVFP4Config(modules_to_not_convert=[...]) to train them fully")
+        return update(self, adapter_name, *args, **kwargs)
+
+    update_checked.hfq_wrapped = update
+    return update_checked
 
 
 def _count_nvfp4_weights(get_nb):
@@ -194,6 +224,7 @@ def register_peft_dispatch() -> bool:
     from peft import PeftMixedModel, PeftModel
     from peft.tuners import tuners_utils
     from peft.tuners.lora.model import LoraModel
+    from peft.utils.other import ModulesToSaveWrapper
 
     missing = [n for n, owner in (("LoraModel._create_new_module", LoraModel),
                                    ("tuners_utils._maybe_include_all_linear_layers", tuners_utils))
@@ -205,6 +236,8 @@ def register_peft_dispatch() -> bool:
         return False
     LoraModel._create_new_module = staticmethod(_lora_for_nvfp4(LoraModel._create_new_module))
     tuners_utils._maybe_include_all_linear_layers = _all_linear_with_nvfp4(tuners_utils._maybe_include_all_linear_layers)
+    if hasattr(ModulesToSaveWrapper, "update"):
+        ModulesToSaveWrapper.update = _refuse_nvfp4_modules_to_save(ModulesToSaveWrapper.update)
     for owner in (PeftModel, PeftMixedModel):
         if hasattr(owner, "get_nb_trainable_parameters"):
             owner.get_nb_trainable_parameters = _count_nvfp4_weights(owner.get_nb_trainable_parameters)

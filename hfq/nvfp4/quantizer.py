@@ -6,7 +6,7 @@ from torch import nn
 
 from .._base.lora import dense_linear
 from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, checkpoint_index, modules_to_skip, raise_load_errors,
-                             replace_linears)
+                             refuse_nonfinite, replace_linears)
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
 
@@ -117,6 +117,8 @@ class NVFP4HfQuantizer(HfqQuantizer):
         leftover = [n for n in self.converted if "weight" in model.get_submodule(n)._parameters]
         if leftover:
             raise ValueError(f"NVFP4: no weight was found in the checkpoint for {leftover[:10]}")
+        if self.pre_quantized:
+            self._check_loaded_scales(model)
         model.hfq_quantization_report["rel_error"] = dict(self.rel_error)
         for name in self.converted:  # where the Gluon kernel runs: its layout only, no second copy
             mod = model.get_submodule(name)
@@ -124,6 +126,22 @@ class NVFP4HfQuantizer(HfqQuantizer):
                 mod.to_g4_layout_()
         mark_ddp_ignore(model)
         return model
+
+    def _check_loaded_scales(self, model) -> None:
+        """Loaded scales must decode: no NaN block scale (E4M3, or MXFP4's E8M0 byte 0xFF) and a finite, positive
+        global scale (the dequantize divides by it: 0 gives Inf weights, Inf gives zeros)."""
+        refuse_nonfinite("hfq_nvfp4", model, self.layer_types)
+        bad = []
+        for name in self.converted:
+            mod = model.get_submodule(name)
+            gs = mod.weight_global_scale
+            if gs is not None and not bool(torch.isfinite(gs).all() and (gs > 0).all()):
+                bad.append(f"{name}.weight_global_scale = {gs.flatten()[0].item()}")
+            if mod.format == "mxfp4" and bool((mod.weight_scale == 0xFF).any()):
+                bad.append(f"{name}.weight_scale (E8M0 NaN byte 0xFF)")
+        if bad:
+            raise ValueError(f"hfq_nvfp4 checkpoint has scales that do not decode in {len(bad)} layer(s): "
+                             f"{'; '.join(bad[:5])}: the file is corrupt (global scales are finite and > 0)")
 
     def _dequantize(self, model, dtype=None):
         dtype = dtype or torch.bfloat16

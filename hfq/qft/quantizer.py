@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from torch import nn
 
 from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, checkpoint_index,
-                             mark_quantized, modules_to_skip, raise_load_errors, replace_linears,
+                             mark_quantized, modules_to_skip, raise_load_errors, refuse_nonfinite, replace_linears,
                              set_submodule, should_convert)
 from ..qparam import QLinear, ddp_ignore_int8_grad_weights_, name_qparams_
 from .config import QFTConfig
@@ -74,6 +74,7 @@ class QFTHfQuantizer(HfqQuantizer):
         raise_load_errors("QFT", self.errors)
         if self.pre_quantized:
             finalize_(model)
+            refuse_nonfinite("hfq_qft", model, self.layer_types)
         else:
             left = [n for n, m in model.named_modules() if type(m) is nn.Linear and should_convert(n, self._skip)]
             if left:
@@ -87,6 +88,8 @@ class QFTHfQuantizer(HfqQuantizer):
 def quantize_model_(model: nn.Module, config) -> list[str]:
     """Quantize an already-built model (e.g. from_config for pretraining) in place per a QFTConfig; the model is
     marked quantized with `hfq_qft` so that save_pretrained writes an hfq checkpoint."""
+    quantizer = QFTHfQuantizer(config, pre_quantized=False)
+    config = quantizer.quantization_config
     skip = modules_to_skip(model, config, False)
     names = replace_linears(model, layer_maker(config), skip)
     report = check_conversion(config.quant_method, model, names, skip, strict=config.strict)
@@ -94,5 +97,5 @@ def quantize_model_(model: nn.Module, config) -> list[str]:
     ddp_ignore_int8_grad_weights_(model)
     name_qparams_(model)
     if hasattr(model, "config"):
-        mark_quantized(model, QFTHfQuantizer(config, pre_quantized=False), report)
+        mark_quantized(model, quantizer, report)
     return names

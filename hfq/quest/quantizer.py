@@ -7,7 +7,7 @@ from torch import nn
 from hfq_kernels.reference.fp4 import check_finite
 
 from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, mark_quantized,
-                             modules_to_skip, replace_linears, unguard_weight)
+                             modules_to_skip, refuse_nonfinite, replace_linears, unguard_weight)
 from .config import QuESTConfig
 from .linear import QuESTLinear, layer_maker
 
@@ -50,6 +50,8 @@ class QuESTHfQuantizer(HfqQuantizer):
             if (isinstance(mod, QuESTLinear) and not mod.packed and not self.pre_quantized
                     and mod.weight.device.type != "meta"):
                 check_finite(mod.weight.detach(), f"{name}.weight")
+        if self.pre_quantized:
+            refuse_nonfinite("hfq_quest", model, self.layer_types)
         return model
 
     def checkpoint_state(self, model):
@@ -70,8 +72,8 @@ def quantize_model(model: torch.nn.Module, config: QuESTConfig | None = None) ->
     """Prepare an instantiated model (e.g. `AutoModelForCausalLM.from_config(...)` for pre-training) for
     QuEST QAT in place: linear layers become QuESTLinear sharing the existing parameters, and the model
     is marked quantized with `hfq_quest` so Trainer accepts it and save_pretrained writes an hfq checkpoint."""
-    config = config or QuESTConfig()
-    quantizer = QuESTHfQuantizer(config, pre_quantized=False)
+    quantizer = QuESTHfQuantizer(config or QuESTConfig(), pre_quantized=False)
+    config = quantizer.quantization_config
     quantizer.modules_to_not_convert = modules_to_skip(model, config, config.ADD_DEFAULT_SKIPS)
     converted = replace_linears(model, layer_maker(config, reuse=True), quantizer.modules_to_not_convert)
     report = check_conversion(config.quant_method, model, converted, quantizer.modules_to_not_convert,
