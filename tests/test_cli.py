@@ -127,3 +127,49 @@ def test_model_dir_with_a_tilde_is_expanded(tmp_path, monkeypatch):
     (tmp_path / "m").mkdir()
     assert check_model_dir("~/m") == str(tmp_path / "m") == check_model_dir("~/m", local_only=True)
     assert check_model_dir("org/name") == "org/name"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["grpo", "--steps", "0"], "argument --steps: expected a positive integer, got 0"),
+    (["grpo", "--lora-r", "-1"], "argument --lora-r: expected a positive integer"),
+    (["grpo", "--lr", "0"], "argument --lr: expected a positive number"),
+    (["quantize", "m", "--out", "o", "--calib-batch-size", "0"], "argument --calib-batch-size"),
+    (["quantize", "m", "--out", "o", "--device", "cuda:7"], "argument --device: cuda:7: this machine has"),
+    (["quantize", "m", "--out", "afile"], "argument --out: afile is a file"),
+])
+def test_bad_values_stop_at_the_flag(argv, said, tmp_path, monkeypatch, capsys):
+    """0 or a negative count is refused by argparse naming the flag (grpo read 0 as 'not given' and ran its
+    default), an output path that is a file is refused (transformers only logged it and nothing was written), and
+    a device this machine lacks is named before anything loads."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["grpo", "--preset", "gsm8k"], "--preset has no effect here"),
+    (["grpo", "--dataset", "qa.jsonl"], "--dataset has no effect here"),
+    (["grpo", "--model", ".", "--pretrain-steps", "5"], "--pretrain-steps has no effect here"),
+    (["grpo", "--model", ".", "--dataset", "qa.jsonl", "--dataset-config", "main"], "--dataset-config has no effect"),
+    (["grpo", "--no-aqn", "--aqn-scope", "rollout"], "--aqn-scope has no effect here"),
+    (["grpo", "--model", ".", "--config", "bad.json"], "not valid JSON"),
+    (["grpo", "--model", ".", "--config", "list.json"], "expected a JSON object"),
+    (["grpo", "--model", ".", "--config", "unknown.json"], "['num_generation'] are not QeRLConfig fields"),
+])
+def test_grpo_options_the_mode_ignores_or_a_bad_config_stop_before_loading(argv, said, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "list.json").write_text("[1]")
+    (tmp_path / "unknown.json").write_text('{"num_generation": 4}')
+    with pytest.raises(SystemExit, match=re.escape(said)):
+        main(argv)
+
+
+def test_a_refused_value_is_one_line_not_a_traceback(tiny_dir, tmp_path, capsys):
+    """ValueErrors (hfq's or the HF libraries' refusals, e.g. scales=mse with mxfp4) end the command with the message."""
+    assert main(["quantize", tiny_dir, "--out", str(tmp_path / "q"), "--format", "mxfp4", "--scales", "mse",
+                 "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hfq quantize: error: ") and "scales" in err and "Traceback" not in err

@@ -239,3 +239,53 @@ def test_lr_zero_leaves_weights():
     opt.step()
     assert torch.equal(net[0].weight.dequantize(), before)
     assert isinstance(net[0].weight, QParam)
+
+
+def test_group_hyper_parameters_are_checked_before_anything_moves():
+    """A parameter group's own value (momentum=0 is fine in torch's SGD, ECO divides by it; a beta of 1) is refused
+    naming the group: at construction, by add_param_group, and at step() for a group edited since, before any
+    parameter moves; numpy scalars are accepted as numbers."""
+    import numpy as np
+
+    net = _net()
+    with pytest.raises(ValueError, match=r"ECOSGD param_groups\[1\]: momentum must be in \(0, 1\)"):
+        ECOSGD([{"params": net[0].parameters()}, {"params": net[2].parameters(), "momentum": 0.0}])
+    opt = ECOAdamW(net[0].parameters(), lr=np.float32(1e-2), betas=(np.float64(0.9), 0.999))
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: betas\[1\] must be in \(0, 1\), got 1.0"):
+        opt.add_param_group({"params": net[2].parameters(), "betas": (0.9, 1.0)})
+    opt = ECOSGD(net.parameters(), lr=1e-2)
+    net(torch.randn(4, 32)).sum().backward()
+    before = [p.detach().clone() for p in net.parameters()]
+    opt.param_groups[0]["momentum"] = 0.0
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: momentum"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, (p.detach() for p in net.parameters())))
+    opt.param_groups[0].update(momentum=0.9, lr=0.0)  # a warm-up's first lr
+    opt.step()
+
+
+@pytest.mark.parametrize("saved, loaded, what", [
+    (dict(), dict(state_bits=8), "exp_avg_q8"), (dict(), dict(state_dtype=torch.bfloat16), "bfloat16"),
+    (dict(rule="exact"), dict(), "residual"), (dict(), "sgd", r"has no \['momentum'\]")])
+def test_a_checkpoint_of_other_state_options_is_refused_at_load(saved, loaded, what):
+    """Resuming with other state options (or another ECO optimizer) used to fail at the first step with a
+    KeyError, or keep the saved format silently (bf16 states asked, fp32 kept; the exact rule's residual dropped)."""
+    _, opt, _ = _train(lambda n: ECOAdamW(n.parameters(), lr=1e-2, **saved), steps=2)
+    net = _net()
+    other = ECOSGD(net.parameters()) if loaded == "sgd" else ECOAdamW(net.parameters(), lr=1e-2, **loaded)
+    with pytest.raises(ValueError, match=rf"load_state_dict: .*{what}"):
+        other.load_state_dict(opt.state_dict())
+
+
+def test_trainer_kwargs_refuse_a_weight_decay_trainer_would_override_and_read_booleans():
+    from transformers import TrainingArguments
+
+    from hfq.eco import optimizer_cls_and_kwargs
+
+    args = TrainingArguments("out", optim_args="check_finite=0,fused=yes", report_to="none")
+    kw = optimizer_cls_and_kwargs(args)[1]
+    assert (kw["check_finite"], kw["fused"]) == (False, True)
+    with pytest.raises(ValueError, match=r"weight_decay: .*TrainingArguments\(weight_decay"):
+        optimizer_cls_and_kwargs(args, weight_decay=0.1)
+    with pytest.raises(ValueError, match="bad value for check_finite: 'ture' .*allowed"):
+        optimizer_cls_and_kwargs(TrainingArguments("out", optim_args="check_finite=ture", report_to="none"))

@@ -221,3 +221,46 @@ def test_nvfp4_model_pickles_and_deepcopies_after_calls(tmp_path, monkeypatch):
             assert torch.equal(c(ids).logits, ref), how
         assert all("_hfq_plans" in lay.__dict__ for lay in fresh), how
     assert all("_hfq_plans" in lay.__dict__ for lay in layers)  # the original keeps its own
+
+
+def test_quest_codes_checkpoint_refuses_training_and_tied_heads_refuse_codes(tiny_dir, tmp_path):
+    """A save_format='codes' checkpoint is inference-only: a training forward (Trainer's, model.train() with grad)
+    is refused, where it used to run with no gradient reaching any QuEST layer; eval and no_grad forwards run. A
+    quantized lm_head tied to the embeddings cannot be stored as codes (the reload failed deep in transformers)."""
+    from transformers import AutoConfig
+
+    cfg = hfq.QuESTConfig(save_format="codes")
+    AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=cfg).save_pretrained(tmp_path / "codes")
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "codes")
+    ids = torch.randint(4, 90, (2, 8))
+    m(ids)  # from_pretrained gives eval mode
+    m.train()
+    with torch.no_grad():
+        m(ids)
+    with pytest.raises(ValueError, match="save_format='codes' checkpoint.*inference-only"):
+        m(ids, labels=ids)
+    tied_cfg = AutoConfig.from_pretrained(tiny_dir)
+    tied_cfg.tie_word_embeddings = True
+    tied = AutoModelForCausalLM.from_config(tied_cfg)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    hfq.quest.quantize_model(tied, hfq.QuESTConfig(save_format="codes", modules_to_not_convert=[]))
+    with pytest.raises(ValueError, match="lm_head.weight is tied to model.embed_tokens.weight"):
+        tied.save_pretrained(tmp_path / "tied")
+
+
+def test_quest_announces_what_it_would_do_silently():
+    """A default Hadamard block below 16 (block 1: no transform), trust_scale under estimator='ste', an entry of
+    modules_to_not_convert matching nothing, and quantize_model on an already quantized model."""
+    from hfq.tiny import tiny_model
+
+    with pytest.warns(UserWarning, match=r"input width 100 .*Hadamard block is 4"):
+        hfq.QuESTConfig().block_for(100)
+    with pytest.warns(UserWarning, match=r"no transform at all"):
+        hfq.QuESTConfig().block_for(63)
+    with pytest.warns(UserWarning, match="trust_scale=2.0 has no effect: estimator='ste'"):
+        hfq.QuESTConfig(weight_bits=1, estimator="ste", trust_scale=2.0)
+    with pytest.warns(UserWarning, match=r"entries \['down_projj'\] match no module"):
+        m = hfq.quest.quantize_model(tiny_model("llama"), hfq.QuESTConfig(modules_to_not_convert=["lm_head",
+                                                                                                   "down_projj"]))
+    with pytest.raises(ValueError, match=r"already quantized \(hfq_quest\)"):
+        hfq.quest.quantize_model(m, hfq.QuESTConfig(weight_bits=2))

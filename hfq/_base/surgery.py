@@ -30,8 +30,15 @@ def should_convert(name: str, skip: list[str] | None) -> bool:
 def modules_to_skip(model: nn.Module, config, add_default_skips: bool) -> list[str]:
     """The config's `modules_to_not_convert` plus the model's `_keep_in_fp32_modules`; with
     `add_default_skips` (or when the config's list is None) also transformers' defaults for the model
-    (its output embedding and the modules tied to it)."""
+    (its output embedding and the modules tied to it). An entry of the config's list that names no module of the
+    model (a typo keeps nothing out) is a UserWarning naming it."""
     own = config.modules_to_not_convert
+    names = [n for n, _ in model.named_modules() if n]
+    unmatched = [e for e in own or () if all(should_convert(n, [e]) for n in names)]
+    if unmatched:
+        warnings.warn(f"{config.quant_method}: modules_to_not_convert entries {unmatched} match no module of "
+                      f"{type(model).__name__} (e.g. {names[-1] if names else '-'}); nothing is kept out by them",
+                      UserWarning, stacklevel=2)
     if not hasattr(model, "get_output_embeddings"):  # a bare nn.Module: only the config's own list
         return list(own or [])
     return HfQuantizer.get_modules_to_not_convert(model, own, getattr(model, "_keep_in_fp32_modules", None),
@@ -247,6 +254,15 @@ def refuse_nonfinite(method: str, model: nn.Module, layer_types: tuple) -> None:
                          "quantized weights or scales")
 
 
+def refuse_quantized(model: nn.Module, what: str) -> None:
+    """`what` (a function quantizing a built model) stops on a model that is quantized already, naming its method,
+    instead of reporting that no layer could be converted."""
+    q = getattr(model, "hf_quantizer", None)
+    if getattr(model, "is_quantized", False) and q is not None:
+        raise ValueError(f"{what}: the model is already quantized ({q.quantization_config.quant_method}); load the "
+                         "dense checkpoint (without quantization_config) and quantize that")
+
+
 def mark_quantized(model: nn.Module, quantizer, report: dict) -> None:
     """Make an already-built model what a quantize-on-load gives (quest.quantize_model, qft.quantize_model_, NVFP4
     calibrate): its config names the method so save_pretrained writes an hfq checkpoint, Trainer sees a
@@ -379,13 +395,16 @@ class HfqQuantizer(HfQuantizer):
         if gone:
             name, kind = gone[0]
             method = self.quantization_config.quant_method
+            can_dequantize = type(self)._dequantize is not HfQuantizer._dequantize
             raise ValueError(
                 f"save_pretrained: {len(gone)} layer(s) that {method} quantized are no longer {method} layers (e.g. "
                 f"{name} is now {kind}; PEFT's merge_and_unload() puts dense layers in their place), so the saved "
-                f"quantization_config would not describe them and the checkpoint could not be reloaded. To save a "
-                f"dense model call model.dequantize() first (it turns the remaining quantized layers dense and drops "
-                f"the quantization_config); for NVFP4 + LoRA, hfq.nvfp4.merge_and_requantize(peft_model) instead of "
-                f"merge_and_unload() keeps the merged layers in NVFP4")
+                f"quantization_config would not describe them and the checkpoint could not be reloaded. "
+                + ("To save a dense model call model.dequantize() first (it turns the remaining quantized layers "
+                   "dense and drops the quantization_config); for NVFP4 + LoRA, hfq.nvfp4.merge_and_requantize("
+                   "peft_model) instead of merge_and_unload() keeps the merged layers in NVFP4" if can_dequantize else
+                   f"Put {self.layer_types[0].__name__} layers back in their place before saving ({method} has no "
+                   "model.dequantize())"))
 
     def get_state_dict_and_metadata(self, model):
         self.check_layers_kept(model)

@@ -14,6 +14,49 @@ SUBCOMMANDS = {
 }
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (0 or a negative count is refused, not read as "the default")."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return v
+
+
+def device(text: str) -> str:
+    """argparse type: cpu, cuda or cuda:N, refused at once when this machine has no such GPU."""
+    import torch
+
+    kind, _, idx = text.partition(":")
+    if kind not in ("cpu", "cuda") or (idx and not idx.isdigit()) or (kind == "cpu" and idx):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if kind == "cuda" and not (torch.cuda.is_available() and int(idx or 0) < torch.cuda.device_count()):
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return text
+
+
+def out_dir(text: str) -> str:
+    """argparse type: an output directory, which may exist but must not be a file."""
+    import os
+
+    if os.path.isfile(os.path.expanduser(text)):
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a directory")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hfq", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -65,6 +108,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(importlib.import_module(args._module).main(args) or 0)
-    except OSError as e:  # a file, network or Hub error (missing checkpoint, offline): its message, no traceback
+    except (OSError, ValueError) as e:  # a file, network or Hub error (missing checkpoint, offline), or input hfq or
+        # the HF libraries refused with a message naming it: that message, no traceback
         print(f"hfq {args.command}: error: {e}", file=sys.stderr)
         return 1

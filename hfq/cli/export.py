@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from . import check_model_dir, checkpoint_quantization, copy_tokenizer
+from . import check_model_dir, checkpoint_quantization, copy_tokenizer, device, out_dir
 
 
 def add_arguments(p) -> None:
     p.add_argument("model_dir", help="an hfq NVFP4 checkpoint, or a dense causal-LM directory")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, type=out_dir, help="output directory")
     p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter directory trained on MODEL_DIR: write "
                    "OUT/base + OUT/adapter instead of merging")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def main(args) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 from hfq._settings import SETTINGS
 from hfq.qerl.demo import DEMO_ARCH, DEMO_PRETRAIN_STEPS, build_demo_base
 
-from . import check_model_dir, checkpoint_quantization
+from . import check_model_dir, checkpoint_quantization, positive_float, positive_int
 
 HELDOUT = 200
 _EXPLAIN = """\
@@ -46,13 +46,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="JSON file of QeRLConfig fields (override the preset)")
     p.add_argument("--preset", default=None, choices=("gsm8k", "bigmath"), help="start from the paper's preset")
     p.add_argument("--quant", default="nvfp4", choices=("nvfp4", "mxfp4", "none"), help="base weight format")
-    p.add_argument("--steps", type=int, default=None, help="GRPO steps (demo default 60)")
+    p.add_argument("--steps", type=positive_int, default=None, help="GRPO steps (demo default 60, else 500)")
     p.add_argument("--aqn-scope", default=None, choices=("rollout", "rollout_and_old_logprobs"))
     p.add_argument("--no-aqn", action="store_true", help="disable Adaptive Quantization Noise")
-    p.add_argument("--lora-r", type=int, default=None)
+    p.add_argument("--lora-r", type=positive_int, default=None, help="LoRA rank (demo default 16, else 32)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--pretrain-steps", type=int, default=DEMO_PRETRAIN_STEPS, help="demo base: pre-training steps")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (demo default 2e-3)")
+    p.add_argument("--pretrain-steps", type=positive_int, default=None,
+                   help=f"demo base: pre-training steps (default {DEMO_PRETRAIN_STEPS})")
+    p.add_argument("--lr", type=positive_float, default=None, help="learning rate (demo default 2e-3)")
     p.add_argument("--cache-dir", default=None, help="where the demo base model is cached (default ~/.cache/hfq)")
     p.add_argument("--output-dir", default="hfq-grpo-out", help="checkpoints, metrics.json and curves.png")
     p.add_argument("--no-plot", action="store_true")
@@ -128,12 +129,11 @@ def _build_config(args, demo: bool):
                   dataloader_num_workers=0, disable_tqdm=True, aqn_num_stages=4, aqn_sigma_start=1e-2,
                   aqn_sigma_end=5e-4)
     else:
-        kw.update(logging_steps=1, report_to="none", max_steps=args.steps or 500, save_steps=100)
-    if args.config:
-        kw.update(json.loads(Path(args.config).read_text()))
-    if args.steps:
+        kw.update(logging_steps=1, report_to="none", max_steps=500, save_steps=100)
+    kw.update(args.config_fields)
+    if args.steps is not None:
         kw["max_steps"] = args.steps
-    if args.lr:
+    if args.lr is not None:
         kw["learning_rate"] = args.lr
     if args.aqn_scope:
         kw["aqn_scope"] = args.aqn_scope
@@ -165,7 +165,7 @@ def _load_policy(args, path, demo: bool):
     if not demo and torch.cuda.is_available():
         kw["device_map"] = {"": 0}
     model = AutoModelForCausalLM.from_pretrained(path, **kw)
-    r = args.lora_r or (16 if demo else 32)
+    r = args.lora_r if args.lora_r is not None else (16 if demo else 32)
     lcfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     if args.quant != "none":
@@ -175,7 +175,42 @@ def _load_policy(args, path, demo: bool):
     return get_peft_model(model, lcfg), tok
 
 
+def _check_args(args) -> None:
+    """Options that the chosen mode would ignore stop the run, naming them, before anything is loaded; --config is
+    read and checked here (a JSON object of QeRLConfig fields)."""
+    demo = args.model is None
+    hub_dataset = args.dataset is not None and not args.dataset.endswith((".json", ".jsonl"))
+    ignored = [("--preset", demo, "the demo's own settings replace the preset: use it with --model"),
+               ("--dataset", demo, "the demo trains on its bundled task: use it with --model"),
+               ("--pretrain-steps", not demo, "it sets up the demo base, which --model replaces"),
+               ("--cache-dir", not demo, "it holds the demo base, which --model replaces"),
+               ("--dataset-config", not hub_dataset, "it names a config of a Hub dataset (--dataset ID)"),
+               ("--aqn-scope", args.no_aqn, "--no-aqn turns the noise off")]
+    for flag, no_effect, why in ignored:
+        if no_effect and getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise SystemExit(f"hfq grpo: {flag} has no effect here: {why}")
+    args.config_fields = {}
+    if args.config:
+        from dataclasses import fields
+
+        from hfq.qerl.config import QeRLConfig
+
+        try:
+            cfg = json.loads(Path(args.config).read_text())
+        except FileNotFoundError:
+            raise SystemExit(f"hfq grpo: --config {args.config}: no such file") from None
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"hfq grpo: --config {args.config}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise SystemExit(f"hfq grpo: --config {args.config}: expected a JSON object of QeRLConfig fields")
+        unknown = sorted(set(cfg) - {f.name for f in fields(QeRLConfig)})
+        if unknown:
+            raise SystemExit(f"hfq grpo: --config {args.config}: {unknown} are not QeRLConfig fields")
+        args.config_fields = cfg
+
+
 def main(args) -> int:
+    _check_args(args)
     if args.model is not None:  # before the heavy imports: a wrong path stops at once
         args.model = check_model_dir(args.model)
     import torch
@@ -193,7 +228,8 @@ def main(args) -> int:
     note = _one_thread_if_busy()
     if note:
         print(f"[hfq grpo] {note}")
-    path = build_demo_base(args.cache_dir, steps=args.pretrain_steps, seed=args.seed) if demo else args.model
+    path = (build_demo_base(args.cache_dir, steps=args.pretrain_steps or DEMO_PRETRAIN_STEPS, seed=args.seed)
+            if demo else args.model)
     model, tok = _load_policy(args, path, demo)
     dataset, _ = _load_dataset(args)
     cfg = _build_config(args, demo)

@@ -6,24 +6,24 @@ import os
 
 import torch
 
-from . import check_model_dir, checkpoint_quantization, copy_tokenizer
+from . import check_model_dir, checkpoint_quantization, copy_tokenizer, device, out_dir, positive_int
 
 
 def add_arguments(p) -> None:
     p.add_argument("model_dir", help="a local Hugging Face causal-LM directory (safetensors)")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, type=out_dir, help="output directory")
     p.add_argument("--format", choices=["nvfp4", "mxfp4"], default="nvfp4")
     p.add_argument("--export", choices=["hfq", "compressed-tensors"], default="hfq",
                    help="hfq: reloadable with `import hfq`; compressed-tensors: nvfp4-pack-quantized for vLLM")
     p.add_argument("--strict", action="store_true", help="error on layers whose in_features don't fit the block")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", type=device, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--scales", choices=["amax", "mse"], default="amax",
                    help="NVFP4 scales: amax (round-to-nearest) or mse (searched for the least weight error)")
     p.add_argument("--calibrate", metavar="JSONL", default=None,
                    help="GPTQ calibration texts, one JSON object with a \"text\" field (or a JSON string) per line")
-    p.add_argument("--calib-max-length", type=int, default=512, help="tokens per calibration text at most")
-    p.add_argument("--calib-batch-size", type=int, default=8)
+    p.add_argument("--calib-max-length", type=positive_int, default=512, help="tokens per calibration text at most")
+    p.add_argument("--calib-batch-size", type=positive_int, default=8)
 
 
 def read_jsonl_texts(path: str) -> list[str]:

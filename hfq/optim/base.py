@@ -9,6 +9,8 @@ its rows back out), so a checkpoint loads on any world size. Stochastic rounding
 (seed, parameter, step, global element index), which no sharding changes."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from hfq_kernels.reference.fp8 import check_rounding
@@ -17,13 +19,14 @@ from ..qparam.fsdp import local, local_rows
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)  # numpy scalars included
 
 
-def check_lr(lr) -> None:
-    """lr must be a real number > 0 (NaN and bools refused)."""
-    if not _is_real(lr) or not lr > 0:
-        raise ValueError(f"lr must be a float > 0, got {lr!r}")
+def check_lr(lr, zero_ok: bool = False) -> None:
+    """lr must be a real number > 0 (>= 0 for a parameter group: schedulers start warm-ups at 0; NaN and bools
+    refused)."""
+    if not _is_real(lr) or not (lr >= 0 if zero_ok else lr > 0):
+        raise ValueError(f"lr must be a float {'>=' if zero_ok else '>'} 0, got {lr!r}")
 
 
 def check_beta(name: str, b) -> None:
@@ -58,9 +61,10 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1, _MIX2 = (_signed(c) for c in (0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
 
 
-def check_hyper(defaults: dict) -> None:
-    """Validate the hyper-parameters an hfq optimizer takes (lr, momentum, betas, eps, weight_decay)."""
-    check_lr(defaults["lr"])
+def check_hyper(defaults: dict, group: bool = False) -> None:
+    """Validate the hyper-parameters an hfq optimizer takes (lr, momentum, betas, eps, weight_decay): its defaults,
+    or (group=True) one parameter group's values."""
+    check_lr(defaults["lr"], zero_ok=group)
     if "momentum" in defaults:
         check_beta("momentum", defaults["momentum"])
     if "betas" in defaults:
@@ -139,9 +143,24 @@ class QParamOptimizer(torch.optim.Optimizer):
                 pop_int8_grad(p)
         super().zero_grad(set_to_none)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, then the group's own hyper-parameters are checked (as the defaults are), naming the group."""
+        super().add_param_group(param_group)
+        self._check_group(len(self.param_groups) - 1)
+
+    def _check_group(self, i: int) -> None:
+        try:
+            check_hyper(self.param_groups[i], group=True)
+        except (KeyError, ValueError) as e:
+            what = f"{e.args[0]!r} is missing" if isinstance(e, KeyError) else e
+            raise ValueError(f"{type(self).__name__} param_groups[{i}]: {what}") from None
+
     # ---- the start of step(): closure and the NaN/Inf check --------------------------------------------
     def _begin_step(self, closure):
-        """Run the closure (with grad enabled); queue the NaN/Inf check. Returns (loss, pending check)."""
+        """Check every group's hyper-parameters (a group edited since, e.g. momentum=0, would fail half-way through
+        the step), run the closure (with grad enabled); queue the NaN/Inf check. Returns (loss, pending check)."""
+        for i in range(len(self.param_groups)):
+            self._check_group(i)
         if not getattr(self, "_layout_checked", False):
             self._refuse_sharded()
             self._layout_checked = True
@@ -289,10 +308,41 @@ class QParamOptimizer(torch.optim.Optimizer):
                                     else v for k, v in st.items()}
         return sd
 
+    def _fresh_state(self, p) -> dict:
+        """The state this optimizer, with its options, gives parameter `p` at its first step."""
+        raise NotImplementedError
+
+    def _check_saved_layout(self, state_dict) -> None:
+        """A checkpoint written by another optimizer class, or with other state options (state_bits, state_dtype,
+        rule; QLion's momentum_bits), is refused here, naming the parameter and both layouts, instead of a KeyError
+        at the first step or the saved format silently kept."""
+        for gi, g in enumerate(state_dict["param_groups"]):
+            missing = [k for k in ("lr", "momentum", "betas", "eps", "weight_decay") if k in self.defaults and k not in g]
+            if missing:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: saved param_groups[{gi}] has no {missing}: "
+                                 "the checkpoint was written by another optimizer")
+        params = self._saved_ids(state_dict)
+
+        def layout(st):
+            return {k: str(v.dtype).removeprefix("torch.") for k, v in st.items() if torch.is_tensor(v) and k != "step"}
+
+        for idx, st in state_dict["state"].items():
+            p = params[idx]
+            want, got = layout(self._fresh_state(p)), layout(st)
+            if want != got:
+                name = next(self._param_name(gi, pi, q) for gi, g in enumerate(self.param_groups)
+                            for pi, q in enumerate(g["params"]) if q is p)
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the saved state of {name} is {got} but this optimizer "
+                    f"keeps {want}: the checkpoint was written by another optimizer or with other state options "
+                    "(state_bits, state_dtype, rule; QLion: momentum_bits). Build the optimizer as it was built for "
+                    "the checkpoint")
+
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)
         gens = state_dict.pop("hfq_generators", {})
         saved = state_dict["state"]
+        self._check_saved_layout(state_dict)
         super().load_state_dict(state_dict)
         # torch casts floating state to the parameter's dtype (bf16 for a QParam): put back the saved tensors
         params = self._saved_ids(state_dict)

@@ -30,6 +30,11 @@ class _ECOBase(QParamOptimizer):
     def _requant(self, p):
         return lambda tmp: self._requantize(p, tmp)
 
+    def _fresh_state(self, p) -> dict:
+        state: dict = {}
+        self._init_state(local(p), state)
+        return state
+
     def _new_residual(self, state, p) -> None:
         if isinstance(p, QParam) and self.rule == "exact":
             state["residual"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -52,6 +57,10 @@ class ECOSGD(_ECOBase):
                          rounding=rounding, state_dtype=state_dtype, state_bits=state_bits, seed=seed,
                          check_finite=check_finite, keyed_sr=keyed_sr)
 
+    def _init_state(self, p, state):
+        self._store.init(state, "momentum_buffer", p, True)
+        self._new_residual(state, p)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss, pending = self._begin_step(closure)
@@ -64,8 +73,7 @@ class ECOSGD(_ECOBase):
                     continue
                 state, lp = self.state[p], local(p)
                 if not state:
-                    st.init(state, "momentum_buffer", lp, True)
-                    self._new_residual(state, lp)
+                    self._init_state(lp, state)
                 m = st.load(state, "momentum_buffer", lp.shape, True)
                 g = self._grad32(p)
                 if isinstance(lp, QParam):

@@ -73,6 +73,11 @@ class QLion(QParamOptimizer):
                          check_finite=check_finite, keyed_sr=keyed_sr)
 
     # ---- momentum storage -----------------------------------------------------------------------------
+    def _fresh_state(self, p) -> dict:
+        state: dict = {}
+        self._init_state(state, local(p), sharded=local(p) is not p)
+        return state
+
     def _init_state(self, state, p, sharded: bool = False):
         """Momentum for local tensor `p`: INT8 per row, except for an FSDP2 shard of a 1-D parameter (a norm, a
         bias), whose one row runs across the shards: fp32 there (a row scale per shard would depend on the split)."""
@@ -101,17 +106,23 @@ class QLion(QParamOptimizer):
         # fp32: m is state["exp_avg"] itself, updated in place
 
     def load_state_dict(self, state_dict):
-        """As QParamOptimizer's; INT8 momentum of a 1-D parameter that is now an FSDP2 shard becomes fp32 (see
-        `_init_state`)."""
+        """As QParamOptimizer's, with the saved momentum converted to the form this optimizer keeps for each
+        parameter (`_init_state`): INT8 <-> fp32 follows momentum_bits, and a checkpoint moves between world sizes
+        (an FSDP2 shard of a 1-D parameter keeps fp32)."""
         params = self._saved_ids(state_dict)
         state_dict = dict(state_dict, state=dict(state_dict["state"]))
         for idx, st in state_dict["state"].items():
             p = params[idx]
-            if local(p) is not p and p.dim() < 2 and "exp_avg_codes" in st:
+            want_codes = "exp_avg_codes" in self._fresh_state(p)
+            if "exp_avg_codes" in st and not want_codes:
                 st = dict(st)
                 st["exp_avg"] = dequantize_int_asym(st.pop("exp_avg_codes"), st.pop("exp_avg_scales"),
                                                     st.pop("exp_avg_zeros"), shape=tuple(p.shape))
-                state_dict["state"][idx] = st
+            elif "exp_avg" in st and want_codes:
+                st = dict(st)
+                st["exp_avg_codes"], st["exp_avg_scales"], st["exp_avg_zeros"] = quantize_int_asym(
+                    st.pop("exp_avg").float(), 8, check=False)
+            state_dict["state"][idx] = st
         super().load_state_dict(state_dict)
 
     # ---- the step -----------------------------------------------------------------------------------

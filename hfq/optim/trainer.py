@@ -16,8 +16,9 @@ from .eco import ECOAdamW, ECOSGD
 
 NAMES = {"eco_adamw": ECOAdamW, "eco_sgd": ECOSGD}
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 _OPTIM_ARGS = {"rule": str, "rounding": str, "state_dtype": _DTYPES.__getitem__, "state_bits": int, "seed": int,
-               "momentum": float, "fused": lambda v: v.lower() == "true", "check_finite": lambda v: v.lower() == "true"}
+               "momentum": float, "fused": lambda v: _BOOLS[v.lower()], "check_finite": lambda v: _BOOLS[v.lower()]}
 
 
 def _parse_optim_args(text: str | None) -> dict:
@@ -32,7 +33,8 @@ def _parse_optim_args(text: str | None) -> dict:
         try:
             out[key] = _OPTIM_ARGS[key](value)
         except (KeyError, ValueError) as e:
-            raise ValueError(f"optim_args: bad value for {key}: {value!r}") from e
+            allowed = f" (allowed: {', '.join(_BOOLS)})" if key in ("fused", "check_finite") else ""
+            raise ValueError(f"optim_args: bad value for {key}: {value!r}{allowed}") from e
     return out
 
 
@@ -51,5 +53,9 @@ def optimizer_cls_and_kwargs(args, name: str = "eco_adamw", **overrides) -> tupl
     kwargs.update(_parse_optim_args(getattr(args, "optim_args", None)))
     if name == "eco_adamw" and "momentum" in kwargs:
         raise ValueError("optim_args: momentum is an eco_sgd option")
+    if "weight_decay" in overrides:
+        raise ValueError("weight_decay: Trainer gives every parameter group its own weight decay "
+                         "(TrainingArguments.weight_decay, 0 for biases and norms), which would override this one; "
+                         "set TrainingArguments(weight_decay=...) instead")
     kwargs.update(overrides)
     return NAMES[name], kwargs

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 from torch import nn
 
 from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, checkpoint_index,
-                             mark_quantized, modules_to_skip, raise_load_errors, refuse_nonfinite, replace_linears,
-                             set_submodule, should_convert)
+                             mark_quantized, modules_to_skip, raise_load_errors, refuse_nonfinite, refuse_quantized,
+                             replace_linears, set_submodule, should_convert)
 from ..qparam import QLinear, ddp_ignore_int8_grad_weights_, name_qparams_
 from .config import QFTConfig
 from .linear import convert_linears_, finalize_, layer_maker
@@ -88,6 +88,7 @@ class QFTHfQuantizer(HfqQuantizer):
 def quantize_model_(model: nn.Module, config) -> list[str]:
     """Quantize an already-built model (e.g. from_config for pretraining) in place per a QFTConfig; the model is
     marked quantized with `hfq_qft` so that save_pretrained writes an hfq checkpoint."""
+    refuse_quantized(model, "qft.quantize_model_")
     quantizer = QFTHfQuantizer(config, pre_quantized=False)
     config = quantizer.quantization_config
     skip = modules_to_skip(model, config, False)

@@ -1,6 +1,7 @@
 """QuESTConfig: quantization-aware training down to 1 bit (quant_method `hfq_quest`)."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from hfq_kernels.reference import gaussian
@@ -9,6 +10,7 @@ from hfq_kernels.reference.hadamard import DEFAULT_BLOCK, check_block_size, effe
 from .._base.config import HfqConfig, check_bool, check_choice, check_positive, warn_unused
 
 ESTIMATORS = ("trust", "ste")
+SMALL_BLOCK = 16  # a default Hadamard block below this is announced (block_for)
 SAVE_FORMATS = ("codes", "master")
 
 
@@ -68,6 +70,9 @@ class QuESTConfig(HfqConfig):
             warn_unused("trust_scale", self.trust_scale, "the outer trust scale applies at 1 bit only")
         if self.hadamard_block_size is not None and not self.hadamard:
             warn_unused("hadamard_block_size", self.hadamard_block_size, "hadamard=False")
+        if self.trust_scale is not None and self.estimator == "ste":
+            warn_unused("trust_scale", self.trust_scale, "estimator='ste' passes every gradient, and the trust scale "
+                                                         "only widens the trust mask")
 
     # -- derived settings used by the layers
     def block_for(self, in_features: int, layer: str = "linear") -> int:
@@ -77,7 +82,14 @@ class QuESTConfig(HfqConfig):
         if not self.hadamard:
             return 0
         if self.hadamard_block_size is None:
-            return min(in_features & -in_features, DEFAULT_BLOCK)
+            block = min(in_features & -in_features, DEFAULT_BLOCK)
+            if block < SMALL_BLOCK:
+                warnings.warn(
+                    f"QuEST: input width {in_features} is divisible by no power of two above {block}, "
+                    f"so its Hadamard block is {block}{' (no transform at all)' if block == 1 else ''}: the "
+                    f"transform barely spreads outliers there. Keep such layers unquantized (modules_to_not_convert)"
+                    f" or accept it", UserWarning, stacklevel=2)
+            return block
         return effective_block(in_features, self.hadamard_block_size, layer)
 
     def outer_trust(self, bits: int) -> float:

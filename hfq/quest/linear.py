@@ -237,6 +237,12 @@ class QuESTLinear(nn.Module):
             raise ValueError(f"QuESTLinear: input last dim {shape[-1]} != in_features {self.in_features}")
         spec = self.spec
         if self.packed:
+            if self.training and torch.is_grad_enabled():
+                raise ValueError(
+                    "QuESTLinear: this layer was loaded from a save_format='codes' checkpoint (packed codes, no master "
+                    "weights): it is inference-only, and a training forward would train none of it (no gradient "
+                    "reaches its codes, bias or input through the activation quantizer). Continue QAT from a "
+                    "save_format='master' checkpoint; for inference call model.eval() or run under torch.no_grad()")
             return self._forward_packed(x)
         dev = x.device.type
         # under autocast the matmuls run in the autocast dtype; the weight is still quantized in fp32

@@ -7,7 +7,8 @@ from torch import nn
 from hfq_kernels.reference.fp4 import check_finite
 
 from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, mark_quantized,
-                             modules_to_skip, refuse_nonfinite, replace_linears, unguard_weight)
+                             modules_to_skip, refuse_nonfinite, refuse_quantized, replace_linears,
+                             unguard_weight)
 from .config import QuESTConfig
 from .linear import QuESTLinear, layer_maker
 
@@ -58,6 +59,16 @@ class QuESTHfQuantizer(HfqQuantizer):
         state = super().checkpoint_state(model)  # refuses FSDP2-sharded (DTensor) models with what to do instead
         if self.quantization_config.save_format != "codes":
             return state
+        owners: dict[int, list[str]] = {}
+        for pname, p in model.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(p), []).append(pname)
+        for name, mod in model.named_modules():
+            if isinstance(mod, QuESTLinear) and not mod.packed and len(owners.get(id(mod.weight), ())) > 1:
+                other = next(n for n in owners[id(mod.weight)] if n != f"{name}.weight")
+                raise ValueError(
+                    f"save_format='codes': {name}.weight is tied to {other} (tie_word_embeddings), which needs the "
+                    f"full-precision tensor, so a codes checkpoint could not be loaded; save with "
+                    f"save_format='master', or keep {name} unquantized (modules_to_not_convert)")
         for name, mod in model.named_modules():
             if isinstance(mod, QuESTLinear) and not mod.packed:
                 prefix = f"{name}." if name else ""
@@ -72,6 +83,7 @@ def quantize_model(model: torch.nn.Module, config: QuESTConfig | None = None) ->
     """Prepare an instantiated model (e.g. `AutoModelForCausalLM.from_config(...)` for pre-training) for
     QuEST QAT in place: linear layers become QuESTLinear sharing the existing parameters, and the model
     is marked quantized with `hfq_quest` so Trainer accepts it and save_pretrained writes an hfq checkpoint."""
+    refuse_quantized(model, "quest.quantize_model")
     quantizer = QuESTHfQuantizer(config or QuESTConfig(), pre_quantized=False)
     config = quantizer.quantization_config
     quantizer.modules_to_not_convert = modules_to_skip(model, config, config.ADD_DEFAULT_SKIPS)
