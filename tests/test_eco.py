@@ -289,3 +289,18 @@ def test_trainer_kwargs_refuse_a_weight_decay_trainer_would_override_and_read_bo
         optimizer_cls_and_kwargs(args, weight_decay=0.1)
     with pytest.raises(ValueError, match="bad value for check_finite: 'ture' .*allowed"):
         optimizer_cls_and_kwargs(TrainingArguments("out", optim_args="check_finite=ture", report_to="none"))
+
+
+def test_fused_requests_the_step_cannot_honour_are_said_and_a_nan_update_names_its_parameter():
+    from hfq.qft import QLion
+
+    net = _net()
+    with pytest.raises(ValueError, match="fused=True: .*momentum_bits=8"):
+        QLion(net.parameters(), momentum_bits=None, fused=True)
+    with pytest.warns(UserWarning, match="none of its parameters is an fp8_e4m3_row QParam"):
+        ECOAdamW(net[2].parameters(), fused=True)
+    opt = ECOAdamW(list(net.named_parameters()), lr=1e-2, check_finite=False)
+    net(torch.randn(4, 32)).sum().backward()
+    net[0].weight.grad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"ECOAdamW.step: 0\.weight: .*check_finite=False"):
+        opt.step()

@@ -236,7 +236,14 @@ class QParamOptimizer(torch.optim.Optimizer):
         q = local(p)
         noise = self._sr_noise(p, q)
         gen = self._generator(q.device) if self.rounding == "sr" and noise is None else None
-        return q.requantize_(value, self.rounding, gen, noise=noise, **kw)
+        try:
+            return q.requantize_(value, self.rounding, gen, noise=noise, **kw)
+        except ValueError as e:  # e.g. a NaN update with check_finite=False: say which parameter
+            name = next((self._param_name(gi, pi, p) for gi, g in enumerate(self.param_groups)
+                         for pi, r in enumerate(g["params"]) if r is p), "a parameter")
+            raise ValueError(f"{type(self).__name__}.step: {name}: {e}" + (
+                "; with check_finite=False a non-finite gradient reaches the update, and parameters stepped before "
+                "this one (and their states) have taken it" if not self.check_finite else "")) from None
 
     def _sr_noise(self, p, q: QParam) -> torch.Tensor | None:
         """SR draws keyed by (seed, p's position in the optimizer, p's step, global element index): for sharded

@@ -9,6 +9,8 @@ checkpoint continues bit-exactly.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from hfq_kernels.reference import eco as Fn
@@ -105,6 +107,10 @@ class ECOAdamW(_ECOBase):
                          check_finite=check_finite, keyed_sr=keyed_sr)
         if fused and (self.rule != "memory_free" or self._store.bits is not None):
             raise ValueError("fused=True supports rule='memory_free' with fp32/bf16 states only")
+        if fused and not any(isinstance(local(p), QParam) and local(p).fmt == "fp8_e4m3_row"
+                             for g in self.param_groups for p in g["params"]):
+            warnings.warn("ECOAdamW(fused=True): none of its parameters is an fp8_e4m3_row QParam, the only weights "
+                          "the fused step covers; every parameter takes the torch step", UserWarning, stacklevel=2)
 
     def _use_fused(self, p) -> bool:
         q = local(p)

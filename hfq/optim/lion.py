@@ -66,6 +66,8 @@ class QLion(QParamOptimizer):
             raise ValueError(f"refresh_thresholds_every must be None or an int > 0, got {refresh_thresholds_every!r}")
         if fused not in (None, True, False):
             raise ValueError(f"fused must be None, True or False, got {fused!r}")
+        if fused and momentum_bits != 8:
+            raise ValueError("fused=True: the fused QLion step keeps INT8 momentum; set momentum_bits=8")
         self.momentum_bits = momentum_bits
         self.fused = fused
         self.refresh_thresholds_every = refresh_thresholds_every
