@@ -128,13 +128,13 @@ def test_adapter_card_and_folder(nvfp4, tiny_dir, tmp_path):
 
 
 def test_folder_card_from_saved_adapter_and_model(nvfp4, tmp_path):
+    nvfp4.save_pretrained(tmp_path / "model")  # the base, before PEFT puts its layers in (then only the adapter saves)
     pm = _adapter(nvfp4)
     pm.save_pretrained(tmp_path / "adapter")
     card = hub.folder_card(str(tmp_path / "adapter"), "me/x")
     d = card.data  # the base (tiny_dir) is a dense checkpoint quantized on load: the folder cannot tell
     assert d.library_name == "peft" and d.base_model is None and d.quantization == {"quant_method": "unrecorded"}
     assert {"hfq", "lora", "peft"} <= set(d.tags) and "unrecorded" not in d.tags and "rank 4, alpha 8" in card.text
-    nvfp4.save_pretrained(tmp_path / "model")
     d = hub.folder_card(str(tmp_path / "model"), "me/y").data
     assert d.library_name == "transformers" and d.quantization["quant_method"] == "hfq_nvfp4"
     with pytest.raises(ValueError, match="adapter_config.json"):

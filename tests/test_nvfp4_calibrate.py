@@ -2,6 +2,7 @@
 real transformers models (same format: save / from_pretrained / compressed-tensors export / LoRA), bad input."""
 import json
 import os
+import re
 
 import peft
 import pytest
@@ -205,8 +206,9 @@ def test_cli_quantize_with_calibration(tiny, tmp_path, capsys):
     assert isinstance(m.model.layers[1].mlp.down_proj, NVFP4Linear)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"txt": 3}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: expected a JSON string"):
-        main(["quantize", tiny, "--out", str(tmp_path / "q2"), "--calibrate", str(bad)])
+    capsys.readouterr()
+    assert main(["quantize", tiny, "--out", str(tmp_path / "q2"), "--calibrate", str(bad)]) == 1
+    assert re.search(r"hfq quantize: error: .*bad\.jsonl:2: expected a JSON string", capsys.readouterr().err)
 
 
 def test_mse_scales_on_load_never_worse_than_rtn(tiny, tmp_path):
