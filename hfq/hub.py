@@ -22,8 +22,11 @@ TEMPLATES = {"nvfp4": "nvfp4_model.md", "adapter": "lora_adapter.md", "quest": "
 HPARAMS = ("learning_rate", "max_steps", "num_train_epochs", "per_device_train_batch_size",
            "gradient_accumulation_steps", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "weight_decay",
            "max_grad_norm", "optim", "seed", "bf16", "num_generations", "max_completion_length", "temperature",
-           "beta", "epsilon", "epsilon_high", "loss_type", "aqn", "aqn_schedule", "aqn_scope", "aqn_sigma_start",
-           "aqn_sigma_end", "aqn_num_stages")
+           "beta", "epsilon", "epsilon_high", "loss_type", "num_iterations", "steps_per_generation", "scale_rewards",
+           "mask_truncated_completions", "aqn", "aqn_schedule", "aqn_scope", "aqn_sigma_start", "aqn_sigma_end",
+           "aqn_num_stages", "aqn_seed", "aqn_norm_names")
+_AQN_DETAILS = ("aqn_schedule", "aqn_scope", "aqn_sigma_start", "aqn_sigma_end", "aqn_num_stages", "aqn_seed",
+                "aqn_norm_names")  # left out of a card whose run had aqn=False
 # log_history keys whose last logged value a card reports
 METRICS = ("loss", "train_loss", "eval_loss", "reward", "reward_std", "entropy", "kl", "aqn/sigma")
 # files of a saved folder that never go to the Hub (Trainer's own upload skips the same)
@@ -191,6 +194,9 @@ def training_facts(trainer=None, training_args=None, metrics=None) -> tuple[dict
         hp = {k: _plain(v) for k, v in args.items() if v is not None}
     else:
         hp = {k: _plain(getattr(args, k)) for k in HPARAMS if getattr(args, k, None) is not None}
+    if hp.get("aqn") is False:
+        for k in _AQN_DETAILS:
+            hp.pop(k, None)
     steps = hp.get("max_steps")
     if isinstance(steps, int) and steps > 0:  # max_steps overrides the epoch count
         hp.pop("num_train_epochs", None)
@@ -310,7 +316,8 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
                   base_source=_base_source(source), method=method, quant=quant, format=fmt,
                   format_upper=fmt.upper(), hparams=hp, metrics=found, training_summary=training_summary,
                   tokenizer_repo=repo_id if tokenizer else (base or ""), dataset_name=dataset_name or "",
-                  trainer_name=type(trainer).__name__ if trainer is not None else "")
+                  trainer_name=type(trainer).__name__ if trainer is not None else "",
+                  aqn=hp.get("aqn", True) is not False)
     if kind == "adapter":
         fields.update(r=lora["r"], lora_alpha=lora["lora_alpha"], target_modules=", ".join(lora["target_modules"]),
                       base_format=fmt.upper(), base_load=_config_expr(unwrapped))
@@ -332,7 +339,8 @@ def trainer_card(trainer, repo_id: str | None = None, **kw):
     trainer's hub_model_id, else the output_dir's name."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     repo_id = repo_id or getattr(trainer, "hub_model_id", None) or trainer.args.hub_model_id or (
-        re.sub(r"[^\w.-]", "-", Path(trainer.args.output_dir).resolve().name).strip("-.")[:90] or "model")
+        re.sub(r"[-.]{2,}", "-", re.sub(r"[^\w.-]", "-", Path(trainer.args.output_dir).resolve().name))
+        .strip("-.")[:90] or "model")  # a valid repo id: no "--" / ".." runs
     tok = getattr(trainer, "processing_class", None)
     return model_card(model, repo_id, trainer=trainer, tokenizer=tok is not None, **kw)
 
@@ -424,14 +432,24 @@ def folder_card(folder: str, repo_id: str):
         fields.update(r=cfg.get("r"), lora_alpha=cfg.get("lora_alpha"),
                       base_format="(format not recorded in the folder)" if fmt == "unrecorded" else fmt.upper(),
                       target_modules=tm if isinstance(tm, str) else ", ".join(sorted(tm)),
-                      base_load=", quantization_config=hfq.NVFP4Config()" if fmt in ("nvfp4", "mxfp4") and not
-                      (Path(source) / "config.json").is_file() else "")
+                      base_load=", quantization_config=hfq.NVFP4Config()" if fmt == "unrecorded" or (
+                          fmt in ("nvfp4", "mxfp4") and not (Path(source) / "config.json").is_file()) else "",
+                      base_note="this folder does not record how the base was quantized for training: load it as it "
+                      "was then (NVFP4 below, hfq's QeRL default)" if fmt == "unrecorded" else "")
     return ModelCard(render(TEMPLATES[kind], data, **fields))
+
+
+def is_placeholder_card(path: str) -> bool:
+    """README.md is the empty template PEFT's save_pretrained writes into every adapter folder (no hfq metadata,
+    the local base path as base_model), not a card anyone wrote: a push replaces it with hfq's."""
+    text = Path(path).read_text(errors="replace")
+    return "# Model Card for Model ID" in text and "- hfq" not in text
 
 
 def upload_folder(folder: str, repo_id: str, private: bool = True, token: str | None = None,
                   commit_message: str = "Upload with hfq") -> str:
-    """Upload a saved model/adapter folder as is (weights, tokenizer, README.md; a card is added when missing)."""
+    """Upload a saved model/adapter folder as is (weights, tokenizer, README.md; hfq's card is added when there is
+    none, or only PEFT's empty template)."""
     from huggingface_hub import HfApi
 
     check_push(repo_id, token)
@@ -439,7 +457,7 @@ def upload_folder(folder: str, repo_id: str, private: bool = True, token: str | 
     if not any(os.path.isfile(os.path.join(folder, m)) for m in _UPLOADABLE_MARKERS):
         raise ValueError(f"{folder}: neither config.json nor adapter_config.json found: not a saved model/adapter")
     readme = os.path.join(folder, "README.md")
-    if not os.path.isfile(readme):
+    if not os.path.isfile(readme) or is_placeholder_card(readme):
         folder_card(folder, repo_id).save(readme)
     api = HfApi(token=token)
     url = api.create_repo(repo_id, private=private, exist_ok=True)

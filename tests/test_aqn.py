@@ -134,3 +134,16 @@ def test_bf16_applied_std_reports_rounding():
         assert aqn.last_applied_std < 2.5e-4
     with aqn.noisy(0, 5e-2):
         assert aqn.last_applied_std == pytest.approx(5e-2, rel=0.15)
+
+
+def test_norm_names_of_gemma_and_a_warning_for_unknown_model_types():
+    """Gemma 2/3 put post_attention_layernorm on the attention output: AQN takes pre_feedforward_layernorm there; a
+    model_type hfq does not know gets the defaults with a warning naming aqn_norm_names."""
+    from hfq.qerl.aqn import NORM_NAMES, resolve_norms
+    from hfq.tiny import tiny_model
+
+    assert NORM_NAMES["gemma2"] == NORM_NAMES["gemma3_text"] == ("input_layernorm", "pre_feedforward_layernorm")
+    m = tiny_model("llama")
+    m.config.model_type = "olmo2"
+    with pytest.warns(UserWarning, match="model_type 'olmo2' is not one .*aqn_norm_names"):
+        resolve_norms(m)

@@ -135,6 +135,14 @@ def test_folder_card_from_saved_adapter_and_model(nvfp4, tmp_path):
     d = card.data  # the base (tiny_dir) is a dense checkpoint quantized on load: the folder cannot tell
     assert d.library_name == "peft" and d.base_model is None and d.quantization == {"quant_method": "unrecorded"}
     assert {"hfq", "lora", "peft"} <= set(d.tags) and "unrecorded" not in d.tags and "rank 4, alpha 8" in card.text
+    # the base's quantization is not in the folder: the snippet loads it as QeRL does (NVFP4) and says so, where it
+    # loaded a dense base under the adapter
+    assert "does not record how the base was quantized" in card.text and "quantization_config=hfq.NVFP4Config()" in \
+        _snippet(str(card))
+    # PEFT's save wrote its empty template there: a push replaces it with hfq's card; hfq's own card is kept
+    assert hub.is_placeholder_card(str(tmp_path / "adapter" / "README.md"))
+    card.save(tmp_path / "adapter" / "README.md")
+    assert not hub.is_placeholder_card(str(tmp_path / "adapter" / "README.md"))
     d = hub.folder_card(str(tmp_path / "model"), "me/y").data
     assert d.library_name == "transformers" and d.quantization["quant_method"] == "hfq_nvfp4"
     with pytest.raises(ValueError, match="adapter_config.json"):

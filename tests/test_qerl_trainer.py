@@ -197,3 +197,34 @@ def test_resume_from_checkpoint_continues_the_noise_schedule_exactly(tiny_dir, t
     assert lora_full.keys() == lora_resumed.keys() and len(lora_full) == 12
     assert any(p.abs().sum() > 0 for n, p in lora_full.items() if "lora_B" in n)
     assert all(torch.equal(lora_full[n], lora_resumed[n]) for n in lora_full)
+
+
+def test_dataset_columns_are_checked_before_any_rollout(tiny_dir, tmp_path):
+    model, tok = _policy(tiny_dir)
+    no_prompt = Dataset.from_list([{"question": "1+1?", "answer": "2"}] * 8)
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        QeRLGRPOTrainer(model=model, reward_funcs=[digit_reward], args=_config(tmp_path), train_dataset=no_prompt,
+                        processing_class=tok)
+    no_answer = Dataset.from_list([{"prompt": "1+1?"}] * 8)
+    with pytest.raises(ValueError, match="accuracy_reward needs a reference column"):
+        QeRLGRPOTrainer(model=model, reward_funcs=[accuracy_reward], args=_config(tmp_path), train_dataset=no_answer,
+                        processing_class=tok)
+
+
+def test_final_save_writes_hfq_card_for_any_output_dir_name(tiny_dir, tmp_path):
+    """trainer.save_model(dir) puts hfq's card where PEFT wrote its empty template (what `hfq push dir` uploads); a
+    run without AQN says so; an output_dir named like 'run--v2' (not a valid repo id) no longer stops the
+    checkpoint's card."""
+    from huggingface_hub import ModelCard
+
+    model, tok = _policy(tiny_dir)
+    out = tmp_path / "run--v2"
+    trainer = QeRLGRPOTrainer(model=model, reward_funcs=[digit_reward], train_dataset=_dataset(), processing_class=tok,
+                              args=_config(tmp_path, output_dir=str(out), max_steps=1, save_strategy="steps",
+                                           save_steps=1, aqn=False))
+    trainer.train()
+    trainer.save_model(str(out / "final"))
+    card = ModelCard.load(out / "final" / "README.md")
+    assert "hfq" in card.data.tags and card.data.quantization["quant_method"] == "hfq_nvfp4"
+    assert "without Adaptive\nQuantization Noise" in card.text and "aqn_sigma_start" not in card.text
+    assert "quantization_config=hfq.NVFP4Config()" in card.text

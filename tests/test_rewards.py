@@ -59,3 +59,16 @@ def test_prompt_suffix_is_the_papers():
     assert p.endswith("<think> ... </think> <answer> ... </answer>.")
     with pytest.raises(ValueError, match="question"):
         R.add_suffix(None)
+
+
+@pytest.mark.parametrize("mv", [False, True])
+def test_lists_of_numbers_are_not_one_number(mv):
+    """Only thousands separators are dropped: "1, 2" / "3 4" are two numbers, not 12 / 34 (they scored 1.0)."""
+    from hfq.qerl.rewards import HAVE_MATH_VERIFY, answers_equal
+
+    if mv and not HAVE_MATH_VERIFY:
+        pytest.skip("math-verify is not installed")
+    for pred, gold in (("1, 2", "12"), ("3 4", "34"), ("-1, 2", "-12"), ("23", "2, 3")):
+        assert not answers_equal(pred, gold, use_math_verify=mv), (pred, gold)
+    for pred, gold in (("1,234", "1234"), ("-1,234.5", "-1234.5"), ("$\\boxed{42}$", "42"), ("3 / 4", "0.75")):
+        assert answers_equal(pred, gold, use_math_verify=mv), (pred, gold)

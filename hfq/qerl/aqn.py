@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,10 @@ NORM_NAMES = {
     "mistral": ("input_layernorm", "post_attention_layernorm"),
     "mixtral": ("input_layernorm", "post_attention_layernorm"),
     "phi3": ("input_layernorm", "post_attention_layernorm"),
+    # Gemma 2/3 norm the attention output with post_attention_layernorm; the MLP's input norm is pre_feedforward
+    "gemma2": ("input_layernorm", "pre_feedforward_layernorm"),
+    "gemma3_text": ("input_layernorm", "pre_feedforward_layernorm"),
+    "gemma3": ("input_layernorm", "pre_feedforward_layernorm"),
 }
 DEFAULT_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 
@@ -122,7 +127,12 @@ def resolve_norms(model: nn.Module, norm_names: tuple[str, ...] | list[str] | No
     `norm_names` are attribute names inside a decoder block (default: by model_type, see NORM_NAMES).
     Raises ValueError listing the norm-like modules found when nothing matches."""
     if norm_names is None:
-        norm_names = NORM_NAMES.get(_model_type(model), DEFAULT_NORM_NAMES)
+        mt = _model_type(model)
+        if mt not in NORM_NAMES:
+            warnings.warn(f"AQN: model_type {mt!r} is not one whose norms in front of attention and of the MLP hfq "
+                          f"knows; perturbing {list(DEFAULT_NORM_NAMES)} (check they are those pre-norms, or pass "
+                          "aqn_norm_names=[...])", UserWarning, stacklevel=2)
+        norm_names = NORM_NAMES.get(mt, DEFAULT_NORM_NAMES)
     norm_names = tuple(norm_names)
     if not norm_names or not all(isinstance(n, str) and n for n in norm_names):
         raise ValueError(f"norm_names must be non-empty attribute names, got {norm_names!r}")

@@ -1,5 +1,5 @@
 """Rule-based rewards for math RL (QeRL App. E): the <think>/<answer> prompt suffix, answer extraction
-(<answer> tags, GSM8K's `#### x`, a trailing number), accuracy and format rewards in TRL's reward-function form.
+(<answer> tags, GSM8K's `#### x`, else the whole completion), accuracy and format rewards in TRL's reward-function form.
 
 Equivalence uses `math-verify` when it imports; otherwise a numeric/string fallback: both sides are stripped of
 `$`, `\\boxed{}`, thousands separators and trailing punctuation, compared as exact fractions when both parse as
@@ -77,7 +77,7 @@ def extract_gold(answer) -> str | None:
 
 
 def _normalize(s: str) -> str:
-    s = s.strip()
+    s = s.replace("$", "").strip()
     m = re.fullmatch(r"\\boxed\{(.*)\}", s, re.DOTALL)
     if m:
         s = m.group(1)
@@ -99,7 +99,10 @@ def _exact_sqrt(x: Fraction) -> Fraction | None:
 def _as_number(s: str) -> Fraction | None:
     """An exact value for a plain number, `a/b`, or the simple LaTeX forms `\\frac{a}{b}` and `\\sqrt{x}` (when
     the root is rational); None otherwise."""
-    t = s.replace(",", "").replace(" ", "")
+    t = s.strip()
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", t):  # thousands separators only: "1, 2" is a list, not 12
+        t = t.replace(",", "")
+    t = re.sub(r"(?<=[-\\{}])\s+|\s+(?=[{}/])|(?<=/)\s+", "", t)  # spaces inside \frac{ a }{ b } or "3 / 4"
     for pat, fn in ((_LATEX_FRAC, lambda a, b: None if a is None or b is None or b == 0 else a / b),
                     (_LATEX_SQRT, lambda a: None if a is None else _exact_sqrt(a))):
         m = pat.fullmatch(t)
@@ -122,7 +125,12 @@ def fallback_equal(pred: str, gold: str) -> bool:
     pn, gn = _as_number(p), _as_number(g)
     if pn is not None and gn is not None:
         return pn == gn
-    return re.sub(r"\s+", "", p).lower() == re.sub(r"\s+", "", g).lower() and p != ""
+    return _squash(p) == _squash(g) and p != ""
+
+
+def _squash(s: str) -> str:
+    """Lower-cased, whitespace removed except between two digits ("3 4" is two numbers, not 34)."""
+    return re.sub(r"\s+", "", re.sub(r"(?<=\d)\s+(?=\d)", "|", s)).lower()
 
 
 @contextlib.contextmanager

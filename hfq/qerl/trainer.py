@@ -35,6 +35,7 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
             args = QeRLConfig(output_dir="QeRL-GRPO")
         if not isinstance(args, QeRLConfig):
             raise ValueError(f"args must be a QeRLConfig (GRPOConfig + AQN fields), got {type(args).__name__}")
+        _check_columns(kwargs.get("train_dataset"), reward_funcs)
         super().__init__(model, reward_funcs, args=args, **kwargs)
         self._refuse_fsdp()
         self.aqn_schedule = args.aqn_schedule_obj
@@ -109,6 +110,19 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
             return GRPOTrainer._generate_single_turn(self, *args, **kwargs)
         return super()._generate_single_turn(*args, **kwargs)
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Trainer's save; a final save (`trainer.save_model(dir)`) also writes hfq's QeRL card there, in place of the
+        empty template PEFT puts in every adapter folder, so `hfq push dir` uploads a card that loads the policy."""
+        super().save_model(output_dir, _internal_call)
+        if not _internal_call and self.is_world_process_zero():
+            from ..hub import detect_kind, trainer_card
+
+            try:
+                detect_kind(self.accelerator.unwrap_model(self.model))
+            except ValueError:
+                return
+            trainer_card(self).save(os.path.join(output_dir or self.args.output_dir, "README.md"))
+
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | list[str] | None = None, **kwargs):
         """hfq's QeRL adapter card (base model, NVFP4 format, LoRA and AQN settings, last reward) in
@@ -140,3 +154,19 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
                 self.model, ids, mask, out["completion_ids"].size(1),
                 batch_size=self.args.per_device_train_batch_size)
         return logps
+
+
+def _check_columns(dataset, reward_funcs) -> None:
+    """Before any rollout: the columns GRPO and hfq's accuracy reward read (TRL would fail after the first
+    generation, deep in its code)."""
+    from .rewards import accuracy_reward
+
+    cols = getattr(dataset, "column_names", None)
+    if not cols:  # an iterable dataset, or none given: TRL checks what it can
+        return
+    if "prompt" not in cols:
+        raise ValueError(f"train_dataset has no 'prompt' column (columns: {cols}); GRPO samples completions of it")
+    funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    golds = ("answer", "solution", "ground_truth", "target")
+    if any(f is accuracy_reward for f in funcs) and not any(c in cols for c in golds):
+        raise ValueError(f"accuracy_reward needs a reference column named one of {golds}; train_dataset has {cols}")
