@@ -27,6 +27,10 @@ def register_all() -> None:
             raise RuntimeError(f"quant_method {method!r} is already registered by another package")
         auto.AUTO_QUANTIZATION_CONFIG_MAPPING[method] = cfg_cls
         auto.AUTO_QUANTIZER_MAPPING[method] = q_cls
+        # a config with loading attributes (QFTConfig) has them applied to a saved checkpoint's config on reload
+        kinds = getattr(auto, "LOADING_ATTRIBUTES_CONFIG_TYPES", None)
+        if hasattr(cfg_cls, "get_loading_attributes") and kinds is not None and cfg_cls not in kinds:
+            auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*kinds, cfg_cls)
 
     importlib.import_module("hfq.nvfp4.peft_lora").register_peft_dispatch()  # LoRA on NVFP4Linear, process-wide
     _DONE = True

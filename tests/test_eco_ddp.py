@@ -64,7 +64,17 @@ def _ddp_worker(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     res = {}
-    # ranks that start from different weights: broadcast_qparams_ makes them rank 0's, bit-exactly
+    # ranks that start from different weights: the first step refuses (they would train apart silently) ...
+    m = _model(seed=rank)
+    opt = _opt(m.parameters())
+    x = _shard(0, rank)
+    m(input_ids=x, labels=x).loss.backward()
+    try:
+        opt.step()
+        res["unsynced_step"] = "stepped"
+    except ValueError as e:
+        res["unsynced_step"] = str(e)
+    # ... and broadcast_qparams_ makes them rank 0's, bit-exactly
     for fmt in ("fp8_e4m3_row", "int8_dense_sparse"):
         m = _model(seed=rank, fmt=fmt)
         broadcast_qparams_(m)
@@ -142,6 +152,8 @@ def test_ddp_two_processes_eco_matches_single_process(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     a, b = (torch.load(tmp_path / f"ddp_rank{i}.pt") for i in range(WORLD))
+    for r in (a, b):
+        assert "ranks hold different quantized weights" in r["unsynced_step"] and "broadcast_qparams_" in r["unsynced_step"]
     # broadcast_qparams_: different random weights on the two ranks become rank 0's, bit-exactly
     for fmt in ("fp8_e4m3_row", "int8_dense_sparse"):
         _equal(a[f"synced_{fmt}"], b[f"synced_{fmt}"])

@@ -259,8 +259,28 @@ def test_quest_announces_what_it_would_do_silently():
         hfq.QuESTConfig().block_for(63)
     with pytest.warns(UserWarning, match="trust_scale=2.0 has no effect: estimator='ste'"):
         hfq.QuESTConfig(weight_bits=1, estimator="ste", trust_scale=2.0)
-    with pytest.warns(UserWarning, match=r"entries \['down_projj'\] match no module"):
+    with pytest.warns(UserWarning, match=r"entry 'down_projj' matches no module"):
         m = hfq.quest.quantize_model(tiny_model("llama"), hfq.QuESTConfig(modules_to_not_convert=["lm_head",
                                                                                                    "down_projj"]))
     with pytest.raises(ValueError, match=r"already quantized \(hfq_quest\)"):
         hfq.quest.quantize_model(m, hfq.QuESTConfig(weight_bits=2))
+
+
+def test_qft_reload_takes_the_training_options_passed(tiny_dir, tmp_path):
+    """A saved QFT checkpoint reloaded with QFTConfig(gradient_bits=8, outlier_refresh_steps=7) trains with them
+    (transformers kept the checkpoint's config whole: plain float gradients, no refresh, with only its generic
+    warning); what the checkpoint stores (format, outliers) is still the checkpoint's."""
+    from hfq.qft import QFTLinear
+
+    AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QFTConfig()).save_pretrained(tmp_path)
+    m = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=hfq.QFTConfig(
+        gradient_bits=8, outlier_refresh_steps=7, outlier_fraction=0.05))
+    q = m.model.layers[0].mlp.up_proj
+    assert isinstance(q, QFTLinear) and q.gradient_bits == 8 and q.weight.meta["outlier_refresh_steps"] == 7
+    cfg = m.config.quantization_config
+    assert (cfg.gradient_bits, cfg.outlier_refresh_steps, cfg.outlier_fraction) == (8, 7, 0.01)
+
+
+def test_a_skip_entry_naming_a_container_is_announced(tiny_dir):
+    with pytest.warns(UserWarning, match=r"entry 'mlp' matches model\.layers\.0\.mlp, which holds linear layers"):
+        AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QFTConfig(modules_to_not_convert=["mlp"]))

@@ -33,16 +33,27 @@ def modules_to_skip(model: nn.Module, config, add_default_skips: bool) -> list[s
     (its output embedding and the modules tied to it). An entry of the config's list that names no module of the
     model (a typo keeps nothing out) is a UserWarning naming it."""
     own = config.modules_to_not_convert
-    names = [n for n, _ in model.named_modules() if n]
-    unmatched = [e for e in own or () if all(should_convert(n, [e]) for n in names)]
-    if unmatched:
-        warnings.warn(f"{config.quant_method}: modules_to_not_convert entries {unmatched} match no module of "
-                      f"{type(model).__name__} (e.g. {names[-1] if names else '-'}); nothing is kept out by them",
-                      UserWarning, stacklevel=2)
+    _warn_unmatched_skips(config.quant_method, model, own or ())
     if not hasattr(model, "get_output_embeddings"):  # a bare nn.Module: only the config's own list
         return list(own or [])
     return HfQuantizer.get_modules_to_not_convert(model, own, getattr(model, "_keep_in_fp32_modules", None),
                                                   add_default_skips=add_default_skips or own is None)
+
+
+def _warn_unmatched_skips(method: str, model: nn.Module, entries) -> None:
+    """An entry that matches no module (a typo), or only modules holding linears but none of the linears (e.g.
+    "mlp": the rule matches the start or the end of a name), keeps nothing out: a UserWarning names it."""
+    mods = [(n, m) for n, m in model.named_modules() if n]
+    for e in entries:
+        hit = [(n, m) for n, m in mods if not should_convert(n, [e])]
+        if any(_linear_like(m) for _, m in hit):
+            continue
+        holder = next((n for n, m in hit if any(_linear_like(c) for c in m.modules())), None)
+        if not hit or holder:
+            why = (f"matches {holder}, which holds linear layers, but none of them (the rule matches the start or the "
+                   f"end of a layer's name: write e.g. '{holder}' in full)" if holder else "matches no module")
+            warnings.warn(f"{method}: modules_to_not_convert entry {e!r} {why}; it keeps nothing out",
+                          UserWarning, stacklevel=3)
 
 
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -122,6 +122,29 @@ class QParamOptimizer(torch.optim.Optimizer):
                                      f"FSDP2 cannot shard ({self._param_name(gi, pi, p)} is a sharded DTensor); "
                                      "use state_bits=None with state_dtype=torch.bfloat16 or torch.float32")
 
+    def _check_ranks_agree(self) -> None:
+        """Before the first step of a multi-process run: every rank must hold the same (replicated) quantized weights.
+        DDP never syncs them (INT8-gradient weights are outside its buffers; its start-up broadcast reaches only what
+        it owns), so ranks that quantized differently at load (e.g. rounding="sr" with per-rank seeds) would train
+        apart silently. One all-reduce of per-weight checksums; FSDP2-sharded weights are skipped."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+        qs = [p for g in self.param_groups for p in g["params"] if isinstance(p, QParam) and not isinstance(p, DTensor)]
+        if not qs:
+            return
+        sums = torch.stack([getattr(p, k).detach().double().sum() for p in qs for k in p.__tensor_flatten__()[0]])
+        lo, hi = sums.clone(), sums.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        if not torch.equal(lo, hi):
+            raise ValueError(
+                f"{type(self).__name__}: the {dist.get_world_size()} ranks hold different quantized weights (e.g. "
+                "loaded with rounding='sr' and per-rank seeds); they would train apart. Call "
+                "hfq.qparam.broadcast_qparams_(model) on every rank before training (or load with rounding='rtn')")
+
     # ---- gradients ------------------------------------------------------------------------------------
     @staticmethod
     def _has_grad(p) -> bool:
@@ -163,6 +186,7 @@ class QParamOptimizer(torch.optim.Optimizer):
             self._check_group(i)
         if not getattr(self, "_layout_checked", False):
             self._refuse_sharded()
+            self._check_ranks_agree()
             self._layout_checked = True
         loss = None
         if closure is not None:
