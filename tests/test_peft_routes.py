@@ -315,6 +315,8 @@ def test_base_save_with_lora_wrappers_in_place_is_refused_with_what_to_do(tiny, 
     pm.unmerge_adapter()
     pm.save_pretrained(tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    if _transformers_needs_newer_peft():  # transformers >= 5.24's add_adapter asks PEFT >= 0.22 (not released yet)
+        return
     base = _base(tiny)
     base.add_adapter(LoraConfig(r=4, target_modules=["q_proj"]))
     base.save_pretrained(tmp_path / "tf_adapter")
