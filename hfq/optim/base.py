@@ -240,6 +240,11 @@ class QParamOptimizer(torch.optim.Optimizer):
             raise ValueError(f"non-finite gradient (NaN/Inf) in {self._param_name(gi, pi, p)}: step refused, "
                              "no parameter was updated")
 
+    def _name_of(self, p) -> str:
+        """`_param_name` of parameter `p`, found by identity in the groups (for error messages)."""
+        return next((self._param_name(gi, pi, p) for gi, g in enumerate(self.param_groups)
+                     for pi, q in enumerate(g["params"]) if q is p), "a parameter")
+
     def _param_name(self, gi, pi, p) -> str:
         names = self.param_groups[gi].get("param_names")
         if names:
@@ -263,9 +268,7 @@ class QParamOptimizer(torch.optim.Optimizer):
         try:
             return q.requantize_(value, self.rounding, gen, noise=noise, **kw)
         except ValueError as e:  # e.g. a NaN update with check_finite=False: say which parameter
-            name = next((self._param_name(gi, pi, p) for gi, g in enumerate(self.param_groups)
-                         for pi, r in enumerate(g["params"]) if r is p), "a parameter")
-            raise ValueError(f"{type(self).__name__}.step: {name}: {e}" + (
+            raise ValueError(f"{type(self).__name__}.step: {self._name_of(p)}: {e}" + (
                 "; with check_finite=False a non-finite gradient reaches the update, and parameters stepped before "
                 "this one (and their states) have taken it" if not self.check_finite else "")) from None
 
@@ -348,7 +351,8 @@ class QParamOptimizer(torch.optim.Optimizer):
         rule; QLion's momentum_bits), is refused here, naming the parameter and both layouts, instead of a KeyError
         at the first step or the saved format silently kept."""
         for gi, g in enumerate(state_dict["param_groups"]):
-            missing = [k for k in ("lr", "momentum", "betas", "eps", "weight_decay") if k in self.defaults and k not in g]
+            missing = [k for k in ("lr", "momentum", "betas", "eps", "weight_decay")
+                       if k in self.defaults and k not in g]
             if missing:
                 raise ValueError(f"{type(self).__name__}.load_state_dict: saved param_groups[{gi}] has no {missing}: "
                                  "the checkpoint was written by another optimizer")
@@ -361,13 +365,11 @@ class QParamOptimizer(torch.optim.Optimizer):
             p = params[idx]
             want, got = layout(self._fresh_state(p)), layout(st)
             if want != got:
-                name = next(self._param_name(gi, pi, q) for gi, g in enumerate(self.param_groups)
-                            for pi, q in enumerate(g["params"]) if q is p)
                 raise ValueError(
-                    f"{type(self).__name__}.load_state_dict: the saved state of {name} is {got} but this optimizer "
-                    f"keeps {want}: the checkpoint was written by another optimizer or with other state options "
-                    "(state_bits, state_dtype, rule; QLion: momentum_bits). Build the optimizer as it was built for "
-                    "the checkpoint")
+                    f"{type(self).__name__}.load_state_dict: the saved state of {self._name_of(p)} is {got} but this "
+                    f"optimizer keeps {want}: the checkpoint was written by another optimizer or with other state "
+                    "options (state_bits, state_dtype, rule; QLion: momentum_bits). Build the optimizer as it was "
+                    "built for the checkpoint")
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)

@@ -80,11 +80,15 @@ class QLion(QParamOptimizer):
         self._init_state(state, local(p), sharded=local(p) is not p)
         return state
 
+    def _int8_momentum(self, p, sharded: bool) -> bool:
+        """Whether local tensor `p`'s momentum is kept as INT8 codes (see `_init_state`)."""
+        return self.momentum_bits == 8 and not (sharded and p.dim() < 2)
+
     def _init_state(self, state, p, sharded: bool = False):
         """Momentum for local tensor `p`: INT8 per row, except for an FSDP2 shard of a 1-D parameter (a norm, a
         bias), whose one row runs across the shards: fp32 there (a row scale per shard would depend on the split)."""
         state["step"] = torch.tensor(0.0)
-        if self.momentum_bits == 8 and not (sharded and p.dim() < 2):
+        if self._int8_momentum(p, sharded):
             rows, cols = as_rows(p.shape)
             dev = p.device
             state["exp_avg_codes"] = torch.zeros((rows, cols), dtype=torch.uint8, device=dev)
@@ -115,7 +119,7 @@ class QLion(QParamOptimizer):
         state_dict = dict(state_dict, state=dict(state_dict["state"]))
         for idx, st in state_dict["state"].items():
             p = params[idx]
-            want_codes = "exp_avg_codes" in self._fresh_state(p)
+            want_codes = self._int8_momentum(local(p), sharded=local(p) is not p)
             if "exp_avg_codes" in st and not want_codes:
                 st = dict(st)
                 st["exp_avg"] = dequantize_int_asym(st.pop("exp_avg_codes"), st.pop("exp_avg_scales"),
