@@ -115,13 +115,9 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
         empty template PEFT puts in every adapter folder, so `hfq push dir` uploads a card that loads the policy."""
         super().save_model(output_dir, _internal_call)
         if not _internal_call and self.is_world_process_zero():
-            from ..hub import detect_kind, trainer_card
-
-            try:
-                detect_kind(self.accelerator.unwrap_model(self.model))
-            except ValueError:
-                return
-            trainer_card(self).save(os.path.join(output_dir or self.args.output_dir, "README.md"))
+            card = self._hfq_card()
+            if card is not None:
+                card.save(os.path.join(output_dir or self.args.output_dir, "README.md"))
 
     def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
                           tags: str | list[str] | None = None, **kwargs):
@@ -129,17 +125,24 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
         `output_dir/README.md` instead of TRL's generic card, so `push_to_hub()` uploads it."""
         if not self.is_world_process_zero():
             return
-        from ..hub import detect_kind, trainer_card
-
-        try:
-            detect_kind(self.accelerator.unwrap_model(self.model))
-        except ValueError:  # neither an adapter nor hfq-quantized: TRL's card describes it
+        card = self._hfq_card(dataset_name=dataset_name, license=kwargs.get("license"))
+        if card is None:  # neither an adapter nor hfq-quantized: TRL's card describes it
             return super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        card = trainer_card(self, dataset_name=dataset_name, license=kwargs.get("license"))
         if tags:
             card.data.tags = list(dict.fromkeys(card.data.tags + ([tags] if isinstance(tags, str) else list(tags))))
         os.makedirs(self.args.output_dir, exist_ok=True)
         card.save(os.path.join(self.args.output_dir, "README.md"))
+
+    def _hfq_card(self, **kw):
+        """hfq's card of this trainer's model (hfq.hub.trainer_card), or None when the model is neither a PEFT
+        adapter nor hfq-quantized."""
+        from ..hub import detect_kind, trainer_card
+
+        try:
+            detect_kind(self.accelerator.unwrap_model(self.model))
+        except ValueError:
+            return None
+        return trainer_card(self, **kw)
 
     # ----------------------------------------------------------------- helpers
     def _noisy_old_logps(self, out, step: int, sigma: float) -> torch.Tensor:
