@@ -311,7 +311,8 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
     data = ModelCardData(base_model=base, library_name="peft" if kind == "adapter" else "transformers",
                          pipeline_tag="text-generation", tags=tags, license=license,
                          datasets=[dataset_name] if dataset_name else None, quantization=quant,
-                         training=training or None, base_model_relation=relation if base else None)
+                         training=training or None, base_model_relation=relation if base else None,
+                         hfq_repo_id=repo_id)
     fields = dict(model_name=repo_id.split("/")[-1], repo_id=repo_id, base_model=base or "",
                   base_source=_base_source(source), method=method, quant=quant, format=fmt,
                   format_upper=fmt.upper(), hparams=hp, metrics=found, training_summary=training_summary,
@@ -422,7 +423,7 @@ def folder_card(folder: str, repo_id: str):
     data = ModelCardData(base_model=base, library_name="peft" if kind == "adapter" else "transformers",
                          pipeline_tag="text-generation", quantization=quant, training=training,
                          tags=[t for t in ["hfq", method, quant["quant_method"], fmt] if t != "unrecorded"] +
-                         (["lora", "peft"] if kind == "adapter" else []))
+                         (["lora", "peft"] if kind == "adapter" else []), hfq_repo_id=repo_id)
     fields = dict(model_name=repo_id.split("/")[-1], repo_id=repo_id, base_model=base or "",
                   base_source=_base_source(source), method=method, quant=quant, format=fmt, format_upper=fmt.upper(),
                   hparams={}, metrics=found, training_summary="", tokenizer_repo=repo_id if has_tok else (base or ""),
@@ -446,6 +447,22 @@ def is_placeholder_card(path: str) -> bool:
     return "# Model Card for Model ID" in text and "- hfq" not in text
 
 
+def retarget_card(path: str, repo_id: str) -> bool:
+    """Rewrite an hfq card written for another repo id (`trainer.save_model` names the output folder) so its title,
+    metadata and snippet name repo_id; cards hfq did not write are left alone. Returns whether it changed."""
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(path)
+    old = card.data.to_dict().get("hfq_repo_id")
+    if not old or old == repo_id:
+        return False
+    card.data.hfq_repo_id = repo_id
+    card.text = re.sub(rf"^# {re.escape(old.split('/')[-1])}$", f"# {repo_id.split('/')[-1]}", card.text, count=1,
+                       flags=re.M).replace(f'"{old}"', f'"{repo_id}"')
+    card.save(path)
+    return True
+
+
 def upload_folder(folder: str, repo_id: str, private: bool = True, token: str | None = None,
                   commit_message: str = "Upload with hfq") -> str:
     """Upload a saved model/adapter folder as is (weights, tokenizer, README.md; hfq's card is added when there is
@@ -459,6 +476,8 @@ def upload_folder(folder: str, repo_id: str, private: bool = True, token: str | 
     readme = os.path.join(folder, "README.md")
     if not os.path.isfile(readme) or is_placeholder_card(readme):
         folder_card(folder, repo_id).save(readme)
+    else:
+        retarget_card(readme, repo_id)
     api = HfApi(token=token)
     url = api.create_repo(repo_id, private=private, exist_ok=True)
     api.upload_folder(folder_path=folder, repo_id=repo_id, commit_message=commit_message, ignore_patterns=IGNORE)

@@ -319,6 +319,15 @@ def test_cli_push_adds_the_card_then_reports_the_upload_error(nvfp4, tiny_dir, t
     card = ModelCard.load(tmp_path / "m" / "README.md")
     assert card.data.library_name == "transformers" and card.data.quantization["quant_method"] == "hfq_nvfp4"
     assert 'AutoTokenizer.from_pretrained("me/ok")' in card.text  # the folder's tokenizer goes up with it
+    # the same folder pushed to another repo: hfq's card names the repo it goes to, a user's own card is left alone
+    with pytest.raises(SystemExit, match="upload to 'me/other' failed"):
+        main(["push", str(tmp_path / "m"), "me/other", "--token", "hf_not_a_real_token"])
+    card = ModelCard.load(tmp_path / "m" / "README.md")
+    assert card.text.startswith("\n# other\n") and '"me/ok"' not in card.text and card.data.hfq_repo_id == "me/other"
+    assert 'AutoModelForCausalLM.from_pretrained("me/other")' in card.text
+    (tmp_path / "m" / "README.md").write_text("---\nlicense: mit\n---\n# mine, from_pretrained(\"me/ok\")\n")
+    assert not hub.retarget_card(str(tmp_path / "m" / "README.md"), "me/third")
+    assert "mine" in (tmp_path / "m" / "README.md").read_text()
 
 
 def test_cli_push_as_a_command(tmp_path):

@@ -217,6 +217,8 @@ def test_final_save_writes_hfq_card_for_any_output_dir_name(tiny_dir, tmp_path):
     checkpoint's card."""
     from huggingface_hub import ModelCard
 
+    from hfq import hub
+
     model, tok = _policy(tiny_dir)
     out = tmp_path / "run--v2"
     trainer = QeRLGRPOTrainer(model=model, reward_funcs=[digit_reward], train_dataset=_dataset(), processing_class=tok,
@@ -228,3 +230,9 @@ def test_final_save_writes_hfq_card_for_any_output_dir_name(tiny_dir, tmp_path):
     assert "hfq" in card.data.tags and card.data.quantization["quant_method"] == "hfq_nvfp4"
     assert "without Adaptive\nQuantization Noise" in card.text and "aqn_sigma_start" not in card.text
     assert "quantization_config=hfq.NVFP4Config()" in card.text
+    # README's `hfq push ./run/final me/qwen-qerl`: the card names the output_dir; the push names the target repo
+    assert 'PeftModel.from_pretrained(base, "run-v2")' in card.text
+    assert hub.retarget_card(str(out / "final" / "README.md"), "me/qwen-qerl")
+    card = ModelCard.load(out / "final" / "README.md")
+    assert 'PeftModel.from_pretrained(base, "me/qwen-qerl")' in card.text and '"run-v2"' not in card.text
+    assert "\n# qwen-qerl\n" in card.text and "hfq" in card.data.tags

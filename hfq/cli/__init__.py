@@ -10,7 +10,7 @@ SUBCOMMANDS = {
     "quantize": ("hfq.cli.quantize", "quantize a causal LM's linear layers to NVFP4/MXFP4 and save it"),
     "export": ("hfq.cli.export", "write a compressed-tensors nvfp4-pack-quantized checkpoint (vLLM-loadable)"),
     "grpo": ("hfq.cli.grpo", "QeRL GRPO: with no arguments, the offline demo on a bundled tiny model and task"),
-    "push": ("hfq.cli.push", "upload a saved model/adapter folder to the Hub (adds hfq's model card if missing)"),
+    "push": ("hfq.cli.push", "upload a saved model/adapter folder to the Hub (hfq's model card added or aimed at it)"),
 }
 
 

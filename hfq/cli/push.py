@@ -1,5 +1,6 @@
 """`hfq push DIR REPO`: upload a saved hfq model or adapter folder to the Hub as it is (weights, tokenizer files,
-README.md), adding hfq's model card when the folder has none."""
+README.md), adding hfq's model card when the folder has none (or PEFT's empty template) and
+pointing a card hfq wrote for another repo id (trainer.save_model names the output folder) at REPO."""
 from __future__ import annotations
 
 
