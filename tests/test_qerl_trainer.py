@@ -236,3 +236,26 @@ def test_final_save_writes_hfq_card_for_any_output_dir_name(tiny_dir, tmp_path):
     card = ModelCard.load(out / "final" / "README.md")
     assert 'PeftModel.from_pretrained(base, "me/qwen-qerl")' in card.text and '"run-v2"' not in card.text
     assert "\n# qwen-qerl\n" in card.text and "hfq" in card.data.tags
+
+
+@pytest.mark.parametrize("max_steps, spg, missed, seen", [(2, 1, "[2]", [0, 1]), (3, 1, None, [0, 1, 2]),
+                                                     (6, 4, "[1]", [0, 2])])
+def test_unvisited_aqn_stages_are_announced(tiny_dir, tmp_path, max_steps, spg, missed, seen):
+    """Noise is drawn per generation batch: a run whose generations skip stages (too few steps, or one generation
+    serving a whole stage and more) says which; one that samples every stage says nothing."""
+    import warnings
+
+    model, tok = _policy(tiny_dir)
+    args = _config(tmp_path, max_steps=max_steps, per_device_train_batch_size=4, steps_per_generation=spg)
+    trainer = QeRLGRPOTrainer(model=model, reward_funcs=[digit_reward], train_dataset=_dataset(), processing_class=tok,
+                              args=args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    msgs = [str(w.message) for w in caught if "AQN:" in str(w.message)]
+    if missed is None:
+        assert msgs == []
+    else:
+        assert len(msgs) == 1 and f"stages {missed} (sigma" in msgs[0] and "aqn_num_stages" in msgs[0]
+    stages = [h["aqn/stage"] for h in trainer.state.log_history if "aqn/stage" in h]
+    assert sorted(set(stages)) == seen

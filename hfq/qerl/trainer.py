@@ -17,6 +17,7 @@ The policy entropy is TRL's `entropy` metric (computed on every loss call).
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from trl import GRPOTrainer
@@ -43,6 +44,7 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
         self.aqn = (AdaptiveQuantizationNoise(self.accelerator.unwrap_model(self.model), args.aqn_norm_names, seed)
                     if args.aqn else None)
         self._aqn_now: tuple[int, float] | None = None  # (step, sigma) while a generation batch is being built
+        self._aqn_stages_checked = False
         mark_ddp_ignore(self.model)  # TRL may have wrapped the model with PEFT: names relative to self.model
         self.vllm_layout = None  # "dense" / "packed" when hfq's vLLM weight stream is installed
         if self.use_vllm:  # LoRA / NVFP4: LoRA-merged layers + noisy norms (see hfq.qerl.vllm_sync)
@@ -74,6 +76,21 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
         stage = self.aqn_schedule.stage(step, total)
         return stage, self.aqn_schedule.stage_sigma(stage)
 
+    def _warn_unvisited_stages(self) -> None:
+        """Noise is drawn once per generation batch, at its optimizer step's stage: a run with fewer generations than
+        stages (or stages shorter than the steps one generation serves) never samples some of them; say which."""
+        self._aqn_stages_checked = True
+        total, ga = self.state.max_steps, self.args.gradient_accumulation_steps
+        every = self.args.steps_per_generation * self.num_iterations  # micro-batches per generation (TRL's cadence)
+        seen = {self.aqn_schedule.stage(micro // ga, total) for micro in range(0, total * ga, every)}
+        missed = sorted(set(range(self.aqn_schedule.num_stages + 1)) - seen)
+        if missed:
+            warnings.warn(
+                f"AQN: {len(range(0, total * ga, every))} generation batches over max_steps={total} sample stages "
+                f"{sorted(seen)} of 0..{self.aqn_schedule.num_stages}; stages {missed} (sigma "
+                f"{', '.join(f'{self.aqn_schedule.stage_sigma(k):.3g}' for k in missed)}) are never used. Lower "
+                "aqn_num_stages or steps_per_generation, or train for more steps.", stacklevel=3)
+
     def _hfq_rollout_enabled(self) -> bool:
         return self.args.use_hfq_rollout and not self.use_vllm and next(self.model.parameters()).is_cuda
 
@@ -81,6 +98,8 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if self.aqn is None or not self.model.training:
             return super()._generate_and_score_completions(inputs)
+        if not self._aqn_stages_checked:
+            self._warn_unvisited_stages()
         step = self.state.global_step
         stage, sigma = self.aqn_sigma(step)
         self._aqn_now = (step, sigma)
