@@ -32,5 +32,6 @@ def register_all() -> None:
         if hasattr(cfg_cls, "get_loading_attributes") and kinds is not None and cfg_cls not in kinds:
             auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*kinds, cfg_cls)
 
+    importlib.import_module("hfq._base.peft_guard").install()  # adapters on QuEST/QFT/ECO layers: refused clearly
     importlib.import_module("hfq.nvfp4.peft_lora").register_peft_dispatch()  # LoRA on NVFP4Linear, process-wide
     _DONE = True

@@ -424,3 +424,27 @@ def test_export_with_adapter_writes_the_active_named_adapter(tiny, tmp_path):
     for fn in (export_with_adapter, merge_and_requantize):
         with pytest.raises(ValueError, match="transformers' load_adapter/add_adapter.*PeftModel.from_pretrained"):
             fn(base, *([str(tmp_path / "tf")] if fn is export_with_adapter else []))
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_merge_keeps_a_trainable_base_bias_the_one_that_trains(tiny, tmp_path, bias):
+    """bias="all"/"lora_only" make the base biases trainable: while merged, the dense stand-in uses that same bias
+    parameter (counts and gradients as PEFT's own merge), and the kept NVFP4 base adds no parameters or state keys."""
+    cfg = LoraConfig(r=4, target_modules=TARGETS, bias=bias)
+    dense = peft.get_peft_model(_dense_copy(_base(tiny)), cfg)
+    pm = peft.get_peft_model(_base(tiny), cfg)
+    want = dense.get_nb_trainable_parameters()
+    pm.merge_adapter()
+    assert pm.get_nb_trainable_parameters() == want
+    q = pm.base_model.model.model.layers[0].self_attn.q_proj
+    kept = q._nvfp4_base
+    assert isinstance(kept, NVFP4Linear) and q.base_layer.bias is kept.bias and kept.bias.requires_grad
+    assert not any("_nvfp4_base" in n for n in pm.state_dict())
+    x = _ids()
+    pm(x, labels=x).loss.backward()
+    assert kept.bias.grad is not None and kept.bias.grad.abs().sum() > 0
+    pm.save_pretrained(tmp_path / "a")
+    keys = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    assert not any("_nvfp4_base" in k for k in keys) and any(k.endswith("q_proj.base_layer.bias") for k in keys)
+    pm.unmerge_adapter()
+    assert q.base_layer is kept and q._nvfp4_base is None and pm.get_nb_trainable_parameters() == want

@@ -284,3 +284,22 @@ def test_qft_reload_takes_the_training_options_passed(tiny_dir, tmp_path):
 def test_a_skip_entry_naming_a_container_is_announced(tiny_dir):
     with pytest.warns(UserWarning, match=r"entry 'mlp' matches model\.layers\.0\.mlp, which holds linear layers"):
         AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QFTConfig(modules_to_not_convert=["mlp"]))
+
+
+@pytest.mark.parametrize("method", ["quest", "qft"])
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"]])
+def test_peft_adapters_on_layers_that_train_their_own_weights_are_refused(method, targets, tiny_dir):
+    """LoRA on a QuEST / QFT (ECO) model: "all-linear" used to report that no target_modules were given (the
+    layers are not nn.Linear), a named target "not supported"; both now say what the layer is and what to do."""
+    import peft
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=CONFIGS[method]())
+    name = {"quest": "QuEST", "qft": "QFT/ECO"}[method]
+    with pytest.raises(ValueError, match=rf"is a {re.escape(name)} layer, which trains its own quantized weight.*"
+                                         r"NVFP4 layers only.*without peft_config.*NVFP4Config"):
+        peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=targets))
+    if targets == "all-linear":
+        with pytest.raises(ValueError, match=rf"all-linear'.*is a {re.escape(name)} layer"):
+            peft.get_peft_model(m, peft.LoHaConfig(target_modules=targets))
+    nv = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config())
+    assert isinstance(peft.get_peft_model(nv, peft.LoraConfig(r=4, target_modules=targets)), peft.PeftModel)

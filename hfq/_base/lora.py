@@ -1,6 +1,7 @@
-"""LoRA merge helpers shared by the quantized-linear rooms: the dense twin of a layer and the LoRA-merged weight.
+"""LoRA merge helpers for quantized bases (NVFP4 layers, the vLLM weight stream): the dense twin of a layer and the
+LoRA-merged weight.
 
-A quantized layer (NVFP4, QuEST, QFT) has no float weight to add a LoRA delta into, so merging always goes
+A quantized layer has no float weight to add a LoRA delta into, so merging always goes
 through a dense float32 weight: `dequant(W) + sum_a scale_a * B_a @ A_a` (bias: `+ scale_a * b_a`), then either a
 dense `nn.Linear` in the model's dtype (`dense_linear`) or a re-quantization by the caller.
 """

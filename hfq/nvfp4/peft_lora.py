@@ -111,10 +111,12 @@ class NVFP4LoraLinear(LoraLinear):
             w, b, dtype = base.dequantize(torch.float32), base.bias, base.weight_dtype
         else:  # already dense (another adapter was merged before)
             w, b, dtype = base.weight, base.bias, base.weight.dtype
-        w, b, _ = merge_lora(self, w, b, adapter_names, name=type(self).__name__)
-        dense = dense_linear(w, b, dtype)
-        if isinstance(base, NVFP4Linear):
-            self._nvfp4_base = base
+        w, merged_b, _ = merge_lora(self, w, b, adapter_names, name=type(self).__name__)
+        dense = dense_linear(w, merged_b, dtype)
+        if isinstance(b, nn.Parameter) and b.requires_grad and torch.equal(merged_b.to(b.dtype), b.detach()):
+            dense.bias = b  # a trainable base bias (bias="all"/"lora_only") stays the one parameter that trains
+        if isinstance(base, NVFP4Linear):  # kept for unmerge outside the module tree: no parameters, no state keys
+            object.__setattr__(self, "_nvfp4_base", base)
         self.base_layer = dense
         self.merged_adapters.extend(adapter_names)
 
@@ -124,6 +126,11 @@ class NVFP4LoraLinear(LoraLinear):
             return
         self.merged_adapters.clear()
         self.base_layer, self._nvfp4_base = self._nvfp4_base, None  # exact: the codes were never touched
+
+    def _apply(self, fn, recurse=True):
+        if self._nvfp4_base is not None:  # .to()/.cuda() while merged move the kept base too
+            self._nvfp4_base._apply(fn, recurse)
+        return super()._apply(fn, recurse)
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -197,20 +204,12 @@ def _refuse_nvfp4_modules_to_save(update):
 
 
 def _count_nvfp4_weights(get_nb):
-    """get_nb_trainable_parameters plus the frozen NVFP4 weights' logical elements (out x in each). A base kept for
-    unmerge while its dense merged copy stands in (NVFP4LoraLinear._nvfp4_base) is counted once, by the copy."""
+    """get_nb_trainable_parameters plus the frozen NVFP4 weights' logical elements (out x in each); a merged layer's
+    dense copy is an ordinary parameter."""
 
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         trainable, total = get_nb(self)
-        for name, m in self.named_modules():
-            if not isinstance(m, NVFP4Linear):
-                continue
-            if name.endswith("_nvfp4_base"):
-                for p in m.parameters():
-                    total -= p.numel()
-                    trainable -= p.numel() if p.requires_grad else 0
-            else:
-                total += m.in_features * m.out_features
+        total += sum(m.in_features * m.out_features for m in self.modules() if isinstance(m, NVFP4Linear))
         return trainable, total
 
     get_nb_trainable_parameters.__doc__ = get_nb.__doc__

@@ -78,6 +78,8 @@ class QLinear(nn.Module):
     Not an nn.Linear subclass on purpose: model code that re-initialises every nn.Linear in place
     (transformers' _init_weights) must not touch the codes."""
 
+    full_tuning_method = "QFT/ECO"  # trains its own quantized weight: no PEFT adapters (hfq._base.peft_guard)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, weight_format: str = "fp8_e4m3_row",
                  device=None, dtype=None, placeholder: bool = False, **meta):
         super().__init__()

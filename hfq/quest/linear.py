@@ -177,6 +177,8 @@ class QuESTLinear(nn.Module):
     share_input_quantization: layers called on the very same input tensor (q/k/v, gate/up) quantize it
     once (outside torch.compile); the result is identical, it only saves the kernel and the memory."""
 
+    full_tuning_method = "QuEST"  # trains its own quantized weight: no PEFT adapters (hfq._base.peft_guard)
+
     share_input_quantization = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
