@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 import hfq  # noqa: F401  (registers hfq_qft)
 from hfq.eco import ECOAdamW, ECOSGD, optimizer_cls_and_kwargs
 from hfq.qft import QFTConfig, QLion, int8_grad, quantize_model_
-from hfq.qparam import FORMATS, QLinear, QParam, accumulate_int8_grad_
+from hfq.qparam import FORMATS, QLinear, QParam, QuantizedWriteError, accumulate_int8_grad_
 from hfq.tiny import save_tiny, tiny_model
 
 HINT = "ECOAdamW or ECOSGD"
@@ -96,7 +96,7 @@ def test_inplace_writes_into_a_qparam_raise():
                   lambda: torch._foreach_mul_([w], 0.5),
                   lambda: w.detach().add_(1.0),
                   lambda: torch.add(lin.bias, 1.0, out=w)):
-        with torch.no_grad(), pytest.raises(TypeError, match=HINT):
+        with torch.no_grad(), pytest.raises(QuantizedWriteError, match=HINT):
             write()
 
 

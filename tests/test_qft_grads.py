@@ -22,12 +22,12 @@ STEPS, SHARD, SEQ, WORLD = 3, 4, 16, 2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _tiny(seed=0, gradient_bits=8, device="cpu"):
+def _tiny(seed=0, gradient_bits=8, device="cpu", layers=2):
     """The tiny quantized LLaMA, quantized on the CPU (the same codes for every process) and moved to `device`."""
     from hfq.qft import QFTConfig, quantize_model_
     from hfq.tiny import tiny_model
 
-    model = tiny_model("llama", seed=seed, hidden=64, intermediate=128, kv_heads=4).train()
+    model = tiny_model("llama", seed=seed, hidden=64, intermediate=128, kv_heads=4, layers=layers).train()
     quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", gradient_bits=gradient_bits))
     return model.to(device)
 
@@ -343,9 +343,11 @@ def test_nan_gradient_refused_after_clipping_and_int8_grad_not_writable():
     h = up.register_forward_hook(poison)
     model(input_ids=x, labels=x).loss.backward()
     h.remove()
-    with pytest.raises(TypeError, match=r"INT8 gradient of model\.layers\.0\.mlp\.up_proj\.weight"):
+    from hfq.qparam import QuantizedWriteError
+
+    with pytest.raises(QuantizedWriteError, match=r"INT8 gradient of model\.layers\.0\.mlp\.up_proj\.weight"):
         up.weight.grad.add_(1.0)
-    with pytest.raises(TypeError, match="only scaling by a scalar"):
+    with pytest.raises(QuantizedWriteError, match="only scaling by a scalar"):
         up.weight.grad.mul_(torch.ones(up.weight.shape))
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     assert not torch.isfinite(norm)
@@ -411,7 +413,7 @@ def _ddp_worker(rank, port, out, device):
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=WORLD)
-    from hfq.qparam import int8grad
+    from hfq.qparam import QuantizedWriteError, int8grad
     int8grad.BUCKET.MAX_BYTES = 40_000  # all-reduces of one or two weights each, the rest sent at backward's end
     model = _tiny(device=dev)
     ddp = DDP(model, device_ids=[rank] if dev.type == "cuda" else None)
@@ -442,7 +444,7 @@ def _ddp_worker(rank, port, out, device):
     try:
         ddp(input_ids=x, labels=x).loss.backward()
         msg = "no error"
-    except TypeError as e:
+    except QuantizedWriteError as e:
         msg = str(e)
     with open(os.path.join(out, f"rank{rank}_unignored.txt"), "w") as f:
         f.write(msg)
@@ -684,3 +686,69 @@ def test_reductions_in_flight_finish_by_the_end_of_backward():
     assert done == [0, 1, 2, 3] and waited == [0, 1, 2, 3] and not IN_FLIGHT.queue
     IN_FLIGHT.add(Work(9), lambda: done.append(9))
     assert done[-1] == 9 and not IN_FLIGHT.queue
+
+
+def test_python_inplace_operators_on_int8_gradients_and_quantized_weights():
+    """`p.grad /= k` scales the INT8 store like `*=` (it used to swap in a bf16 tensor, then fail at the next backward
+    blaming gradient_bits); clip_grad_value_ clamps it; `p -= x` / `p.data -= x` on a quantized weight raise (Python
+    read PyTorch's TypeError as NotImplemented and rebound the name: the weight silently stayed as it was)."""
+    from hfq.qparam import Int8Grad, QuantizedWriteError
+
+    model = _tiny()
+    x = torch.randint(4, 100, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    model(input_ids=x, labels=x).loss.backward()
+    p = model.model.layers[0].mlp.up_proj.weight
+    g0 = p.grad.dequantize()
+    p.grad /= 4
+    assert isinstance(p.grad, Int8Grad) and torch.allclose(p.grad.dequantize(), g0 / 4, rtol=1e-6, atol=0)
+    torch._foreach_div_([p.grad], 0.5)
+    assert isinstance(p.grad, Int8Grad) and torch.allclose(p.grad.dequantize(), g0 / 2, rtol=1e-6, atol=0)
+    model(input_ids=x, labels=x).loss.backward()  # accumulates into the same store
+    assert isinstance(p.grad, Int8Grad)
+    for foreach in (False, True):
+        clip = float(p.grad.dequantize().abs().max()) / 3
+        torch.nn.utils.clip_grad_value_(model.parameters(), clip, foreach=foreach)
+        v = p.grad.dequantize()
+        assert isinstance(p.grad, Int8Grad) and v.abs().max() <= clip * 1.01 and (v.abs() > clip * 0.9).any()
+    before = p.dequantize().clone()
+    with torch.no_grad():
+        with pytest.raises(QuantizedWriteError, match="would modify a quantized weight"):
+            p -= 0.1 * p.grad.dequantize(p.dtype)
+        with pytest.raises(QuantizedWriteError, match="would modify a quantized weight"):
+            p.data *= 0.5
+    assert torch.equal(p.dequantize(), before)
+
+
+def test_compile_with_int8_gradients_matches_eager_without_recompiling_per_layer():
+    """torch.compile of a gradient_bits=8 model: the INT8-store linear runs eagerly between compiled regions (its
+    backward builds the Int8Grad), instead of Dynamo compiling that Function once per layer shape until its
+    recompile limit; values equal eager."""
+    import logging
+
+    class Hits(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def emit(self, record):
+            self.n += "recompile_limit" in record.getMessage()
+
+    x = torch.randint(4, 100, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    out = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = _tiny(layers=6)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        hits = Hits()
+        logging.getLogger("torch._dynamo").addHandler(hits)
+        try:
+            loss = run(input_ids=x, labels=x).loss
+            loss.backward()
+        finally:
+            logging.getLogger("torch._dynamo").removeHandler(hits)
+        assert hits.n == 0
+        out.append((loss.detach(), {n: q.dequantize().clone() for n, q in _int8(model).items()}))
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-6)
+    assert out[0][1].keys() == out[1][1].keys() and len(out[0][1]) > 0
+    for n in out[0][1]:
+        assert torch.allclose(out[0][1][n], out[1][1][n], atol=1e-6), n

@@ -49,7 +49,8 @@ class QLion(QParamOptimizer):
     paper refreshes them once per epoch (App. C): pass steps per epoch), fused (None: int8_dense_sparse weights
     with INT8 momentum on CUDA take the fused multi-tensor Triton step, hfq_kernels.qlion, which reads the INT8
     gradient store as it is; False: always the torch ops; True: also CPU tensors under TRITON_INTERPRET=1). The
-    fused step's RTN results equal the torch ops'; its SR draws come from a hashed counter stream per step and weight
+    fused step's RTN results equal the torch ops' under the interpreter (on CUDA row scales can differ in the last
+    bit, moving a code by one step at rounding ties); its SR draws come from a hashed counter stream per step and weight
     (keyed by seed, the weight's position in the optimizer, its step count and the element's global index, so
     resumed runs, DDP ranks and FSDP2 row shards draw what the whole weight draws), not from the torch generator.
     The torch ops' SR is keyed by global element for FSDP2-sharded weights, and for every weight with keyed_sr=True.

@@ -16,29 +16,34 @@ from .config import check_gradient_bits
 class QFTLinear(QLinear):
     """QLinear whose weight gradient goes to an INT8 store (read by hfq.qft.QLion) when gradient_bits == 8.
 
-    Same state_dict as QLinear (codes + scales); `qft_name` (the module path) names the weight in errors."""
+    Same state_dict as QLinear (codes + scales); errors name the weight by its QParam's `place.name`."""
 
     def __init__(self, *args, gradient_bits: int | None = 8, **kwargs):
         super().__init__(*args, **kwargs)
         self.gradient_bits = check_gradient_bits(gradient_bits)
-        self.qft_name = None
 
     @classmethod
     def from_linear(cls, linear, weight_format="int8_dense_sparse", rounding="rtn", generator=None,
                     gradient_bits: int | None = 8, **meta) -> "QFTLinear":
         out = super().from_linear(linear, weight_format, rounding, generator, **meta)
         out.gradient_bits = check_gradient_bits(gradient_bits)
-        out.qft_name = None
         return out
 
     def forward(self, x):
         if self.gradient_bits == 8 and isinstance(self.weight, QParam) and torch.is_grad_enabled():
-            name = self.qft_name + ".weight" if self.qft_name else None
-            return qlinear(x, self.weight, self.bias, store_int8=True, name=name)
+            return _int8_grad_linear(x, self.weight, self.bias)
         return super().forward(x)
 
     def extra_repr(self):
         return super().extra_repr() + f", gradient_bits={self.gradient_bits}"
+
+
+@torch.compiler.disable
+def _int8_grad_linear(x, w, b):
+    """qlinear with the INT8 gradient store, run eagerly under torch.compile: its backward writes the weight's
+    Int8Grad (a tensor subclass built outside any graph), so Dynamo would break the graph there and compile the
+    Function once per layer shape."""
+    return qlinear(x, w, b, store_int8=True)
 
 
 def layer_maker(config, placeholder: bool = False, generator=None):
@@ -56,8 +61,6 @@ def layer_maker(config, placeholder: bool = False, generator=None):
             check_finite(mod.weight.detach(), f"{name}.weight")
             new = cls.from_linear(mod, config.weight_format, config.rounding, generator, **extra,
                                   **config.format_options)
-        if cls is QFTLinear:
-            new.qft_name = name
         return new
 
     return make

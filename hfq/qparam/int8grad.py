@@ -14,7 +14,7 @@ from hfq_kernels import int8 as _int8k
 from hfq_kernels.reference import intq as _intq
 from .formats import int8_kernels
 from .fsdp import local
-from .tensor import QParam, _written_qparam
+from .tensor import QParam, QuantizedWriteError, _written_qparam
 
 
 class Int8Grad(torch.Tensor):
@@ -74,11 +74,20 @@ class Int8Grad(torch.Tensor):
         row scales, codes untouched."""
         f = torch.as_tensor(factor, dtype=torch.float32, device=self.scales.device)
         if f.numel() != 1:
-            raise TypeError(f"INT8 gradient of {self.param_name or 'a weight'}: only scaling by a scalar is supported, "
-                            f"got a tensor of shape {tuple(f.shape)}")
+            raise QuantizedWriteError(f"INT8 gradient of {self.param_name or 'a weight'}: only scaling by a scalar is "
+                                      f"supported, got a tensor of shape {tuple(f.shape)}")
         f = f.reshape(())
         self.finite &= torch.isfinite(f).to(self.finite.device)
         self.scales = self.scales * f
+        return self
+
+    @torch.no_grad()
+    def rewrite_(self, fn) -> "Int8Grad":
+        """Replace the stored gradient by fn(its fp32 value), requantized (an elementwise clamp: clip_grad_value_)."""
+        finite, count = self.finite, self.count
+        self.count = 0
+        self.accumulate_(fn(self.dequantize(torch.float32)))
+        self.finite, self.count = self.finite & finite, count
         return self
 
     @property
@@ -100,9 +109,18 @@ class Int8Grad(torch.Tensor):
         aten = torch.ops.aten
         if func in (aten.mul_.Tensor, aten.mul_.Scalar) and isinstance(args[0], Int8Grad):
             return args[0].scale_(args[1])
-        if func in (aten._foreach_mul_.Tensor, aten._foreach_mul_.Scalar):
-            for t in args[0]:
-                t.scale_(args[1]) if isinstance(t, Int8Grad) else t.mul_(args[1])
+        if func in (aten.div_.Tensor, aten.div_.Scalar) and isinstance(args[0], Int8Grad):
+            return args[0].scale_(torch.reciprocal(torch.as_tensor(args[1], dtype=torch.float32)))
+        if func in _CLAMPS and isinstance(args[0], Int8Grad):
+            rest, kw = args[1:], kwargs
+            return args[0].rewrite_(lambda v: _CLAMPS[func](v, *rest, **kw))
+        single = _FOREACH_SCALAR.get(func)
+        if single is not None:  # one scalar for every tensor: INT8 gradients each take the single op above
+            ints = [t for t in args[0] if isinstance(t, Int8Grad)]
+            if len(ints) < len(args[0]):
+                func([t for t in args[0] if not isinstance(t, Int8Grad)], *args[1:], **kwargs)
+            for t in ints:
+                single(t, *args[1:], **kwargs)
             return None
         if func is aten._amp_foreach_non_finite_check_and_unscale_.default:  # GradScaler.unscale_ (fp16 AMP)
             grads, found_inf, inv_scale = args
@@ -132,12 +150,31 @@ class Int8Grad(torch.Tensor):
         if func._schema.is_mutable:
             q = _written_qparam(func, args, kwargs, Int8Grad)
             if q is not None:
-                raise TypeError(f"{func} would modify the INT8 gradient of {q.param_name or 'a quantized weight'} "
-                                "in place; supported: scaling by a scalar (mul_), zero_, or setting .grad = None. "
-                                "Under DistributedDataParallel: wrap the model hfq.qft converted, or call "
-                                "hfq.qft.ddp_ignore_int8_grad_weights_(module) on the module you wrap, before wrapping")
+                ddp = (" Under DistributedDataParallel: wrap the model hfq.qft converted, or call "
+                       "hfq.qft.ddp_ignore_int8_grad_weights_(module) on the module you wrap, before wrapping"
+                       if torch.distributed.is_available() and torch.distributed.is_initialized() else "")
+                raise QuantizedWriteError(
+                    f"{func} would modify the INT8 gradient of {q.param_name or 'a quantized weight'} in place; "
+                    "supported: scaling by a scalar (mul_, div_), clamping (clamp_, clip_grad_value_), zero_, or "
+                    f"setting .grad = None.{ddp}")
         unwrap = lambda a: a.dequantize(a.dtype) if isinstance(a, Int8Grad) else a  # noqa: E731
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+_aten = torch.ops.aten
+_CLAMPS = {_aten.clamp_.default: torch.clamp, _aten.clamp_.Tensor: torch.clamp,
+           _aten.clamp_min_.default: torch.clamp_min, _aten.clamp_min_.Tensor: torch.clamp_min,
+           _aten.clamp_max_.default: torch.clamp_max, _aten.clamp_max_.Tensor: torch.clamp_max}
+_FOREACH_SCALAR = {_aten._foreach_mul_.Scalar: _aten.mul_.Scalar, _aten._foreach_mul_.Tensor: _aten.mul_.Tensor,
+                   _aten._foreach_div_.Scalar: _aten.div_.Scalar, _aten._foreach_div_.Tensor: _aten.div_.Tensor,
+                   _aten._foreach_clamp_min_.Scalar: _aten.clamp_min_.default,
+                   _aten._foreach_clamp_max_.Scalar: _aten.clamp_max_.default}
+
+
+def _float_grad_met(name, cur) -> TypeError:
+    return TypeError(f"{name or 'a quantized weight'}: has an ordinary .grad ({cur.dtype}) and an INT8 gradient "
+                     "arrives: its INT8 .grad was replaced by a float tensor (e.g. p.grad = p.grad * k, or "
+                     "gradient_bits switched); zero the gradients (set_to_none) first")
 
 
 def int8_grad(p: torch.Tensor) -> Int8Grad | None:
@@ -158,8 +195,7 @@ def accumulate_int8_grad_(p: torch.Tensor, g: torch.Tensor, name: str | None = N
     elif isinstance(cur, Int8Grad):
         cur.accumulate_(g)
     else:
-        raise TypeError(f"{name or 'a quantized weight'}: has an ordinary .grad ({cur.dtype}) and an INT8 gradient "
-                        "arrives; zero the gradients (set_to_none) before switching gradient_bits")
+        raise _float_grad_met(name, cur)
     return cur
 
 
@@ -330,8 +366,7 @@ def _store_shard(param, mine: torch.Tensor, name) -> None:
         return
     store = local(cur)
     if not isinstance(store, Int8Grad):
-        raise TypeError(f"{name or 'a quantized weight'}: has an ordinary .grad ({cur.dtype}) and an INT8 gradient "
-                        "arrives; zero the gradients (set_to_none) before switching gradient_bits")
+        raise _float_grad_met(name, cur)
     store.accumulate_(mine)
 
 

@@ -28,7 +28,8 @@ class _QLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, b, store_int8=False, name=None):
-        ctx.w, ctx.store_int8, ctx.name = w, store_int8, name
+        ctx.w, ctx.store_int8 = w, store_int8
+        ctx.name = name or w.place.name  # not read in the caller: a per-layer constant there recompiles per layer
         ctx.has_b = b is not None
         wd = w.dequantize(x.dtype)
         # Under activation checkpointing the decoded weight is a saved tensor too: checkpointing drops it after the

@@ -16,6 +16,12 @@ from . import fsdp as _fsdp
 from .formats import check_format
 from .fsdp import RowPlace
 
+class QuantizedWriteError(RuntimeError):
+    """An in-place write into a quantized weight (QParam) or an INT8 gradient that cannot be honoured. Not a
+    TypeError: Python's in-place operators (`p -= x`, `p.grad /= k`) take PyTorch's TypeError as NotImplemented and
+    fall back to `p = p - x`, which rebinds a name and leaves the weight as it was, silently."""
+
+
 USE_HFQ_OPTIMIZER = (
     "Quantized weights are updated only through requantize_: train them with hfq.ECOAdamW or ECOSGD "
     "(any weight_format; with Trainer: optimizer_cls_and_kwargs=hfq.eco.optimizer_cls_and_kwargs(args)) or "
@@ -199,7 +205,7 @@ class QParam(torch.Tensor):
         if func._schema.is_mutable:
             q = _written_qparam(func, args, kwargs)
             if q is not None:
-                raise TypeError(
+                raise QuantizedWriteError(
                     f"{func} would modify a quantized weight (QParam {q.fmt} {tuple(q.shape)}) in place, which "
                     f"changes only a dequantized temporary. {USE_HFQ_OPTIMIZER}")
         unwrap = lambda a: a.dequantize() if isinstance(a, QParam) else a  # noqa: E731
