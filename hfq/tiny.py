@@ -21,9 +21,9 @@ def tiny_config(arch: str = "qwen2", hidden: int = 64, layers: int = 2, heads: i
     cls = {"qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config, "llama": tf.LlamaConfig,
            "mistral": tf.MistralConfig}[arch]
     extra = {"head_dim": hidden // heads} if arch in ("qwen3", "mistral") else {}
+    kw = {"tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **extra, **kw}
     return cls(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=max_pos,
-               tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra, **kw)
+               num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=max_pos, **kw)
 
 
 def tiny_model(arch: str = "qwen2", seed: int = 0, dtype=torch.float32, **cfg_kw):

@@ -303,3 +303,46 @@ def test_peft_adapters_on_layers_that_train_their_own_weights_are_refused(method
             peft.get_peft_model(m, peft.LoHaConfig(target_modules=targets))
     nv = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config())
     assert isinstance(peft.get_peft_model(nv, peft.LoraConfig(r=4, target_modules=targets)), peft.PeftModel)
+
+
+def test_qft_refuses_a_tied_head_and_offloading(tmp_path):
+    """QFT/ECO quantizing an lm_head tied to the embeddings untied them silently and wrote a checkpoint that did not
+    reload (from_pretrained said the weight was missing); a device_map that offloads crashed inside accelerate."""
+    d = save_tiny(tmp_path / "tied", arch="qwen2", tie_word_embeddings=True)
+    for skip in ([], ["embed_tokens"]):
+        with pytest.raises(ValueError, match=r"lm_head is tied to the input embeddings.*modules_to_not_convert"):
+            AutoModelForCausalLM.from_pretrained(d, quantization_config=hfq.QFTConfig(modules_to_not_convert=skip))
+        with pytest.raises(ValueError, match=r"lm_head is tied to the input embeddings"):
+            hfq.qft.quantize_model_(AutoModelForCausalLM.from_pretrained(d),
+                                    hfq.QFTConfig(weight_format="fp8_e4m3_row", modules_to_not_convert=skip))
+    m = AutoModelForCausalLM.from_pretrained(d, quantization_config=hfq.QFTConfig())  # default: the head stays dense
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    dm = {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu",
+          "lm_head": "cpu"}
+    with pytest.raises(ValueError, match=r"device_map places modules on \['cpu', 'disk'\]; offloading"):
+        AutoModelForCausalLM.from_pretrained(d, quantization_config=hfq.QFTConfig(), device_map=dm,
+                                             offload_folder=str(tmp_path / "off"))
+
+
+def test_dequantize_after_save_and_dtype_casts_keep_quantized_state(tiny_dir, tmp_path):
+    """NVFP4 dequantize() after save_pretrained (which writes config.dtype back as a string) crashed; dequantize to
+    another dtype than the model's left a model whose forward failed; QuEST codes layers rounded their fp32 row
+    scales for good on model.to(bfloat16)."""
+    x = torch.randint(4, 60, (1, 8))
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config())
+    with pytest.raises(ValueError, match=r"dequantize\(dtype=torch.bfloat16\): the model's other layers are "
+                                         r"torch.float32.*model.to\(dtype\)"):
+        m.dequantize(dtype=torch.bfloat16)
+    want = m(x).logits
+    m.save_pretrained(tmp_path / "nv")
+    assert isinstance(m.config.dtype, str)
+    dense = m.dequantize()
+    assert not any(isinstance(mod, NVFP4Linear) for mod in dense.modules())
+    assert torch.allclose(dense(x).logits, want, atol=1e-5)
+    AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QuESTConfig(save_format="codes")) \
+        .save_pretrained(tmp_path / "qc")
+    q = AutoModelForCausalLM.from_pretrained(tmp_path / "qc")
+    layer = q.model.layers[0].self_attn.q_proj
+    scale = layer.weight_scale.clone()
+    q.to(torch.bfloat16).to(torch.float32)
+    assert layer.weight_scale.dtype == torch.float32 and torch.equal(layer.weight_scale, scale)

@@ -144,7 +144,14 @@ class NVFP4HfQuantizer(HfqQuantizer):
                              f"{'; '.join(bad[:5])}: the file is corrupt (global scales are finite and > 0)")
 
     def _dequantize(self, model, dtype=None):
+        if isinstance(dtype, str):  # save_pretrained writes config.dtype back as its name
+            dtype = getattr(torch, dtype)
         dtype = dtype or torch.bfloat16
+        rest = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if rest and dtype not in rest:
+            raise ValueError(f"model.dequantize(dtype={dtype}): the model's other layers are "
+                             f"{', '.join(sorted(str(d) for d in rest))}, and a model of mixed dtypes fails in its "
+                             "forward; call model.dequantize(), then model.to(dtype)")
         for name, mod in list(model.named_modules()):
             if isinstance(mod, NVFP4Linear):
                 lin = dense_linear(mod.dequantize(dtype), mod.bias, dtype)

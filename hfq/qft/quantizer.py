@@ -53,9 +53,19 @@ class QFTHfQuantizer(HfqQuantizer):
         except AttributeError:
             return False
 
+    def validate_environment(self, *args, device_map=None, **kwargs):
+        """A device_map that offloads (to "disk", or "cpu" beside accelerators) is refused: accelerate's offload
+        rebuilds each weight as a plain tensor, which a QParam is not."""
+        places = {str(v) for v in device_map.values()} if isinstance(device_map, dict) else set()
+        if "disk" in places or ("cpu" in places and len(places) > 1):
+            raise ValueError(f"QFT/ECO (hfq_qft): device_map places modules on {sorted(places)}; offloading to the "
+                             "CPU or disk is not supported for QParam weights. Load onto one device (device_map="
+                             "{'': 'cuda:0'} or 'cpu') or spread over accelerators only (max_memory without 'cpu')")
+
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         cfg = self.quantization_config
         self._skip = modules_to_skip(model, cfg, False)
+        _refuse_tied_head(model, self._skip)
         if self.pre_quantized:
             if checkpoint_files:
                 self.check_checkpoint_method(checkpoint_index(checkpoint_files))
@@ -85,6 +95,22 @@ class QFTHfQuantizer(HfqQuantizer):
         return model
 
 
+def _refuse_tied_head(model: nn.Module, skip: list[str]) -> None:
+    """An output head tied to the input embeddings would become its own QParam: untied silently, and the saved
+    checkpoint (still tie_word_embeddings) could not be reloaded. Refused, naming the entry that keeps it out."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if not isinstance(head, nn.Linear) or not getattr(cfg, "tie_word_embeddings", False):
+        return
+    name = next(n for n, m in model.named_modules() if m is head)
+    if should_convert(name, skip):
+        raise ValueError(f"QFT/ECO (hfq_qft): {name} is tied to the input embeddings (tie_word_embeddings=True); "
+                         "quantizing it would untie them and the checkpoint could not be reloaded. Keep it out: "
+                         f"modules_to_not_convert=[{name!r}, ...] (the default when modules_to_not_convert is None)")
+
+
 def quantize_model_(model: nn.Module, config) -> list[str]:
     """Quantize an already-built model (e.g. from_config for pretraining) in place per a QFTConfig; the model is
     marked quantized with `hfq_qft` so that save_pretrained writes an hfq checkpoint."""
@@ -92,6 +118,7 @@ def quantize_model_(model: nn.Module, config) -> list[str]:
     quantizer = QFTHfQuantizer(config, pre_quantized=False)
     config = quantizer.quantization_config
     skip = modules_to_skip(model, config, False)
+    _refuse_tied_head(model, skip)
     names = replace_linears(model, layer_maker(config), skip)
     report = check_conversion(config.quant_method, model, names, skip, strict=config.strict)
     model.hfq_quantization_report = report

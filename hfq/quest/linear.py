@@ -206,6 +206,17 @@ class QuESTLinear(nn.Module):
         m.bias = lin.bias
         return m
 
+    def _apply(self, fn, recurse=True):
+        # A packed layer's codes and fp32 row scales follow device moves, never dtype casts (.to(bfloat16) would
+        # round the scales for good).
+        keep = {k: b for k, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for k, old in keep.items():
+            new = self._buffers[k]
+            if new.dtype != old.dtype:
+                self._buffers[k] = old.to(new.device)
+        return self
+
     def extra_repr(self) -> str:
         c = self.config
         a = f"A{c.activation_bits}" if c.activation_bits else "A16"
