@@ -32,6 +32,12 @@ def register_all() -> None:
         if hasattr(cfg_cls, "get_loading_attributes") and kinds is not None and cfg_cls not in kinds:
             auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*kinds, cfg_cls)
 
+    from transformers import PreTrainedModel
+
+    from hfq._base.surgery import save_with_state_dict  # hfq checkpoints honour save_pretrained(state_dict=)
+
+    if not hasattr(PreTrainedModel.save_pretrained, "hfq_wrapped"):
+        PreTrainedModel.save_pretrained = save_with_state_dict(PreTrainedModel.save_pretrained)
     importlib.import_module("hfq._base.peft_guard").install()  # adapters on QuEST/QFT/ECO layers: refused clearly
     importlib.import_module("hfq.nvfp4.peft_lora").register_peft_dispatch()  # LoRA on NVFP4Linear, process-wide
     _DONE = True

@@ -346,3 +346,27 @@ def test_dequantize_after_save_and_dtype_casts_keep_quantized_state(tiny_dir, tm
     scale = layer.weight_scale.clone()
     q.to(torch.bfloat16).to(torch.float32)
     assert layer.weight_scale.dtype == torch.float32 and torch.equal(layer.weight_scale, scale)
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_save_pretrained_writes_the_state_dict_it_is_given(method, tiny_dir, tmp_path):
+    """save_pretrained(dir, state_dict=sd) (EMA or edited weights) wrote the live model instead for every hfq model,
+    silently (transformers takes a quantized model's tensors from its quantizer); sd is now what is written, checked
+    against the model's own keys, shapes and dtypes."""
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=CONFIGS[method]())
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    sd["model.norm.weight"] = torch.full_like(sd["model.norm.weight"], 0.5)
+    m.save_pretrained(tmp_path / "a", state_dict=sd)
+    assert torch.equal(load_file(tmp_path / "a" / "model.safetensors")["model.norm.weight"], sd["model.norm.weight"])
+    assert not torch.equal(m.model.norm.weight, sd["model.norm.weight"])  # the live model is untouched
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "a")
+    assert torch.equal(back.model.norm.weight, sd["model.norm.weight"])
+    assert isinstance(back.model.layers[0].self_attn.q_proj, LAYERS[method])
+    sd.pop("model.norm.weight")
+    with pytest.raises(ValueError, match=r"state_dict=.*1 missing, e.g. \['model.norm.weight'\]"):
+        m.save_pretrained(tmp_path / "b", state_dict=sd)
+    sd = m.state_dict()
+    k = next(k for k in sd if k.startswith("model.layers.0.self_attn.q_proj.") and not k.endswith("bias"))
+    sd[k] = sd[k].float() if sd[k].dtype != torch.float32 else sd[k].double()
+    with pytest.raises(ValueError, match=rf"state_dict=.*{re.escape(k)} is .* the model holds"):
+        m.save_pretrained(tmp_path / "c", state_dict=sd)

@@ -56,6 +56,54 @@ def _warn_unmatched_skips(method: str, model: nn.Module, entries) -> None:
                           UserWarning, stacklevel=3)
 
 
+def save_with_state_dict(save_pretrained):
+    """Wrap `PreTrainedModel.save_pretrained`: transformers takes a quantized model's tensors from its quantizer and
+    drops a `state_dict=` given (EMA or edited weights would be replaced by the live ones, silently); an hfq
+    quantizer is handed that dict for the save (`HfqQuantizer.checkpoint_state` checks and writes it)."""
+    import inspect
+
+    sig = inspect.signature(save_pretrained)
+
+    def wrapper(self, *args, **kwargs):
+        q = getattr(self, "hf_quantizer", None)
+        if not isinstance(q, HfqQuantizer):
+            return save_pretrained(self, *args, **kwargs)
+        sd = sig.bind_partial(self, *args, **kwargs).arguments.get("state_dict")
+        if sd is None:
+            return save_pretrained(self, *args, **kwargs)
+        q.passed_state_dict = sd
+        try:
+            return save_pretrained(self, *args, **kwargs)
+        finally:
+            q.passed_state_dict = None
+
+    wrapper.__doc__, wrapper.__name__, wrapper.__qualname__ = (save_pretrained.__doc__, save_pretrained.__name__,
+                                                               save_pretrained.__qualname__)
+    wrapper.__signature__ = sig
+    wrapper.hfq_wrapped = save_pretrained
+    return wrapper
+
+
+def checked_state_dict(model: nn.Module, passed: dict) -> dict:
+    """A copy of the `state_dict=` given to save_pretrained, which must hold what model.state_dict() holds (the same
+    keys, shapes and dtypes: codes and scales as they are), else ValueError naming the first difference."""
+    ref = model.state_dict()
+    missing, extra = sorted(set(ref) - set(passed)), sorted(set(passed) - set(ref))
+    if missing or extra:
+        raise ValueError(f"save_pretrained(state_dict=...) of a quantized model: the dict must have the keys of "
+                         f"model.state_dict() ({len(missing)} missing, e.g. {missing[:3]}; {len(extra)} unknown, "
+                         f"e.g. {extra[:3]}): edit a copy of model.state_dict()")
+    for k, t in ref.items():
+        v = passed[k]
+        if not isinstance(v, torch.Tensor) or v.shape != t.shape or v.dtype != t.dtype:
+            what = (f"{type(v).__name__}" if not isinstance(v, torch.Tensor)
+                    else f"{tuple(v.shape)} {v.dtype}")
+            raise ValueError(f"save_pretrained(state_dict=...): {k} is {what}, the model holds {tuple(t.shape)} "
+                             f"{t.dtype} (quantized tensors are saved as they are stored: edit a copy of "
+                             "model.state_dict())")
+    return dict(passed)
+
+
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
@@ -375,7 +423,8 @@ class HfqQuantizer(HfQuantizer):
                 "model.state_dict().items()} (quantized weights come whole), then on rank 0 load sd into an "
                 "unsharded copy of the model and save_pretrained that; or save FSDP2's sharded checkpoints "
                 "(fsdp_state_dict_type: SHARDED_STATE_DICT)")
-        return model.state_dict()
+        passed = self.__dict__.get("passed_state_dict")
+        return model.state_dict() if passed is None else checked_state_dict(model, passed)
 
     def check_layers_kept(self, model: nn.Module) -> None:
         """Raise ValueError before a save whose quantization_config would not describe the layers: a layer this
