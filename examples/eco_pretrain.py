@@ -171,7 +171,8 @@ def train_one(cfg_name, lr, args, train_ids, val, device, threads=None):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="CPU-sized run (~15 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true",
+                    help="CPU-sized defaults (500 steps, 2x128 model, 2 jobs) where not given (~15 min, 2 cores)")
     ap.add_argument("--steps", type=int, default=2000)
     add_model_args(ap, hidden=384, layers=6, seq=128, batch=64)
     ap.add_argument("--heads", type=int, default=6)
@@ -180,13 +181,14 @@ def main():
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1, help="parallel runs (CPU: one thread each)")
-    ap.add_argument("--out", default="examples/results")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--configs", default=",".join(CONFIGS))
     args = ap.parse_args()
-    if args.quick:
-        args.steps, args.hidden, args.layers, args.heads, args.seq, args.batch, args.eval_every = \
-            500, 128, 2, 4, 64, 16, 25
-        args.jobs = max(args.jobs, 2)
+    if args.quick:  # only where the command line left the default
+        quick = dict(steps=500, hidden=128, layers=2, heads=4, seq=64, batch=16, eval_every=25, jobs=2)
+        for k, v in quick.items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         args.jobs = 1

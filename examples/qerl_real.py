@@ -301,7 +301,8 @@ def parse_args(argv=None):
     p.add_argument("--aqn-stages", type=int, default=4)
     p.add_argument("--loss-type", default="grpo", choices=("grpo", "dapo", "dr_grpo", "bnpo"))
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke-run defaults (1 seed, 3 steps, lr 1e-4, 16 eval questions) for the options not given")
     p.add_argument("--resume", action="store_true", help="reuse runs whose metrics.json exists")
     p.add_argument("--work-dir", default="/tmp/hfq_qerl_real")
     p.add_argument("--out", default=str(ROOT / "examples" / "results"))
@@ -310,8 +311,11 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-5, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.quick:
-        args.seeds, args.steps, args.lrs, args.n_eval = args.seeds[:1], 3, args.lrs[-1:], 16
+    if args.quick:  # only where the command line left the default
+        quick = dict(seeds=args.seeds[:1], steps=3, lrs=args.lrs[-1:], n_eval=16)
+        for k, v in quick.items():
+            if getattr(args, k) == p.get_default(k):
+                setattr(args, k, v)
     return args
 
 

@@ -14,24 +14,28 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     import os
 
+    import httpx
     from huggingface_hub.errors import HFValidationError, LocalTokenNotFoundError
+    from huggingface_hub.utils import validate_repo_id
 
     from hfq import hub
 
     try:
-        hub.check_push(args.repo, args.token)
+        validate_repo_id(args.repo)
     except HFValidationError as e:
         raise SystemExit(f"hfq push: REPO {args.repo!r} is not a valid Hub repository id: {e}") from None
-    except LocalTokenNotFoundError as e:
-        raise SystemExit(f"hfq push: no Hub token: {e}") from None
     if not os.path.isdir(args.folder):
         raise SystemExit(f"hfq push: DIR {args.folder!r} is not a directory")
+    try:
+        hub.check_push(args.repo, args.token)
+    except LocalTokenNotFoundError as e:
+        raise SystemExit(f"hfq push: no Hub token: {e}") from None
     had_card = os.path.isfile(os.path.join(args.folder, "README.md"))
     try:
         url = hub.upload_folder(args.folder, args.repo, private=args.private, token=args.token)
     except ValueError as e:
         raise SystemExit(f"hfq push: DIR: {e}") from None
-    except OSError as e:  # huggingface_hub's HTTP, connection and offline-mode errors
+    except (OSError, httpx.HTTPError) as e:  # offline mode, connection and HTTP errors (httpx's are not OSErrors)
         raise SystemExit(f"hfq push: upload to {args.repo!r} failed: {e}") from None
     print(f"pushed {os.path.abspath(args.folder)} to {url}" + ("" if had_card else " (added README.md model card)"))
     return 0
