@@ -146,7 +146,8 @@ def write_md(path, runs, summ, arms, args, png_name):
          "Tiny pre-trained Qwen2 (demo base, char tokenizer), NVFP4 base + LoRA r=16, GRPO (8 samples/prompt, "
          "64 completions/step, lr 2e-3), rewards = accuracy + format on the bundled arithmetic task; AQN exponential "
          "1e-2 -> 5e-4 with K=4 (stage 0 = first fifth of the run without added noise). Same seed = same base "
-         "model, same data order, same AQN noise. CPU, runs 2 at a time with 1 thread each "
+         "model, same data order, same AQN noise. "
+         f"CPU, runs {args.jobs} at a time with {max(1, (os.cpu_count() or 1) // max(1, args.jobs))} thread(s) each "
          f"(wall time includes model loading). Produced by `python examples/qerl_aqn_scope.py"
          f"{' --quick' if args.quick else ''}`; curves: `{png_name}`.", "",
          f"Mean ± std over seeds {seeds}; 'last 10' = mean over the last {LAST} logged steps.", "",

@@ -375,6 +375,11 @@ class HfqQuantizer(HfQuantizer):
     def validate_environment(self, *args, **kwargs):
         return
 
+    def _dequantize(self, model, dtype=None):
+        method = self.quantization_config.quant_method
+        raise NotImplementedError(f"model.dequantize(): {method} has none (hfq offers it for hfq_nvfp4); its "
+                                  f"{self.layer_types[0].__name__} layers stay as they are")
+
     def conversion_report(self, model: nn.Module, converted: list[str], skip: list[str] | None,
                           reasons: dict[str, str] | None = None) -> dict:
         """`check_conversion` for this load (warnings on a fresh load only: a reload would repeat them), kept as
@@ -455,7 +460,7 @@ class HfqQuantizer(HfQuantizer):
         if gone:
             name, kind = gone[0]
             method = self.quantization_config.quant_method
-            can_dequantize = type(self)._dequantize is not HfQuantizer._dequantize
+            can_dequantize = type(self)._dequantize is not HfqQuantizer._dequantize
             raise ValueError(
                 f"save_pretrained: {len(gone)} layer(s) that {method} quantized are no longer {method} layers (e.g. "
                 f"{name} is now {kind}; PEFT's merge_and_unload() puts dense layers in their place), so the saved "

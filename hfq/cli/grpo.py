@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pretrain-steps", type=positive_int, default=None,
                    help=f"demo base: pre-training steps (default {DEMO_PRETRAIN_STEPS})")
     p.add_argument("--lr", type=positive_float, default=None, help="learning rate (demo default 2e-3)")
-    p.add_argument("--cache-dir", default=None, help="where the demo base model is cached (default ~/.cache/hfq)")
+    p.add_argument("--cache-dir", default=None,
+                   help="where the demo base model is cached (default $HFQ_CACHE, else ~/.cache/hfq)")
     p.add_argument("--output-dir", default="hfq-grpo-out", help="checkpoints, metrics.json and curves.png")
     p.add_argument("--no-plot", action="store_true")
 

@@ -10,7 +10,7 @@ from . import check_model_dir, checkpoint_quantization, copy_tokenizer, device, 
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model_dir", help="a local Hugging Face causal-LM directory (safetensors)")
+    p.add_argument("model_dir", help="a Hugging Face causal-LM directory (safetensors) or Hub id")
     p.add_argument("--out", required=True, type=out_dir, help="output directory")
     p.add_argument("--format", choices=["nvfp4", "mxfp4"], default="nvfp4")
     p.add_argument("--export", choices=["hfq", "compressed-tensors"], default="hfq",
