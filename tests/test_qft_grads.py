@@ -690,8 +690,9 @@ def test_reductions_in_flight_finish_by_the_end_of_backward():
 
 def test_python_inplace_operators_on_int8_gradients_and_quantized_weights():
     """`p.grad /= k` scales the INT8 store like `*=` (it used to swap in a bf16 tensor, then fail at the next backward
-    blaming gradient_bits); clip_grad_value_ clamps it; `p -= x` / `p.data -= x` on a quantized weight raise (Python
-    read PyTorch's TypeError as NotImplemented and rebound the name: the weight silently stayed as it was)."""
+    blaming gradient_bits); clip_grad_value_ clamps it; `p -= x` / `p.data -= x` / `p.data = t` on a quantized weight
+    raise (Python read PyTorch's TypeError as NotImplemented and rebound the name; the wrapper kept its codes on a
+    .data assignment: the weight silently stayed as it was)."""
     from hfq.qparam import Int8Grad, QuantizedWriteError
 
     model = _tiny()
@@ -716,6 +717,8 @@ def test_python_inplace_operators_on_int8_gradients_and_quantized_weights():
             p -= 0.1 * p.grad.dequantize(p.dtype)
         with pytest.raises(QuantizedWriteError, match="would modify a quantized weight"):
             p.data *= 0.5
+        with pytest.raises(QuantizedWriteError, match=r"assigning a Tensor to .data of a quantized weight.*copy_"):
+            p.data = torch.zeros(p.shape, dtype=p.dtype)
     assert torch.equal(p.dequantize(), before)
 
 
@@ -748,6 +751,7 @@ def test_compile_with_int8_gradients_matches_eager_without_recompiling_per_layer
             logging.getLogger("torch._dynamo").removeHandler(hits)
         assert hits.n == 0
         out.append((loss.detach(), {n: q.dequantize().clone() for n, q in _int8(model).items()}))
+    torch._dynamo.reset()  # no compiled graphs (and their fake tensors) left for later tests
     assert torch.allclose(out[0][0], out[1][0], atol=1e-6)
     assert out[0][1].keys() == out[1][1].keys() and len(out[0][1]) > 0
     for n in out[0][1]:

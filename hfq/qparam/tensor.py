@@ -28,6 +28,9 @@ USE_HFQ_OPTIMIZER = (
     "hfq.QLion, or freeze them (requires_grad_(False)).")
 
 
+_TENSOR_DATA = torch._C.TensorBase.data
+
+
 class QParam(torch.Tensor):
     """Low-precision weight stored as codes + scales, seen by autograd as a bf16 tensor of logical shape."""
 
@@ -47,6 +50,20 @@ class QParam(torch.Tensor):
         self.place = place if place is not None else RowPlace(None, 0, shape[0])
         for k in _formats._NAMES[fmt]:
             setattr(self, k, data[k])
+
+    @property
+    def data(self):
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        # `w.data = t` with a plain t would leave the codes as they are (the wrapper has no storage to swap)
+        if not isinstance(value, QParam):
+            raise QuantizedWriteError(
+                f"assigning a {type(value).__name__} to .data of a quantized weight (QParam {self.fmt} "
+                f"{tuple(self.shape)}) would not change it: write it with `with torch.no_grad(): weight.copy_(t)` "
+                f"(requantizes) or load a state_dict. {USE_HFQ_OPTIMIZER}")
+        _TENSOR_DATA.__set__(self, value)
 
     # ---- construction / conversion -------------------------------------------------------------
     @classmethod
