@@ -64,6 +64,7 @@ def save_with_state_dict(save_pretrained):
 
     sig = inspect.signature(save_pretrained)
 
+    @functools.wraps(save_pretrained)
     def wrapper(self, *args, **kwargs):
         q = getattr(self, "hf_quantizer", None)
         if not isinstance(q, HfqQuantizer):
@@ -77,9 +78,6 @@ def save_with_state_dict(save_pretrained):
         finally:
             q.passed_state_dict = None
 
-    wrapper.__doc__, wrapper.__name__, wrapper.__qualname__ = (save_pretrained.__doc__, save_pretrained.__name__,
-                                                               save_pretrained.__qualname__)
-    wrapper.__signature__ = sig
     wrapper.hfq_wrapped = save_pretrained
     return wrapper
 
@@ -423,7 +421,7 @@ class HfqQuantizer(HfQuantizer):
         if any(isinstance(p, DTensor) for p in model.parameters()):
             raise ValueError(
                 "save_pretrained of an FSDP2-sharded hfq model: transformers reads model.state_dict() on the saving "
-                "rank only (it ignores state_dict=), which would need every rank to gather the shards. Gather on "
+                "rank only, which would need every rank to gather the shards. Gather on "
                 "every rank instead: sd = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in "
                 "model.state_dict().items()} (quantized weights come whole), then on rank 0 load sd into an "
                 "unsharded copy of the model and save_pretrained that; or save FSDP2's sharded checkpoints "

@@ -16,6 +16,7 @@ from . import fsdp as _fsdp
 from .formats import check_format
 from .fsdp import RowPlace
 
+
 class QuantizedWriteError(RuntimeError):
     """An in-place write into a quantized weight (QParam) or an INT8 gradient that cannot be honoured. Not a
     TypeError: Python's in-place operators (`p -= x`, `p.grad /= k`) take PyTorch's TypeError as NotImplemented and
