@@ -11,11 +11,16 @@ def add_arguments(p) -> None:
     p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the `hf auth login` token)")
 
 
+def _http_error(hub_error) -> type:
+    """The HTTP client's base error that huggingface_hub's own derives from (httpx's or httpx2's HTTPError, whose
+    connection errors are not OSErrors), else OSError."""
+    return next((c for c in hub_error.__mro__[1:] if c.__name__ == "HTTPError"), OSError)
+
+
 def main(args) -> int:
     import os
 
-    import httpx
-    from huggingface_hub.errors import HFValidationError, LocalTokenNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalTokenNotFoundError
     from huggingface_hub.utils import validate_repo_id
 
     from hfq import hub
@@ -35,7 +40,7 @@ def main(args) -> int:
         url = hub.upload_folder(args.folder, args.repo, private=args.private, token=args.token)
     except ValueError as e:
         raise SystemExit(f"hfq push: DIR: {e}") from None
-    except (OSError, httpx.HTTPError) as e:  # offline mode, connection and HTTP errors (httpx's are not OSErrors)
+    except (OSError, _http_error(HfHubHTTPError)) as e:  # offline mode, connection and HTTP errors
         raise SystemExit(f"hfq push: upload to {args.repo!r} failed: {e}") from None
     print(f"pushed {os.path.abspath(args.folder)} to {url}" + ("" if had_card else " (added README.md model card)"))
     return 0
