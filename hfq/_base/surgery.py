@@ -102,6 +102,18 @@ def checked_state_dict(model: nn.Module, passed: dict) -> dict:
     return dict(passed)
 
 
+def apply_keeping_buffer_dtypes(module: nn.Module, module_apply, fn, recurse: bool = True):
+    """`module_apply(fn, recurse)` (the layer's nn.Module._apply) with its buffers (codes, scales) following device
+    moves but never dtype casts: model.to(bfloat16) must not round stored scales."""
+    keep = {k: b for k, b in module._buffers.items() if b is not None}
+    out = module_apply(fn, recurse)
+    for k, old in keep.items():
+        new = module._buffers[k]
+        if new.dtype != old.dtype:
+            module._buffers[k] = old.to(new.device)
+    return out
+
+
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)

@@ -13,6 +13,8 @@ from hfq_kernels.reference import fp4
 
 from hfq._settings import SETTINGS
 
+from .._base.surgery import apply_keeping_buffer_dtypes
+
 _BLOCK = {"nvfp4": fp4.NVFP4_BLOCK, "mxfp4": fp4.MXFP4_BLOCK}
 _MAX_PLANS = 64  # per layer: distinct input shapes whose launch plans are kept
 _CANON = ("weight_packed", "weight_scale")
@@ -298,15 +300,10 @@ class NVFP4Linear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # Moves follow `fn`; dtype casts (model.half(), .to(bfloat16)) must not touch codes and scales.
-        keep = {k: b for k, b in self._buffers.items() if b is not None}
         dev0 = self.qweight.device
         self.__dict__.pop("_hfq_plans", None)  # plans hold the old tensors: a move must not keep a second copy
         self.weight_dtype = fn(torch.empty(0, dtype=self.weight_dtype)).dtype
-        super()._apply(fn, recurse)
-        for k, old in keep.items():
-            new = self._buffers[k]
-            if new.dtype != old.dtype:
-                self._buffers[k] = old.to(new.device)
+        apply_keeping_buffer_dtypes(self, super()._apply, fn, recurse)
         dev = self.qweight.device
         if dev == dev0:  # a dtype cast: the layout stays
             return self

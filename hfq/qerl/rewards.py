@@ -1,5 +1,6 @@
 """Rule-based rewards for math RL (QeRL App. E): the <think>/<answer> prompt suffix, answer extraction
-(<answer> tags, GSM8K's `#### x`, else the whole completion), accuracy and format rewards in TRL's reward-function form.
+(<answer> tags, GSM8K's `#### x`, else the whole completion), accuracy and format rewards in TRL's reward-function
+form.
 
 Equivalence uses `math-verify` when it imports; otherwise a numeric/string fallback: both sides are stripped of
 `$`, `\\boxed{}`, thousands separators and trailing punctuation, compared as exact fractions when both parse as

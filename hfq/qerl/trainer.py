@@ -82,11 +82,12 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
         self._aqn_stages_checked = True
         total, ga = self.state.max_steps, self.args.gradient_accumulation_steps
         every = self.args.steps_per_generation * self.num_iterations  # micro-batches per generation (TRL's cadence)
-        seen = {self.aqn_schedule.stage(micro // ga, total) for micro in range(0, total * ga, every)}
+        starts = range(0, total * ga, every)  # the micro-batches that generate
+        seen = {self.aqn_schedule.stage(micro // ga, total) for micro in starts}
         missed = sorted(set(range(self.aqn_schedule.num_stages + 1)) - seen)
         if missed:
             warnings.warn(
-                f"AQN: {len(range(0, total * ga, every))} generation batches over max_steps={total} sample stages "
+                f"AQN: {len(starts)} generation batches over max_steps={total} sample stages "
                 f"{sorted(seen)} of 0..{self.aqn_schedule.num_stages}; stages {missed} (sigma "
                 f"{', '.join(f'{self.aqn_schedule.stage_sigma(k):.3g}' for k in missed)}) are never used. Lower "
                 "aqn_num_stages or steps_per_generation, or train for more steps.", stacklevel=3)

@@ -32,6 +32,6 @@ from .linear import QLinear, name_qparams_, qlinear
 from .tensor import USE_HFQ_OPTIMIZER, QParam, QuantizedWriteError, sharding_refusal
 
 __all__ = ["FORMATS", "MAX_OUTLIER_FRACTION", "USE_HFQ_OPTIMIZER", "Int8Grad", "QLinear", "QParam",
-           "QuantizedWriteError", "accumulate_int8_grad_", "broadcast_qparams_", "check_format", "check_qtensors", "clear_int8_grads_",
-           "ddp_ignore_int8_grad_weights_", "empty_qtensors", "int8_grad", "int8_kernels", "name_qparams_",
-           "pop_int8_grad", "qlinear", "sharding_refusal"]
+           "QuantizedWriteError", "accumulate_int8_grad_", "broadcast_qparams_", "check_format", "check_qtensors",
+           "clear_int8_grads_", "ddp_ignore_int8_grad_weights_", "empty_qtensors", "int8_grad", "int8_kernels",
+           "name_qparams_", "pop_int8_grad", "qlinear", "sharding_refusal"]

@@ -21,7 +21,7 @@ import hfq_kernels.quest as _qk  # registers hfq::quest_quantize / hfq::quest_ma
 from hfq_kernels.reference import gaussian
 from hfq_kernels.reference.fp4 import check_finite
 
-from .._base.surgery import unguard_weight
+from .._base.surgery import apply_keeping_buffer_dtypes, unguard_weight
 from .config import QuESTConfig
 
 
@@ -206,16 +206,8 @@ class QuESTLinear(nn.Module):
         m.bias = lin.bias
         return m
 
-    def _apply(self, fn, recurse=True):
-        # A packed layer's codes and fp32 row scales follow device moves, never dtype casts (.to(bfloat16) would
-        # round the scales for good).
-        keep = {k: b for k, b in self._buffers.items() if b is not None}
-        super()._apply(fn, recurse)
-        for k, old in keep.items():
-            new = self._buffers[k]
-            if new.dtype != old.dtype:
-                self._buffers[k] = old.to(new.device)
-        return self
+    def _apply(self, fn, recurse=True):  # a packed layer's codes and fp32 row scales: moved, never cast
+        return apply_keeping_buffer_dtypes(self, super()._apply, fn, recurse)
 
     def extra_repr(self) -> str:
         c = self.config
