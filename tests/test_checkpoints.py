@@ -267,3 +267,37 @@ def test_modules_to_not_convert_follows_transformers_rule(llama_dir, cfg_cls, la
     for n in ("model.layers.0.mlp.up_proj", "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.k_proj",
               "lm_head"):
         assert kinds[n] == "Linear", n
+
+
+@pytest.mark.parametrize("cfg", [QFTConfig(), QFTConfig(weight_format="fp8_e4m3_row")], ids=["qft", "eco-fp8"])
+def test_sharded_checkpoint_loads_whole_through_trainers_loader(llama_dir, tmp_path, cfg):
+    """Trainer's resume and load_best_model_at_end load a sharded checkpoint one file at a time
+    (load_sharded_checkpoint: load_state_dict(shard, strict=False) per file): a QFT/ECO weight whose tensors fall
+    in two files is loaded once its last piece arrives, not skipped."""
+    import json
+
+    from transformers.trainer_utils import load_sharded_checkpoint
+
+    m = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=cfg)
+    with torch.no_grad():  # weights the fresh model below does not have
+        for p in m.parameters():
+            if p.dtype.is_floating_point and not isinstance(p, hfq.qparam.QParam):
+                p.add_(0.01)
+        for mod in m.modules():
+            if isinstance(mod, hfq.qparam.QLinear):
+                mod.weight.copy_(mod.weight.dequantize() * 1.5)
+    for kb in range(20, 400, 4):  # a shard size at which some layer's tensors sit in two files
+        m.save_pretrained(tmp_path, max_shard_size=f"{kb}KB")
+        files = {}
+        for k, f in json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"].items():
+            if ".weight_" in k:
+                files.setdefault(k.split(".weight_")[0], set()).add(f)
+        if any(len(f) > 1 for f in files.values()):
+            break
+    else:
+        pytest.fail("no shard size splits a layer")
+    fresh = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=cfg)
+    load_sharded_checkpoint(fresh, str(tmp_path), strict=False)
+    ids = torch.randint(4, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(fresh(ids).logits, m(ids).logits)

@@ -173,3 +173,22 @@ def test_a_refused_value_is_one_line_not_a_traceback(tiny_dir, tmp_path, capsys)
                  "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("hfq quantize: error: ") and "scales" in err and "Traceback" not in err
+
+
+def test_grpo_config_file_seed_and_output_dir_are_kept_unless_flags_say_otherwise(tmp_path):
+    from hfq.cli.grpo import _build_config, _check_args
+
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(dict(seed=5, output_dir=str(tmp_path / "from-file"))))
+    p = build_parser()
+    args = p.parse_args(["grpo", "--model", ".", "--config", str(cfg)])
+    _check_args(args)
+    built = _build_config(args, demo=False)
+    assert (built.seed, built.output_dir, args.seed) == (5, str(tmp_path / "from-file"), 5)
+    args = p.parse_args(["grpo", "--model", ".", "--config", str(cfg), "--seed", "2", "--output-dir", "o"])
+    _check_args(args)
+    built = _build_config(args, demo=False)
+    assert (built.seed, built.output_dir) == (2, "o")
+    args = p.parse_args(["grpo", "--model", "."])
+    _check_args(args)
+    assert (args.seed, args.output_dir) == (0, "hfq-grpo-out")

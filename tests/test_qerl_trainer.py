@@ -209,6 +209,11 @@ def test_dataset_columns_are_checked_before_any_rollout(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="accuracy_reward needs a reference column"):
         QeRLGRPOTrainer(model=model, reward_funcs=[accuracy_reward], args=_config(tmp_path), train_dataset=no_answer,
                         processing_class=tok)
+    # GRPOTrainer's positional order (model, reward_funcs, args, train_dataset, ...), the check included
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        QeRLGRPOTrainer(model, [digit_reward], _config(tmp_path), no_prompt, None, tok)
+    trainer = QeRLGRPOTrainer(model, [digit_reward], _config(tmp_path), _dataset(), None, tok)
+    assert len(trainer.train_dataset) == 24 and trainer.processing_class is tok
 
 
 def test_final_save_writes_hfq_card_for_any_output_dir_name(tiny_dir, tmp_path):

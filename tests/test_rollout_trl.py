@@ -41,7 +41,11 @@ def test_mixin_generates_with_engine_and_trains(tmp_path):
     torch.manual_seed(0)
     ids, lps = trainer._generate_single_turn(prompt_ids, None, {}, num_generations=2)
     assert trainer._hfq_engine is not None
-    assert len(ids) == 4 and len(lps) == 4
+    assert lps is None  # as TRL's own generate: no sampling log-probs for off_policy_mask_threshold to misread
+    with_lp = make(tmp_path, RolloutGRPOConfig, rollout_return_logprobs=True)
+    torch.manual_seed(0)
+    ids2, lps = with_lp._generate_single_turn(prompt_ids, None, {}, num_generations=2)
+    assert ids2 == ids and len(lps) == 4  # the same model and seed: the same samples, now with log-probs
     eos = set(trainer.eos_token_ids)
     for c, lp in zip(ids, lps):
         assert 1 <= len(c) <= 10 and len(lp) == len(c)
@@ -56,6 +60,28 @@ def test_mixin_generates_with_engine_and_trains(tmp_path):
     assert not torch.equal(before, trainer.model.model.layers[0].mlp.down_proj.weight)
     assert trainer.state.global_step == 1
     assert any("reward" in k for h in trainer.state.log_history for k in h)
+
+
+def test_model_generation_config_is_honoured(tmp_path):
+    """The engine samples with what model.generate would: TRL's settings completed by the model's generation_config
+    (top_k=None -> the model's top_k); a logits processor it has not got sends the call to TRL, warning."""
+    trainer = make(tmp_path, top_k=None)
+    tok = trainer.processing_class
+    trainer.model.generation_config.top_k = 1  # top-k 1 sampling is greedy: every row the same
+    ids, _ = trainer._generate_single_turn([tok("12+3=")["input_ids"]] * 4, None, {}, num_generations=4)
+    assert trainer._hfq_engine is not None and all(c == ids[0] for c in ids)
+    trainer.model.generation_config.top_k = None
+    trainer.model.generation_config.suppress_tokens = [tok("7")["input_ids"][-1]]
+    with pytest.warns(UserWarning, match="suppress_tokens"):
+        trainer._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
+
+
+def test_rollout_max_seq_len_is_a_cap(tmp_path):
+    trainer = make(tmp_path, RolloutGRPOConfig, rollout_max_seq_len=8)
+    tok = trainer.processing_class
+    with pytest.warns(UserWarning, match="rollout_max_seq_len=8"):  # prompt 2 + 10 new tokens > 8
+        ids, _ = trainer._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
+    assert trainer._hfq_engine is None and len(ids) == 2
 
 
 def test_mixin_falls_back_with_warning(tmp_path):

@@ -50,13 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aqn-scope", default=None, choices=("rollout", "rollout_and_old_logprobs"))
     p.add_argument("--no-aqn", action="store_true", help="disable Adaptive Quantization Noise")
     p.add_argument("--lora-r", type=positive_int, default=None, help="LoRA rank (demo default 16, else 32)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: --config's seed, else 0)")
     p.add_argument("--pretrain-steps", type=positive_int, default=None,
                    help=f"demo base: pre-training steps (default {DEMO_PRETRAIN_STEPS})")
     p.add_argument("--lr", type=positive_float, default=None, help="learning rate (demo default 2e-3)")
     p.add_argument("--cache-dir", default=None,
                    help="where the demo base model is cached (default $HFQ_CACHE, else ~/.cache/hfq)")
-    p.add_argument("--output-dir", default="hfq-grpo-out", help="checkpoints, metrics.json and curves.png")
+    p.add_argument("--output-dir", default=None,
+                   help="checkpoints, metrics.json and curves.png (default: --config's output_dir, else hfq-grpo-out)")
     p.add_argument("--no-plot", action="store_true")
 
 
@@ -208,6 +209,10 @@ def _check_args(args) -> None:
         if unknown:
             raise SystemExit(f"hfq grpo: --config {args.config}: {unknown} are not QeRLConfig fields")
         args.config_fields = cfg
+    # a flag given on the command line wins over --config, which wins over the default
+    for name, default in (("seed", 0), ("output_dir", "hfq-grpo-out")):
+        if getattr(args, name) is None:
+            setattr(args, name, args.config_fields.get(name, default))
 
 
 def main(args) -> int:
@@ -215,7 +220,7 @@ def main(args) -> int:
     if args.model is not None:  # before the heavy imports: a wrong path stops at once
         args.model = check_model_dir(args.model)
     import torch
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback, TrainerCallback, set_seed
 
     from hfq.qerl.demo import heldout_scores, two_se, verdict
     from hfq.qerl.entropy import sampling_entropy
@@ -231,6 +236,7 @@ def main(args) -> int:
         print(f"[hfq grpo] {note}")
     path = (build_demo_base(args.cache_dir, steps=args.pretrain_steps or DEMO_PRETRAIN_STEPS, seed=args.seed)
             if demo else args.model)
+    set_seed(args.seed)  # LoRA's initialisation draws the same numbers whether the demo base was built or cached
     model, tok = _load_policy(args, path, demo)
     dataset, _ = _load_dataset(args)
     cfg = _build_config(args, demo)

@@ -31,13 +31,14 @@ from .config import QeRLConfig
 class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
     """GRPO/DAPO (as TRL provides) + AQN. Takes a `QeRLConfig`; everything else as `trl.GRPOTrainer`."""
 
-    def __init__(self, model, reward_funcs=None, args: QeRLConfig | None = None, **kwargs):
-        if args is None:
-            args = QeRLConfig(output_dir="QeRL-GRPO")
+    def __init__(self, model, reward_funcs=None, args: QeRLConfig | None = None, *more, **kwargs):
+        if args is None:  # TRL's default output_dir: "<model name>-GRPO"
+            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
+            args = QeRLConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1] or 'QeRL'}-GRPO")
         if not isinstance(args, QeRLConfig):
             raise ValueError(f"args must be a QeRLConfig (GRPOConfig + AQN fields), got {type(args).__name__}")
-        _check_columns(kwargs.get("train_dataset"), reward_funcs)
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+        _check_columns(more[0] if more else kwargs.get("train_dataset"), reward_funcs)
+        super().__init__(model, reward_funcs, args, *more, **kwargs)  # positional arguments as GRPOTrainer's
         self._refuse_fsdp()
         self.aqn_schedule = args.aqn_schedule_obj
         seed = args.seed if args.aqn_seed is None else args.aqn_seed
@@ -53,12 +54,18 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
             self.vllm_layout = install_vllm_sync(self)
 
     def _refuse_fsdp(self) -> None:
-        """QeRL runs under DDP only: AQN writes whole-shape noise into the norm weights and the rollout reads the
+        """QeRL runs under DDP (or DeepSpeed ZeRO-1/2) only: AQN writes whole-shape noise into the norm weights and the rollout reads the
         full policy, neither of which knows about FSDP's sharded (DTensor) parameters. Raised at construction,
         whether accelerate will shard the model (FSDP config) or the model arrives already sharded."""
         from torch.distributed.tensor import DTensor
 
         sharded = any(isinstance(p, DTensor) for p in self.model.parameters())
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None) if self.is_deepspeed_enabled else None
+        if plugin is not None and getattr(plugin, "zero_stage", 0) == 3:
+            # ZeRO-3 leaves each rank an empty local norm weight: the noise would silently add nothing
+            raise ValueError("QeRL (QeRLGRPOTrainer: AQN in the norm weights) does not support DeepSpeed ZeRO-3 "
+                             "(partitioned parameters); use ZeRO-2 or DDP: `accelerate launch --config_file "
+                             "examples/accelerate/ddp.yaml ...`")
         if self.is_fsdp_enabled or sharded:
             raise ValueError(
                 "QeRL (QeRLGRPOTrainer: NVFP4 + LoRA + AQN) does not support FSDP/FSDP2"

@@ -160,13 +160,21 @@ class QLinear(nn.Module):
         names = _formats._NAMES[self.weight_format]
         keys = {k: prefix + "weight_" + k for k in names}
         present = [k for k in names if keys[k] in state_dict]
+        given = {k: state_dict[keys[k]] for k in present}
+        if self.weight is not None and 0 < len(present) < len(names):
+            # a weight's tensors split over several calls (a sharded checkpoint loaded one file at a time, as
+            # Trainer's resume and load_best_model_at_end do): kept until the set is whole, then loaded
+            given = {**self.__dict__.setdefault("_hfq_partial", {}), **given}
+            self._hfq_partial.update(given)
+            present = [k for k in names if k in given]
         if self.weight is None:
             for k in present:
                 self._buffers["weight_" + k] = state_dict[keys[k]]
         elif len(present) == len(names):
+            self.__dict__.pop("_hfq_partial", None)
             dev = local(self.weight).codes.device
-            data = {k: (list_from_bytes(state_dict[keys[k]], k, dev) if isinstance(state_dict[keys[k]], bytes)
-                        else state_dict[keys[k]]) for k in names}
+            data = {k: (list_from_bytes(given[k], k, dev) if isinstance(given[k], bytes) else given[k])
+                    for k in names}
             try:
                 check_qtensors(self.weight_format, tuple(self.weight.shape), self.weight_meta, data, prefix + "weight_")
             except ValueError as e:

@@ -7,15 +7,20 @@ Usage::
 
 It overrides `GRPOTrainer._generate_single_turn` (TRL 1.16) for the `use_vllm=False` path and returns
 what TRL's own transformers path returns: per-prompt completion id lists, each cut after its first
-EOS (EOS kept), plus the sampling log-probs (TRL uses them only with vLLM's importance-sampling
-correction; harmless otherwise). Requests the engine cannot serve (vLLM or continuous batching on,
-images / multimodal fields, repetition_penalty != 1, extra generation kwargs, ZeRO-3 / FSDP,
-unsupported architectures) go to `super()` with a one-time warning.
+EOS (EOS kept), and no sampling log-probs (as TRL's path: with them, `off_policy_mask_threshold` would measure
+the sampler's top-k/top-p filtering and AQN's noise as off-policy drift; `rollout_return_logprobs=True` hands
+them over anyway). The sampling settings are the ones `model.generate` would use: TRL's generation config
+completed from the model's own `generation_config` (so `top_k=None` means the model's or transformers' default).
+Requests the engine cannot serve (vLLM or continuous batching on, images / multimodal fields, any logits
+processor besides temperature / top-k / top-p / min-p (repetition penalty, suppressed tokens, min_new_tokens,
+n-gram blocking, ...), extra generation kwargs, ZeRO-3 / FSDP, a sequence longer than `rollout_max_seq_len`,
+unsupported architectures) go to `super()` with a one-time warning. The engine samples with the model in eval
+mode (no LoRA dropout); TRL's `model.generate` samples in train mode unless `disable_dropout=True`.
 
 Its settings are the declared, validated fields of `RolloutArguments` (defaults in brackets):
   use_hfq_rollout [True], rollout_max_batch [rows of the first call], rollout_max_seq_len
   [longest prompt + max_completion_length, rounded up to 256], rollout_gpu_memory_utilization [None],
-  rollout_kv_cache_gb [None], rollout_graph_mode ["auto"], rollout_return_logprobs [True].
+  rollout_kv_cache_gb [None], rollout_graph_mode ["auto"], rollout_return_logprobs [False].
 `QeRLConfig` includes them; with a plain `trl.GRPOConfig` the defaults apply (or declare them:
 `@dataclass class MyConfig(RolloutArguments, GRPOConfig)`).
 """
@@ -31,6 +36,39 @@ from .engine import GRAPH_MODES, RolloutEngine
 
 _SUPPORTED_GEN_KWARGS = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "eos_token_id", "temperature",
                          "top_p", "top_k", "min_p", "repetition_penalty", "cache_implementation"}
+# GenerationConfig fields that add a logits processor / change the search, with the values that leave sampling as
+# the engine does it (temperature, top-k, top-p, min-p only)
+_NEUTRAL_GEN = {"repetition_penalty": (None, 1.0), "encoder_repetition_penalty": (None, 1.0),
+                "no_repeat_ngram_size": (None, 0), "encoder_no_repeat_ngram_size": (None, 0),
+                "bad_words_ids": (None, []), "force_words_ids": (None, []), "constraints": (None, []),
+                "min_length": (None, 0), "min_new_tokens": (None, 0), "suppress_tokens": (None, []),
+                "begin_suppress_tokens": (None, []), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+                "sequence_bias": (None, {}), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0),
+                "eta_cutoff": (None, 0.0), "exponential_decay_length_penalty": (None,), "guidance_scale": (None, 1.0),
+                "num_beams": (None, 1), "penalty_alpha": (None,), "watermarking_config": (None,),
+                "stop_strings": (None, []), "top_h": (None,), "assistant_model": (None,),
+                "prompt_lookup_num_tokens": (None,)}
+
+
+def effective_generation_config(trainer, model):
+    """The GenerationConfig TRL's `model.generate` would sample with: the trainer's own (its
+    generation_kwargs) completed by the model's `generation_config` and transformers' defaults."""
+    gc = getattr(trainer, "generation_config", None)
+    prep = getattr(model, "_prepare_generation_config", None)
+    if gc is None or prep is None:
+        return gc
+    return prep(gc)[0]
+
+
+def unsupported_generation(gc) -> str | None:
+    """The first setting of `gc` that the engine's sampler cannot reproduce, as 'name=value'; None if none."""
+    if gc is None:
+        return None
+    for name, neutral in _NEUTRAL_GEN.items():
+        v = getattr(gc, name, None)
+        if not any(v is n or (n is not None and v == n) for n in neutral):
+            return f"{name}={v!r}"
+    return None
 
 
 @dataclass
@@ -47,7 +85,9 @@ class RolloutArguments:
         default=None, metadata={"help": "Share of GPU memory the KV cache may bring the total to, in (0, 1]."})
     rollout_kv_cache_gb: float | None = field(default=None, metadata={"help": "KV cache budget in GiB."})
     rollout_graph_mode: str = field(default="auto", metadata={"help": f"One of {GRAPH_MODES}."})
-    rollout_return_logprobs: bool = field(default=True, metadata={"help": "Return the sampling log-probs to TRL."})
+    rollout_return_logprobs: bool = field(default=False, metadata={
+        "help": "Hand TRL the engine's sampling log-probs (after top-k/top-p filtering, under AQN noise); TRL's own "
+                "generate hands none, and off_policy_mask_threshold then compares against them."})
 
     def __post_init__(self):
         parent = getattr(super(), "__post_init__", None)
@@ -148,6 +188,11 @@ class RolloutMixin:
         gen_kw = dict(self.generation_kwargs)
         max_new = int(gen_kw.get("max_new_tokens") or self.max_completion_length)
         need_len = max(len(p) for p in prompt_ids) + max_new
+        cap = self._rollout_setting("rollout_max_seq_len")
+        if cap is not None and need_len > cap:
+            self._hfq_fallback(f"rollout_max_seq_len={cap} is shorter than a prompt + max_completion_length")
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
         want_lp = self._rollout_setting("rollout_return_logprobs")
         completions, logprobs = [], [] if want_lp else None
         with (
@@ -159,12 +204,20 @@ class RolloutMixin:
             ) as model,
             torch.no_grad(),
         ):
-            try:
-                engine = self._hfq_get_engine(model, len(prompt_ids), need_len)
-            except ValueError as e:
-                self._hfq_fallback(str(e))
+            gc = effective_generation_config(self, model)
+            reason = unsupported_generation(gc)
+            if reason is None:
+                try:
+                    engine = self._hfq_get_engine(model, len(prompt_ids), need_len)
+                except ValueError as e:
+                    reason = str(e)
+            if reason is not None:
+                self._hfq_fallback(reason)
                 return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                      has_tool_images)
+            if gc is not None:  # what model.generate would use (None fields: the defaults below)
+                gen_kw.update({k: getattr(gc, k) for k in ("do_sample", "temperature", "top_p", "top_k", "min_p",
+                                                           "eos_token_id") if getattr(gc, k, None) is not None})
             do_sample = gen_kw.get("do_sample", True)
             temperature = gen_kw.get("temperature", self.temperature) if do_sample else 0.0
             for r0 in range(0, len(prompt_ids), engine.max_batch):
