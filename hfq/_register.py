@@ -34,10 +34,12 @@ def register_all() -> None:
 
     from transformers import PreTrainedModel
 
-    from hfq._base.surgery import save_with_state_dict  # hfq checkpoints honour save_pretrained(state_dict=)
+    from hfq._base.surgery import footprint_with_stored_bytes, save_with_state_dict
 
-    if not hasattr(PreTrainedModel.save_pretrained, "hfq_wrapped"):
+    if not hasattr(PreTrainedModel.save_pretrained, "hfq_wrapped"):  # hfq checkpoints honour state_dict=
         PreTrainedModel.save_pretrained = save_with_state_dict(PreTrainedModel.save_pretrained)
+    if not hasattr(PreTrainedModel.get_memory_footprint, "hfq_wrapped"):  # QParams count what they store
+        PreTrainedModel.get_memory_footprint = footprint_with_stored_bytes(PreTrainedModel.get_memory_footprint)
     importlib.import_module("hfq._base.peft_guard").install()  # adapters on QuEST/QFT/ECO layers: refused clearly
     importlib.import_module("hfq.nvfp4.peft_lora").register_peft_dispatch()  # LoRA on NVFP4Linear, process-wide
     _DONE = True

@@ -223,14 +223,28 @@ def _stats_kernel(tab, work, stats, counts, vbuf, decay, lr, b1, omb1, b2, omb2,
 
 
 @triton.jit
-def _append(new_idx, new_val, at, sel, pos, v):
-    """Write the selected (flat index, bf16 value) pairs at `at`, in order; returns the next free slot."""
+def _append(new_idx, new_val, at, sel, pos, v, seed, e0, SR: tl.constexpr, HASH: tl.constexpr):
+    """Write the selected (flat index, bf16 value) pairs at `at`, in order; returns the next free slot. The value
+    is rounded to bf16 stochastically under SR (draws keyed by the global index e0 + pos), as reference.intq's
+    quantize_dense_sparse does: nearest would freeze every outlier whose step is below half its ulp."""
     k = tl.sum(sel.to(tl.int32), 0)
     if k > 0:
         slot = at + tl.cumsum(sel.to(tl.int32), 0) - 1
         tl.store(new_idx + slot, pos.to(tl.int32), mask=sel)
-        tl.store(new_val + slot, f32_to_bf16_rne(v), mask=sel)
+        if SR:
+            tl.store(new_val + slot, _bf16_sr(v, seed, e0 + pos, HASH), mask=sel)
+        else:
+            tl.store(new_val + slot, f32_to_bf16_rne(v), mask=sel)
     return at + k
+
+
+@triton.jit
+def _bf16_sr(v, seed, pos, HASH: tl.constexpr):
+    """Finite fp32 v -> bf16, rounded up in magnitude with probability the fraction of the bf16 step (unbiased),
+    the draw keyed by (seed, pos): reference.intq.round_bf16's rule."""
+    u = (_uniform(seed, pos, HASH) * 65536.0).to(tl.int32)
+    b = (v.to(tl.int32, bitcast=True) + u) >> 16
+    return b.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -321,7 +335,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
         qm = tl.minimum(tl.maximum(_rint(m * r_m) + z_m, 0.0), 255.0)
         tl.store(mc + base + offs, qm.to(tl.uint8), mask=mask)
         if n_cross > 0:  # most rows have none: no block-wide scan then
-            at = _append(new_idx, new_val, at, out, base + offs, w)
+            at = _append(new_idx, new_val, at, out, base + offs, w, seed ^ 0x6A09E667, e0, SR, HASH)
     tl.debug_barrier()  # the dense codes above are written before the old outliers' codes below replace them
     j_end = tl.load(rowptr + row + 1)
     for j0 in range(tl.load(rowptr + row), j_end, OB):
@@ -332,7 +346,7 @@ def _write_kernel(tab, work, qs, counts, cum, vbuf, decay, lr, b1, omb1, b2, omb
         stay = ((v < t0) | (v > t1)) & jmask
         r = _round(tl.where(stay, 0.0, v) * r_w, seed ^ 0x2545F491, e0 + pos, SR, HASH)  # a stream of its own
         tl.store(wc + pos, tl.minimum(tl.maximum(r + z_w, 0.0), 255.0).to(tl.uint8), mask=jmask)
-        at = _append(new_idx, new_val, at, stay, pos, v)
+        at = _append(new_idx, new_val, at, stay, pos, v, seed ^ 0x6A09E667, e0, SR, HASH)
     if SEG > 0:
         if (n_cross > 0) & (n_all > n_cross):  # both runs present: merge them
             tl.debug_barrier()
@@ -539,9 +553,11 @@ NF_PLAIN = 8  # p, g, momentum codes / scales / zeros, -, cols, row base
 @triton.jit
 def _plain_kernel(tab, work, stats, decay, lr, b1, omb1, b2, omb2, WRITE: tl.constexpr, HAS_DECAY: tl.constexpr,
                   P_DT: tl.constexpr, G_DT: tl.constexpr, BLOCK: tl.constexpr, NFIELDS: tl.constexpr,
-                  ALIGNED: tl.constexpr):
+                  ALIGNED: tl.constexpr, SR: tl.constexpr = False, HASH: tl.constexpr = True):
     """WRITE=False: the new momentum's row scale and zero point into stats. WRITE=True: the parameter updated in
-    place (in its dtype, rounded after each op as torch's in-place ops do) and the momentum requantized with them."""
+    place (in its dtype, rounded after each op as torch's in-place ops do; with SR a bf16 parameter's update is
+    computed in fp32 and rounded once, stochastically, keyed by the record's seed) and the momentum requantized
+    with them."""
     pid = tl.program_id(0)
     rec = tab + tl.load(work + 2 * pid).to(tl.int64) * NFIELDS
     row = tl.load(work + 2 * pid + 1).to(tl.int64)
@@ -568,10 +584,13 @@ def _plain_kernel(tab, work, stats, decay, lr, b1, omb1, b2, omb2, WRITE: tl.con
             w = tl.load(p + base + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_DECAY:
                 w = w * decay
-                if P_DT == 1:
+                if (P_DT == 1) and not SR:
                     w = f32_to_bf16_rne(w).to(tl.float32)
             w = w - _direction(m, gv, b1, omb1) * lr
-            _store_cast(p + base + offs, w, mask, P_DT == 1)
+            if SR and (P_DT == 1):
+                tl.store(p + base + offs, _bf16_sr(w, tl.load(rec + 5), base + offs, HASH), mask=mask)
+            else:
+                _store_cast(p + base + offs, w, mask, P_DT == 1)
         m = m * b2
         m = m + gv * omb2
         if WRITE:
@@ -592,14 +611,17 @@ def _plain_kernel(tab, work, stats, decay, lr, b1, omb1, b2, omb2, WRITE: tl.con
 
 
 def lion_plain_multi_step_(params, grads, moms, *, lr: float, beta1: float, beta2: float,
-                           weight_decay: float) -> None:
+                           weight_decay: float, rounding: str = "rtn", seeds=None) -> None:
     """QLion's step of ordinary parameters (bf16 or fp32, contiguous, updated in place) with INT8 momentum {codes
     [R,C], scales, zeros} (rows: reference.intq.as_rows), two launches per (parameter, gradient) dtype pair; equal
-    to lion_plain_step_ref per parameter."""
+    to lion_plain_step_ref per parameter. rounding="sr": bf16 parameters are rounded stochastically (draws keyed
+    by `seeds`, one int per parameter, and the element index)."""
+    sr = rounding == "sr"
+    seeds = list(seeds) if seeds is not None else [0] * len(params)
     recs, keep, buckets = [], [], {}
     rb = 0
     dev = None
-    for p, g, mom in zip(params, grads, moms):
+    for p, g, mom, seed in zip(params, grads, moms, seeds):
         rows, cols = mom["codes"].shape
         if p.dtype not in (torch.bfloat16, torch.float32) or not p.is_contiguous():
             raise ValueError(f"lion_plain_step_: parameter must be contiguous bf16/fp32, got {p.dtype}")
@@ -614,7 +636,7 @@ def lion_plain_multi_step_(params, grads, moms, *, lr: float, beta1: float, beta
                                                               cols=cols))
         buckets.setdefault(key, []).append((len(recs), rows))
         recs.append([p.data_ptr(), g.data_ptr(), mom["codes"].data_ptr(), mom["scales"].data_ptr(),
-                     mom["zeros"].data_ptr(), 0, cols, rb])
+                     mom["zeros"].data_ptr(), int(seed) % (2 ** 31 - 1), cols, rb])
         rb += rows
     if not recs:
         return
@@ -627,17 +649,19 @@ def lion_plain_multi_step_(params, grads, moms, *, lr: float, beta1: float, beta
         for write in (False, True):
             _plain_kernel[(work.shape[0],)](tab, work, stats, *hyper, WRITE=write, HAS_DECAY=bool(weight_decay),
                                             P_DT=pd, G_DT=gd, BLOCK=block, NFIELDS=NF_PLAIN, ALIGNED=aligned,
-                                            num_warps=warps, enable_fp_fusion=False)
+                                            SR=sr, HASH=SR_DRAW == "hash", num_warps=warps,
+                                            enable_fp_fusion=False)
 
 
 def lion_plain_step_(p: torch.Tensor, g: torch.Tensor, mom: dict, *, lr: float, beta1: float, beta2: float,
-                     weight_decay: float) -> None:
+                     weight_decay: float, rounding: str = "rtn", seed: int = 0) -> None:
     """lion_plain_multi_step_ for one parameter."""
-    lion_plain_multi_step_([p], [g], [mom], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+    lion_plain_multi_step_([p], [g], [mom], lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                           rounding=rounding, seeds=[seed])
 
 
 def lion_plain_step_ref(p: torch.Tensor, g: torch.Tensor, mom: dict, *, lr: float, beta1: float, beta2: float,
-                        weight_decay: float) -> None:
+                        weight_decay: float, rounding: str = "rtn", generator: torch.Generator | None = None) -> None:
     """Torch reference of lion_plain_step_, one rounding per op (torch's own bf16 `sub_(alpha=lr)` on CPU rounds lr
     to bf16 first, and its fp32 `add_(alpha=)` may fuse the multiply-add: hfq.qft.QLion's torch path differs from
     this by such last bits)."""
@@ -648,9 +672,11 @@ def lion_plain_step_ref(p: torch.Tensor, g: torch.Tensor, mom: dict, *, lr: floa
     g = g.reshape(rows, cols).float()
     d = torch.sign(m * beta1 + g * (1 - beta1))
     w = p.reshape(rows, cols).float()
+    sr = rounding == "sr" and p.dtype == torch.bfloat16  # one stochastic rounding of the fp32 update
     if weight_decay:
-        w = (w * (1 - lr * weight_decay)).to(p.dtype).float()
-    p.copy_((w - d * lr).to(p.dtype).reshape(p.shape))
+        w = w * (1 - lr * weight_decay) if sr else (w * (1 - lr * weight_decay)).to(p.dtype).float()
+    w = w - d * lr
+    p.copy_((intq.round_bf16(w, "sr", generator) if sr else w.to(p.dtype)).reshape(p.shape))
     m = m * beta2 + g * (1 - beta2)
     c, s, z = intq.quantize_int_asym(m, 8, check=False)
     mom["codes"].copy_(c)

@@ -301,3 +301,52 @@ def test_sharded_checkpoint_loads_whole_through_trainers_loader(llama_dir, tmp_p
     ids = torch.randint(4, 90, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(fresh(ids).logits, m(ids).logits)
+
+
+def test_reload_takes_run_options_and_refuses_what_the_checkpoint_decided(llama_dir, tmp_path):
+    """from_pretrained(saved_dir, quantization_config=cfg): the options of how the model runs or trains
+    (RELOAD_OPTIONS: QuEST's estimator / trust_scale, NVFP4's compute_dtype, QFT's gradient_bits) are taken from
+    cfg; a field set away from its default to another value than the checkpoint's is an error naming it (it was
+    dropped silently before); fields left at their defaults follow the checkpoint."""
+    quest = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=QuESTConfig(weight_bits=2))
+    quest.save_pretrained(tmp_path / "quest")
+    ste = AutoModelForCausalLM.from_pretrained(tmp_path / "quest", quantization_config=QuESTConfig(estimator="ste"))
+    layer = ste.model.layers[0].mlp.down_proj
+    assert isinstance(layer, QuESTLinear) and layer.spec.trust is False and layer.spec.wbits == 2
+    assert ste.config.quantization_config.estimator == "ste"
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "quest", quantization_config=QuESTConfig())
+    assert plain.model.layers[0].mlp.down_proj.spec.wbits == 2  # defaults: the checkpoint's settings
+    with pytest.raises(ValueError, match=r"weight_bits=3 \(the checkpoint has 2\).*\['estimator', 'trust_scale'\]"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "quest", quantization_config=QuESTConfig(weight_bits=3))
+
+    AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=NVFP4Config()).save_pretrained(tmp_path / "fp4")
+    bf = AutoModelForCausalLM.from_pretrained(tmp_path / "fp4", quantization_config=NVFP4Config(compute_dtype="bfloat16"))
+    assert bf.model.layers[0].mlp.down_proj.compute_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="format='mxfp4'"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "fp4", quantization_config=NVFP4Config(format="mxfp4"))
+
+    AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=QFTConfig()).save_pretrained(tmp_path / "qft")
+    g8 = AutoModelForCausalLM.from_pretrained(tmp_path / "qft", quantization_config=QFTConfig(gradient_bits=8))
+    assert g8.config.quantization_config.gradient_bits == 8
+    with pytest.raises(ValueError, match="weight_format='fp8_e4m3_row'"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "qft", quantization_config=QFTConfig(weight_format="fp8_e4m3_row"))
+
+
+@pytest.mark.parametrize("cfg", [QFTConfig(), QFTConfig(weight_format="fp8_e4m3_row")], ids=["qft", "eco-fp8"])
+def test_qft_sequence_classifier_keeps_its_new_head_dense(llama_dir, tmp_path, cfg):
+    """AutoModelForSequenceClassification from a causal LM checkpoint: the new `score` head (no weight in the
+    checkpoint) stays dense and trainable, is reported, and the saved classifier reloads equal."""
+    from transformers import AutoModelForSequenceClassification
+
+    with pytest.warns(UserWarning, match=r"\['score'\] are not in the checkpoint"):
+        m = AutoModelForSequenceClassification.from_pretrained(llama_dir, quantization_config=cfg, num_labels=3)
+    assert type(m.score) is torch.nn.Linear and m.score.weight.requires_grad
+    assert "score" in m.hfq_quantization_report["skipped"] and "score" not in m.hfq_quantization_report["quantized"]
+    ids = torch.randint(4, 90, (2, 7), generator=torch.Generator().manual_seed(0))
+    m(ids, labels=torch.tensor([0, 2])).loss.backward()
+    assert m.score.weight.grad.abs().sum() > 0
+    m.save_pretrained(tmp_path)
+    again = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert type(again.score) is torch.nn.Linear
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, m(ids).logits)

@@ -134,6 +134,35 @@ def test_qparam_step_is_requantized_lion_step_and_rtn_freezes_small_updates():
     assert 0.7 < moved["sr"][1] < 1.3, moved  # unbiased: about lr per step
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_sr_moves_the_bf16_outliers_too(monkeypatch, fused):
+    """An outlier kept in bf16 moves by lr per step on average under SR (nearest rounding would return it to
+    where it was whenever lr is below half its ulp, as here: |w| >= 2, lr 2e-3 < 2^-7 / 2)."""
+    import hfq.qparam
+
+    if fused:
+        monkeypatch.setattr(hfq.qparam.formats, "FORCE_INT8_KERNELS", True)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 128, generator=g) * 0.05
+    hot = torch.rand(8, 128, generator=g) < 0.03  # fewer than the upper tail's 5 %
+    w[hot] = 2.0 + torch.rand(int(hot.sum()), generator=g)  # the outliers: bf16 ulp 2^-6 there
+    lr, steps = 2e-3, 12
+    drift = {}
+    for rounding in ("rtn", "sr"):
+        p = nn.Parameter(QParam.from_float(w, "int8_dense_sparse", outlier_fraction=0.1))
+        idx0 = p.sparse_idx.clone().long()
+        idx0 = idx0[hot.reshape(-1)[idx0]]  # the planted outliers (the lower tail holds some dense values too)
+        start = p.dequantize(torch.float32).reshape(-1)[idx0]
+        assert idx0.numel() == int(hot.sum()) > 15
+        o = QLion([p], lr=lr, rounding=rounding, seed=1, fused=fused)
+        for _ in range(steps):
+            p.grad = torch.ones_like(w, dtype=torch.bfloat16)  # sign(c) = +1: every weight moves down by lr
+            o.step()
+        drift[rounding] = ((start - p.dequantize(torch.float32).reshape(-1)[idx0]) / (steps * lr)).mean().item()
+    assert drift["rtn"] == 0.0  # nearest rounding undoes every step
+    assert 0.6 < drift["sr"] < 1.4, drift  # unbiased: about lr per step
+
+
 def _tiny_llama(seed=0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -311,3 +340,26 @@ def test_optimizer_state_dict_round_trip_bit_exact():
     for (n, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
         assert torch.equal(a, b), n
     assert hfq.QLion is QLion
+
+
+@pytest.mark.parametrize("opt", ["qlion", "qlion-fused", "eco_adamw", "eco_sgd"])
+def test_sr_moves_plain_bf16_parameters_by_small_steps(opt):
+    """Ordinary bf16 parameters (norms, embeddings of a bf16 QFT/ECO model) move by small steps on average
+    under SR, as the quantized weights do; nearest rounding (rounding="rtn", as torch's own bf16 optimizers)
+    leaves a weight of 1.0 where it is at any step below half its ulp (2^-8)."""
+    lr, steps = (1e-4 if opt == "eco_sgd" else 1e-3), 30  # SGD's momentum (0.9) makes its steps ~10x lr
+    drift = {}
+    for rounding, dtype in (("rtn", torch.bfloat16), ("sr", torch.bfloat16), ("exact", torch.float32)):
+        w = nn.Parameter(torch.ones(4, 64, dtype=dtype))
+        r = "sr" if rounding == "exact" else rounding
+        o = {"qlion": lambda: QLion([w], lr=lr, rounding=r, fused=False),
+             "qlion-fused": lambda: QLion([w], lr=lr, rounding=r, fused=True),
+             "eco_adamw": lambda: hfq.ECOAdamW([w], lr=lr, rounding=r, weight_decay=0.0),
+             "eco_sgd": lambda: hfq.ECOSGD([w], lr=lr, rounding=r)}[opt]()
+        for _ in range(steps):
+            w.grad = torch.ones_like(w)  # a constant gradient: every step moves each weight down
+            o.step()
+        drift[rounding] = (1.0 - w.detach().float()).mean().item()
+    assert drift["exact"] > 0.01  # the fp32 parameter's drift: what the bf16 one should follow on average
+    assert drift["rtn"] == 0.0, drift
+    assert 0.8 < drift["sr"] / drift["exact"] < 1.2, drift

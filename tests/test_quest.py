@@ -11,6 +11,7 @@ from hfq_kernels.reference import gaussian
 from hfq_kernels.reference.hadamard import fwht, hadamard_matrix
 from hfq.quest import QuESTConfig, QuESTLinear, pack_codes, quantize_model, unpack_codes
 from hfq_kernels import quest as K
+from transformers import AutoModelForCausalLM
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: device tensors on a GPU
 
@@ -216,6 +217,19 @@ def test_sibling_layers_share_input_quantization():
     assert res[False][3] == 3 and res[True][3] == 1
     for a, b in zip(res[False][0] + [res[False][1]] + res[False][2], res[True][0] + [res[True][1]] + res[True][2]):
         assert torch.equal(a, b)
+
+
+def test_default_config_runs_under_inference_mode(tiny_dir):
+    """torch.inference_mode() (eval loops, serving): the default W4A4 model's forward and generate equal
+    no_grad's (inference tensors have no version counter for the shared input quantization)."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=QuESTConfig())
+    ids = torch.randint(4, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits
+        ref_gen = model.generate(ids, max_new_tokens=4, do_sample=False)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, ref)
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), ref_gen)
 
 
 # ----------------------------------------------------------------------------- config / bad input

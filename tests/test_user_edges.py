@@ -269,16 +269,19 @@ def test_quest_announces_what_it_would_do_silently():
 def test_qft_reload_takes_the_training_options_passed(tiny_dir, tmp_path):
     """A saved QFT checkpoint reloaded with QFTConfig(gradient_bits=8, outlier_refresh_steps=7) trains with them
     (transformers kept the checkpoint's config whole: plain float gradients, no refresh, with only its generic
-    warning); what the checkpoint stores (format, outliers) is still the checkpoint's."""
+    warning); what the checkpoint stores (format, outliers) is the checkpoint's, and asking for another value of
+    it is an error naming the field (it was silently dropped before)."""
     from hfq.qft import QFTLinear
 
     AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QFTConfig()).save_pretrained(tmp_path)
     m = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=hfq.QFTConfig(
-        gradient_bits=8, outlier_refresh_steps=7, outlier_fraction=0.05))
+        gradient_bits=8, outlier_refresh_steps=7))
     q = m.model.layers[0].mlp.up_proj
     assert isinstance(q, QFTLinear) and q.gradient_bits == 8 and q.weight.meta["outlier_refresh_steps"] == 7
     cfg = m.config.quantization_config
     assert (cfg.gradient_bits, cfg.outlier_refresh_steps, cfg.outlier_fraction) == (8, 7, 0.01)
+    with pytest.raises(ValueError, match=r"outlier_fraction=0.05 \(the checkpoint has 0.01\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=hfq.QFTConfig(outlier_fraction=0.05))
 
 
 def test_a_skip_entry_naming_a_container_is_announced(tiny_dir):
@@ -370,3 +373,18 @@ def test_save_pretrained_writes_the_state_dict_it_is_given(method, tiny_dir, tmp
     sd[k] = sd[k].float() if sd[k].dtype != torch.float32 else sd[k].double()
     with pytest.raises(ValueError, match=rf"state_dict=.*{re.escape(k)} is .* the model holds"):
         m.save_pretrained(tmp_path / "c", state_dict=sd)
+
+
+@pytest.mark.parametrize("fmt", ["int8_dense_sparse", "fp8_e4m3_row", "int4_group"])
+def test_memory_footprint_counts_what_qft_weights_store(tiny_dir, fmt):
+    """model.get_memory_footprint() of a QFT/ECO model: the codes, scales and outliers its QParams store (it
+    counted each as the bf16 weight it presents itself as, so QFT/ECO seemed to save nothing)."""
+    from hfq.qft import state_bytes
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QFTConfig(
+        weight_format=fmt, **({"group_size": 32} if fmt == "int4_group" else {})), dtype=torch.bfloat16)
+    bufs = sum(b.numel() * b.element_size() for b in m.buffers())
+    assert m.get_memory_footprint() == state_bytes(m)["weights"] + bufs
+    assert m.get_memory_footprint(return_buffers=False) == state_bytes(m)["weights"]
+    dense = sum(p.numel() * 2 for p in m.parameters())
+    assert m.get_memory_footprint(return_buffers=False) < dense

@@ -64,6 +64,10 @@ class HfqConfig(QuantizationConfigMixin):
     # None = transformers' defaults (the output embedding and tied modules) are added to the list
     ADD_DEFAULT_SKIPS: ClassVar[bool] = False
     BY_METHOD: ClassVar[dict[str, type]] = {}  # quant_method -> config class, filled as each method is imported
+    # fields that a reload of a saved checkpoint takes from the config passed to from_pretrained (how the model runs
+    # or trains, not what the checkpoint stores); transformers keeps the checkpoint's config for the rest
+    RELOAD_OPTIONS: ClassVar[tuple[str, ...]] = ()
+    _NOT_COMPARED: ClassVar[tuple[str, ...]] = ("quant_method", "strict")  # conversion-time only
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -91,6 +95,22 @@ class HfqConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def get_loading_attributes(self) -> dict:
+        """What transformers copies onto a saved checkpoint's config when this config is passed to from_pretrained:
+        the RELOAD_OPTIONS, and this whole request as `hfq_requested`, which the quantizer holds against the
+        checkpoint's config (reload_conflicts)."""
+        return {**{k: getattr(self, k) for k in self.RELOAD_OPTIONS}, "hfq_requested": self.to_dict()}
+
+    def reload_conflicts(self, requested: dict) -> list[str]:
+        """The fields a config passed to from_pretrained sets, away from its class default, to other values than
+        this (the checkpoint's) config has, other than RELOAD_OPTIONS: a reload cannot take them (the checkpoint
+        stores what they decided), so they are named in an error rather than dropped."""
+        default = asdict(type(self)())
+        skip = set(self.RELOAD_OPTIONS) | set(self._NOT_COMPARED)
+        return [f"{f.name}={requested[f.name]!r} (the checkpoint has {getattr(self, f.name)!r})" for f in fields(self)
+                if f.name not in skip and f.name in requested and requested[f.name] != default[f.name]
+                and requested[f.name] != getattr(self, f.name)]
 
     @classmethod
     def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):

@@ -10,6 +10,7 @@ transformers 5.23 adds that the match must end at a module boundary) or when the
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import warnings
@@ -33,11 +34,21 @@ def modules_to_skip(model: nn.Module, config, add_default_skips: bool) -> list[s
     (its output embedding and the modules tied to it). An entry of the config's list that names no module of the
     model (a typo keeps nothing out) is a UserWarning naming it."""
     own = config.modules_to_not_convert
-    _warn_unmatched_skips(config.quant_method, model, own or ())
+    if own != _default_skips(config):  # the defaults' "lm_head" is absent from e.g. a sequence classifier: no typo
+        _warn_unmatched_skips(config.quant_method, model, own or ())
     if not hasattr(model, "get_output_embeddings"):  # a bare nn.Module: only the config's own list
         return list(own or [])
     return HfQuantizer.get_modules_to_not_convert(model, own, getattr(model, "_keep_in_fp32_modules", None),
                                                   add_default_skips=add_default_skips or own is None)
+
+
+def _default_skips(config):
+    """The config class's own default modules_to_not_convert (None where the field has none)."""
+    f = next((f for f in dataclasses.fields(config) if f.name == "modules_to_not_convert"), None) \
+        if dataclasses.is_dataclass(config) else None
+    if f is None:
+        return None
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def _warn_unmatched_skips(method: str, model: nn.Module, entries) -> None:
@@ -79,6 +90,23 @@ def save_with_state_dict(save_pretrained):
             q.passed_state_dict = None
 
     wrapper.hfq_wrapped = save_pretrained
+    return wrapper
+
+
+def footprint_with_stored_bytes(get_memory_footprint):
+    """Wrap `PreTrainedModel.get_memory_footprint`: a parameter that stores other tensors than its shape and dtype
+    say (a QFT/ECO QParam: codes, scales, outliers; it presents itself as a bf16 weight) counts its `storage_bytes`."""
+
+    @functools.wraps(get_memory_footprint)
+    def wrapper(self, *args, **kwargs):
+        mem = get_memory_footprint(self, *args, **kwargs)
+        for p in self.parameters():
+            stored = getattr(p, "storage_bytes", None)
+            if isinstance(stored, int):
+                mem += stored - p.nelement() * p.element_size()
+        return mem
+
+    wrapper.hfq_wrapped = get_memory_footprint
     return wrapper
 
 
@@ -379,6 +407,16 @@ class HfqQuantizer(HfQuantizer):
             HfqQuantizer.SIGNATURES[cls.QUANT_METHOD] = cls.signature
 
     def __init__(self, quantization_config, **kwargs):
+        requested = quantization_config.__dict__.pop("hfq_requested", None)  # set by get_loading_attributes
+        if requested is not None:
+            conflicts = quantization_config.reload_conflicts(requested)
+            if conflicts:
+                cfg = type(quantization_config).__name__
+                raise ValueError(
+                    f"{quantization_config.quant_method} checkpoint: the {cfg} passed to from_pretrained asks for "
+                    f"{', '.join(conflicts)}. A reload keeps what the checkpoint was saved with and takes only "
+                    f"{list(quantization_config.RELOAD_OPTIONS)} from the config passed; pass the checkpoint's values "
+                    "for the rest, or no quantization_config")
         # the quantizer (and the model it marks) keeps its own validated copy: see HfqConfig.checked_copy
         super().__init__(quantization_config.checked_copy(), **kwargs)
 

@@ -36,6 +36,7 @@ class NVFP4Config(HfqConfig):
     quant_method: str = QUANT_METHOD
 
     QUANT_METHOD = QUANT_METHOD
+    RELOAD_OPTIONS = ("compute_dtype",)  # how the layers compute, not what a checkpoint stores
     ADD_DEFAULT_SKIPS = True
 
     def validate(self):

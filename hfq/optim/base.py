@@ -13,6 +13,7 @@ import numbers
 
 import torch
 
+from hfq_kernels.reference import intq as _intq
 from hfq_kernels.reference.fp8 import check_rounding
 from ..qparam import QParam, int8_grad, pop_int8_grad, sharding_refusal
 from ..qparam.fsdp import local, local_rows
@@ -271,6 +272,19 @@ class QParamOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}.step: {self._name_of(p)}: {e}" + (
                 "; with check_finite=False a non-finite gradient reaches the update, and parameters stepped before "
                 "this one (and their states) have taken it" if not self.check_finite else "")) from None
+
+    def _plain_update_(self, p, update) -> None:
+        """Apply `update(w)` (in-place ops) to ordinary parameter p (its local shard): in its own dtype, or for a
+        bf16 parameter under rounding="sr" on an fp32 copy written back with stochastic rounding, as the quantized
+        weights are (nearest rounding drops every step below half a bf16 ulp: a norm weight of 1.0 never moves at
+        lr 2e-5). fp16 parameters keep nearest rounding."""
+        lp = local(p)
+        if self.rounding != "sr" or lp.dtype != torch.bfloat16:
+            update(lp)
+            return
+        w = lp.float()
+        update(w)
+        lp.copy_(_intq.round_bf16(w, "sr", self._generator(lp.device)))
 
     def _sr_noise(self, p, q: QParam) -> torch.Tensor | None:
         """SR draws keyed by (seed, p's position in the optimizer, p's step, global element index): for sharded

@@ -228,9 +228,11 @@ class QLion(QParamOptimizer):
                 w.sub_(lion_direction(m, g, b1), alpha=lr)
                 self._requantize(p, w, refresh_thresholds=refresh)
         elif lr != 0:
-            if wd:
-                lp.mul_(1 - lr * wd)
-            lp.sub_(lion_direction(m, g, b1).to(lp.dtype), alpha=lr)
+            def update(w):
+                if wd:
+                    w.mul_(1 - lr * wd)
+                w.sub_(lion_direction(m, g, b1).to(w.dtype), alpha=lr)
+            self._plain_update_(p, update)
         m.mul_(b2).add_(g, alpha=1 - b2)
         self._store_m(state, m)
 
@@ -246,8 +248,9 @@ class QLion(QParamOptimizer):
         for p, _ in items:
             self.state[p]["step"] += 1
         lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
+        seeds = [self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(self.state[p]["step"]) for p, _ in items]
         _q.lion_plain_multi_step_([p.data for p, _ in items], [g for _, g in items], moms, lr=lr, beta1=b1,
-                                  beta2=b2, weight_decay=wd)
+                                  beta2=b2, weight_decay=wd, rounding=self.rounding, seeds=seeds)
 
     def _fused_item(self, p, g) -> tuple:
         """(weight, gradient, momentum, seed, first global element) of p (its local shard under FSDP2) for

@@ -166,6 +166,7 @@ class AdaptiveQuantizationNoise:
         self.targets = resolve_norms(model, norm_names)
         self._clean: list[torch.Tensor] | None = None
         self.last_applied_std: float = 0.0
+        self._warned_rounding = False
 
     @property
     def names(self) -> list[str]:
@@ -195,6 +196,13 @@ class AdaptiveQuantizationNoise:
                 n += d.numel()
         # what actually reached the weights (bf16 norms near 1.0 round away sigma < ~4e-3)
         self.last_applied_std = math.sqrt(sq / max(n, 1))
+        if self.last_applied_std < 0.5 * sigma and not self._warned_rounding:
+            self._warned_rounding = True
+            warnings.warn(
+                f"AQN: sigma {sigma:.3g} reaches the norm weights as std {self.last_applied_std:.3g}: their dtype "
+                f"({self._clean[0].dtype}) rounds most of it away (its step near 1.0 is 2^-8..2^-7). The logged "
+                "aqn/applied_std is the noise that got through; stochastic rounding would keep the mean but add "
+                "noise of about the step, so the weights are left as they round.", stacklevel=3)
 
     def restore(self) -> None:
         if self._clean is None:

@@ -66,6 +66,7 @@ class QFTConfig(HfqConfig):
     quant_method: str = QUANT_METHOD
 
     QUANT_METHOD = QUANT_METHOD
+    RELOAD_OPTIONS = ("gradient_bits", "outlier_refresh_steps")  # how the model trains, not what a checkpoint stores
 
     def validate(self):
         check_choice("weight_format", self.weight_format, FORMATS)
@@ -89,11 +90,6 @@ class QFTConfig(HfqConfig):
             return self._outlier_options
         return {}
 
-    def get_loading_attributes(self) -> dict:
-        """Training options a reload of a saved QFT checkpoint takes from the QFTConfig passed to from_pretrained
-        (transformers otherwise keeps the checkpoint's config whole): they change how the model trains, not what
-        the checkpoint stores."""
-        return {"gradient_bits": self.gradient_bits, "outlier_refresh_steps": self.outlier_refresh_steps}
 
     @property
     def _outlier_options(self) -> dict:

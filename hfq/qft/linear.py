@@ -66,9 +66,12 @@ def layer_maker(config, placeholder: bool = False, generator=None):
     return make
 
 
-def convert_linears_(model: nn.Module, config, placeholder: bool = False, generator=None) -> list[str]:
-    """Replace the nn.Linear modules that `config` converts, in place; returns the converted names."""
-    return replace_linears(model, layer_maker(config, placeholder, generator), modules_to_skip(model, config, False))
+def convert_linears_(model: nn.Module, config, placeholder: bool = False, generator=None,
+                     keep: list[str] = ()) -> list[str]:
+    """Replace the nn.Linear modules that `config` converts (but those named in `keep`), in place; returns the
+    converted names."""
+    skip = modules_to_skip(model, config, False)
+    return replace_linears(model, layer_maker(config, placeholder, generator), [*(skip or []), *keep])
 
 
 

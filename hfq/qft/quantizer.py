@@ -7,6 +7,9 @@ the full-precision model never exists). Pre-quantized load (an hfq_qft checkpoin
 """
 from __future__ import annotations
 
+import re
+import warnings
+
 from types import SimpleNamespace
 
 from torch import nn
@@ -67,14 +70,19 @@ class QFTHfQuantizer(HfqQuantizer):
         self._skip = modules_to_skip(model, cfg, False)
         _refuse_tied_head(model, self._skip)
         if self.pre_quantized:
-            if checkpoint_files:
-                self.check_checkpoint_method(checkpoint_index(checkpoint_files))
-            self.converted = convert_linears_(model, cfg, placeholder=True)
+            index = checkpoint_index(checkpoint_files) if checkpoint_files else {}
+            if index:
+                self.check_checkpoint_method(index)
+            # linears saved dense (a new head kept so at the first load, see _keep_new_heads_dense) stay dense
+            dense = [n for n, m in model.named_modules()
+                     if type(m) is nn.Linear and f"{n}.weight" in index and f"{n}.weight_codes" not in index]
+            self._reasons = {n: "saved dense in the checkpoint (a new head at the first load)" for n in dense}
+            self.converted = convert_linears_(model, cfg, placeholder=True, keep=[f"^{re.escape(n)}$" for n in dense])
             self.expect_guard(model)
         else:  # the loader converts these as their weights arrive (param_needs_quantization)
             self.converted = [n for n, m in model.named_modules()
                               if type(m) is nn.Linear and should_convert(n, self._skip)]
-        self.conversion_report(model, self.converted, self._skip)
+        self.conversion_report(model, self.converted, self._skip, getattr(self, "_reasons", None))
         return model
 
     def get_quantize_ops(self):
@@ -87,12 +95,29 @@ class QFTHfQuantizer(HfqQuantizer):
             refuse_nonfinite("hfq_qft", model, self.layer_types)
         else:
             left = [n for n, m in model.named_modules() if type(m) is nn.Linear and should_convert(n, self._skip)]
-            if left:
-                raise ValueError(f"QFT: no weight was found in the checkpoint for {left[:10]}")
+            if left:  # no weight in the checkpoint: a new head (a classifier's `score`), initialised by transformers
+                self._keep_new_heads_dense(model, left)
             self.converted = [n for n, m in model.named_modules() if isinstance(m, QLinear)]
         ddp_ignore_int8_grad_weights_(model)
         name_qparams_(model)
         return model
+
+
+    def _keep_new_heads_dense(self, model: nn.Module, names: list[str]) -> None:
+        """Linears the checkpoint has no weight for stay dense and trainable, as transformers leaves them (newly
+        initialised, listed in its load report): in the conversion report as skipped, with a warning (an error
+        under strict=True)."""
+        why = "not in the checkpoint (a new head, initialised by transformers): kept dense and trainable"
+        if self.quantization_config.strict:
+            raise ValueError(f"QFT/ECO (hfq_qft): {names[:10]} are {why.split(':')[0]}; strict=True refuses to "
+                             "leave them dense (add them to modules_to_not_convert to keep them so)")
+        warnings.warn(f"QFT/ECO (hfq_qft): {names[:10]} are {why} (add them to modules_to_not_convert to say "
+                      "so and silence this)", UserWarning, stacklevel=3)
+        report = getattr(model, "hfq_quantization_report", None)
+        if report is not None:
+            report["quantized"] = [n for n in report["quantized"] if n not in names]
+            report["skipped"].update({n: why for n in names})
+        self.converted = [n for n in self.converted if n not in names]
 
 
 def _refuse_tied_head(model: nn.Module, skip: list[str]) -> None:

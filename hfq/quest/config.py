@@ -48,6 +48,7 @@ class QuESTConfig(HfqConfig):
     quant_method: str = field(default="hfq_quest")
 
     QUANT_METHOD = "hfq_quest"
+    RELOAD_OPTIONS = ("estimator", "trust_scale")  # how gradients pass, not what a checkpoint stores
 
     def validate(self):
         check_choice("grid", self.grid, gaussian.GRIDS)

@@ -101,17 +101,22 @@ def quantize_input(x2: torch.Tensor, spec: _Spec):
 class _InputCache:
     """The last activation quantized, so that sibling layers fed the same tensor (q/k/v, gate/up) share
     one quantization: hit only for the same tensor object (held by weak reference), unchanged since
-    (version counter), same dtype and same activation settings."""
+    (version counter), same dtype and same activation settings. Inference tensors (torch.inference_mode) have no
+    version counter: never shared."""
 
     def __init__(self):
         self.ref, self.version, self.key, self.value = None, None, None, None
 
     def get(self, x: torch.Tensor, key):
-        if self.ref is not None and self.ref() is x and self.version == x._version and self.key == key:
+        if (self.ref is not None and self.ref() is x and not x.is_inference() and self.version == x._version
+                and self.key == key):
             return self.value
         return None
 
     def put(self, x: torch.Tensor, key, value):
+        if x.is_inference():
+            self.clear()
+            return
         self.ref, self.version, self.key, self.value = weakref.ref(x), x._version, key, value
 
     def clear(self):
@@ -276,8 +281,9 @@ class QuESTLinear(nn.Module):
         key = prefix + "weight"
         if not self.packed and key not in state_dict and prefix + "weight_codes" in state_dict:
             raise ValueError(f"{prefix}weight_codes: this checkpoint holds QuEST codes only "
-                             "(save_format='codes', an inference checkpoint) and no master weights, so QAT "
-                             "cannot resume from it; save with QuESTConfig(save_format='master')")
+                             "(save_format='codes', an inference checkpoint) and no master weights, so a QAT model "
+                             "cannot load it (Trainer's resume_from_checkpoint and load_best_model_at_end both do); "
+                             "train with QuESTConfig(save_format='master') and save codes at the end")
         if not self.packed and key in state_dict:
             w = unguard_weight(state_dict[key], self.out_features, self.in_features)
             state_dict = dict(state_dict)

@@ -138,16 +138,34 @@ def outlier_thresholds(w: torch.Tensor, fraction: float = 0.01) -> torch.Tensor:
     return torch.stack((t_min, t_max)).to(torch.float32)
 
 
+def round_bf16(x: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None,
+               noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Finite float32 values -> bf16: nearest-even, or stochastic (up with probability the fraction of the bf16
+    step below x's magnitude: unbiased), from `generator` or `noise` [0, 1) of x's shape."""
+    check_rounding(rounding)
+    if rounding == "rtn":
+        return x.float().to(torch.bfloat16)
+    u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32) if noise is None \
+        else noise.reshape(x.shape)
+    bits = x.float().contiguous().view(torch.int32) + (u * 65536.0).to(torch.int32)  # the magnitude's low 16 bits
+    return (bits >> 16).to(torch.int16).view(torch.bfloat16)
+
+
 def quantize_dense_sparse(w: torch.Tensor, thresholds: torch.Tensor, rounding: str = "rtn",
                           generator: torch.Generator | None = None, noise: torch.Tensor | None = None):
-    """-> dict(codes, scales, zeros, sparse_idx int32 [nnz], sparse_val bf16 [nnz]) given (T_min, T_max)."""
+    """-> dict(codes, scales, zeros, sparse_idx int32 [nnz], sparse_val bf16 [nnz]) given (T_min, T_max). SR
+    rounds the bf16 outliers stochastically too (nearest would undo any update below half their ulp: a Lion
+    step of lr 2e-5 on every |w| >= 2^-7); with `noise`, its draws at the outliers' (otherwise unused) positions."""
     check_finite(w)
+    check_rounding(rounding)
     w = w.float()
     out = (w < thresholds[0]) | (w > thresholds[1])
     idx = out.reshape(-1).nonzero().squeeze(-1)
-    vals = w.reshape(-1)[idx].to(torch.bfloat16)
+    if rounding == "sr" and noise is None:  # one draw per element, as before outliers were rounded so: the
+        noise = torch.rand(w.shape, generator=generator, device=w.device, dtype=torch.float32)  # stream stays
     codes, scales, zeros = quantize_int_asym(torch.where(out, torch.zeros_like(w), w), 8, rounding, generator,
                                              check=False, noise=noise)  # w was checked above
+    vals = round_bf16(w.reshape(-1)[idx], rounding, generator, None if noise is None else noise.reshape(-1)[idx])
     return {"codes": codes, "scales": scales, "zeros": zeros, "sparse_idx": idx.to(torch.int32), "sparse_val": vals}
 
 
