@@ -284,20 +284,27 @@ class QParamOptimizer(torch.optim.Optimizer):
             return
         w = lp.float()
         update(w)
-        lp.copy_(_intq.round_bf16(w, "sr", self._generator(lp.device)))
+        noise = None
+        if self._keyed(p):  # an FSDP2 shard: draws keyed by global element, as a QParam shard's (_sr_noise)
+            rows = lp.shape[0] if lp.dim() else 1
+            noise = keyed_uniform((rows, lp.numel() // max(rows, 1)), local_rows(p)[0], self._sr_key(p), lp.device)
+        lp.copy_(_intq.round_bf16(w, "sr", None if noise is not None else self._generator(lp.device), noise))
+
+    def _sr_key(self, p) -> int:
+        """The key of p's SR draws at this step: (seed, p's position in the optimizer, p's step)."""
+        state = self.state[p]
+        if "step" in state:
+            step = int(state["step"])
+        else:
+            state["sr_step"] = step = int(state.get("sr_step", 0)) + 1
+        return (self._seed * 1_000_003 + self._ordinal(p)) * 1_000_033 + step
 
     def _sr_noise(self, p, q: QParam) -> torch.Tensor | None:
         """SR draws keyed by (seed, p's position in the optimizer, p's step, global element index): for sharded
         parameters (the split does not change them) and with keyed_sr=True; else None (the device generator)."""
         if not self._keyed(p):
             return None
-        state = self.state[p]
-        if "step" in state:
-            step = int(state["step"])
-        else:
-            state["sr_step"] = step = int(state.get("sr_step", 0)) + 1
-        key = (self._seed * 1_000_003 + self._ordinal(p)) * 1_000_033 + step
-        return keyed_uniform(q.shape, q.place.row0, key, q.device)
+        return keyed_uniform(q.shape, q.place.row0, self._sr_key(p), q.device)
 
     def _keyed(self, p) -> bool:
         """SR keyed by (seed, parameter, step, global element) for p: sharded, or keyed_sr=True."""
