@@ -36,6 +36,9 @@ def check_beta(name: str, b) -> None:
         raise ValueError(f"{name} must be in (0, 1), got {b!r}")
 
 
+_PLAIN_BLOCK = 1 << 22  # elements of an ordinary bf16 parameter updated at once in fp32 (_plain_update_)
+
+
 def keyed_uniform(shape, row0: int, key: int, device) -> torch.Tensor:
     """Uniform [0, 1) float32 of `shape` = [rows, cols] for the rows starting at global row `row0`: a hash of
     (key, global element index), so any row split of a weight draws what the whole weight draws."""
@@ -274,21 +277,26 @@ class QParamOptimizer(torch.optim.Optimizer):
                 "this one (and their states) have taken it" if not self.check_finite else "")) from None
 
     def _plain_update_(self, p, update) -> None:
-        """Apply `update(w)` (in-place ops) to ordinary parameter p (its local shard): in its own dtype, or for a
-        bf16 parameter under rounding="sr" on an fp32 copy written back with stochastic rounding, as the quantized
-        weights are (nearest rounding drops every step below half a bf16 ulp: a norm weight of 1.0 never moves at
-        lr 2e-5). fp16 parameters keep nearest rounding."""
+        """Apply `update(w, rows)` (in-place ops on w, the parameter's rows `rows` of its other tensors: momentum,
+        gradient) to ordinary parameter p (its local shard): in its own dtype, or for a bf16 parameter under
+        rounding="sr" on fp32 copies of row blocks (a few MB at a time, not a copy of a whole embedding) written
+        back with stochastic rounding, as the quantized weights are (nearest rounding drops every step below half a
+        bf16 ulp: a norm weight of 1.0 never moves at lr 2e-5). fp16 parameters keep nearest rounding."""
         lp = local(p)
-        if self.rounding != "sr" or lp.dtype != torch.bfloat16:
-            update(lp)
+        if self.rounding != "sr" or lp.dtype != torch.bfloat16 or lp.dim() == 0:
+            update(lp, ...)
             return
-        w = lp.float()
-        update(w)
-        noise = None
-        if self._keyed(p):  # an FSDP2 shard: draws keyed by global element, as a QParam shard's (_sr_noise)
-            rows = lp.shape[0] if lp.dim() else 1
-            noise = keyed_uniform((rows, lp.numel() // max(rows, 1)), local_rows(p)[0], self._sr_key(p), lp.device)
-        lp.copy_(_intq.round_bf16(w, "sr", None if noise is not None else self._generator(lp.device), noise))
+        rows = lp.shape[0]
+        cols = lp.numel() // max(rows, 1)
+        block = max(1, _PLAIN_BLOCK // max(cols, 1))
+        keyed = self._keyed(p)  # an FSDP2 shard: draws keyed by global element, as a QParam shard's (_sr_noise)
+        key, row0 = (self._sr_key(p), local_rows(p)[0]) if keyed else (0, 0)
+        for r in range(0, rows, block):
+            sl = slice(r, min(r + block, rows))
+            w = lp[sl].float()
+            update(w, sl)
+            noise = keyed_uniform((sl.stop - r, cols), row0 + r, key, lp.device) if keyed else None
+            lp[sl].copy_(_intq.round_bf16(w, "sr", None if keyed else self._generator(lp.device), noise))
 
     def _sr_key(self, p) -> int:
         """The key of p's SR draws at this step: (seed, p's position in the optimizer, p's step)."""

@@ -82,7 +82,7 @@ class ECOSGD(_ECOBase):
                     Fn.eco_sgdm_(lp.dequantize(torch.float32), m, g, lr=lr, beta=beta, weight_decay=wd,
                                  requant=self._requant(p), rule=self.rule, residual=state.get("residual"))
                 else:
-                    self._plain_update_(p, lambda w: Fn.sgdm_(w, m, g, lr=lr, beta=beta, weight_decay=wd))
+                    self._plain_update_(p, lambda w, r: Fn.sgdm_(w, m[r], g[r], lr=lr, beta=beta, weight_decay=wd))
                 st.store(state, "momentum_buffer", m, True)
         return loss
 
@@ -184,8 +184,8 @@ class ECOAdamW(_ECOBase):
                               eps=eps, weight_decay=wd, requant=self._requant(p), rule=self.rule,
                               residual=state.get("residual"))
             else:
-                self._plain_update_(p, lambda w: Fn.adamw_(w, m, v, g, step=step, lr=lr, beta1=b1, beta2=b2, eps=eps,
-                                                           weight_decay=wd))
+                self._plain_update_(p, lambda w, r: Fn.adamw_(w, m[r], v[r], g[r], step=step, lr=lr, beta1=b1,
+                                                              beta2=b2, eps=eps, weight_decay=wd))
             st.store(state, "exp_avg", m, True)
             st.store(state, "exp_avg_sq", v, False)
         return loss

@@ -228,10 +228,10 @@ class QLion(QParamOptimizer):
                 w.sub_(lion_direction(m, g, b1), alpha=lr)
                 self._requantize(p, w, refresh_thresholds=refresh)
         elif lr != 0:
-            def update(w):
+            def update(w, rows):
                 if wd:
                     w.mul_(1 - lr * wd)
-                w.sub_(lion_direction(m, g, b1).to(w.dtype), alpha=lr)
+                w.sub_(lion_direction(m[rows], g[rows], b1).to(w.dtype), alpha=lr)
             self._plain_update_(p, update)
         m.mul_(b2).add_(g, alpha=1 - b2)
         self._store_m(state, m)
