@@ -243,6 +243,7 @@ def _bf16_sr(v, seed, pos, HASH: tl.constexpr):
     """Finite fp32 v -> bf16, rounded up in magnitude with probability the fraction of the bf16 step (unbiased),
     the draw keyed by (seed, pos): reference.intq.round_bf16's rule."""
     u = (_uniform(seed, pos, HASH) * 65536.0).to(tl.int32)
+    u = tl.where(tl.abs(v) < float("inf"), u, 0)  # NaN/Inf bits stay NaN/Inf
     b = (v.to(tl.int32, bitcast=True) + u) >> 16
     return b.to(tl.int16).to(tl.bfloat16, bitcast=True)
 

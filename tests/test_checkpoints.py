@@ -314,8 +314,9 @@ def test_reload_takes_run_options_and_refuses_what_the_checkpoint_decided(llama_
     layer = ste.model.layers[0].mlp.down_proj
     assert isinstance(layer, QuESTLinear) and layer.spec.trust is False and layer.spec.wbits == 2
     assert ste.config.quantization_config.estimator == "ste"
-    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "quest", quantization_config=QuESTConfig())
-    assert plain.model.layers[0].mlp.down_proj.spec.wbits == 2  # defaults: the checkpoint's settings
+    with pytest.warns(UserWarning, match=r"keeps its weight_bits=2 \(the QuESTConfig passed has the defaults"):
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "quest", quantization_config=QuESTConfig())
+    assert plain.model.layers[0].mlp.down_proj.spec.wbits == 2  # defaults: the checkpoint's settings, said
     with pytest.raises(ValueError, match=r"weight_bits=3 \(the checkpoint has 2\).*\['estimator', 'trust_scale'\]"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "quest", quantization_config=QuESTConfig(weight_bits=3))
 
@@ -350,3 +351,22 @@ def test_qft_sequence_classifier_keeps_its_new_head_dense(llama_dir, tmp_path, c
     assert type(again.score) is torch.nn.Linear
     with torch.no_grad():
         assert torch.equal(again(ids).logits, m(ids).logits)
+    # from an hfq QFT causal-LM checkpoint (pre-quantized, no score): the same, not an empty quantized placeholder
+    AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=cfg).save_pretrained(tmp_path / "lm")
+    with pytest.warns(UserWarning, match=r"\['score'\] are not in the checkpoint"):
+        cls = AutoModelForSequenceClassification.from_pretrained(tmp_path / "lm", num_labels=3)
+    assert type(cls.score) is torch.nn.Linear and cls.score.weight.requires_grad
+    assert cls.score.weight.abs().max() > 1e-3 and "score" in cls.hfq_quantization_report["skipped"]
+
+
+def test_qft_decoder_linear_missing_from_a_dense_checkpoint_is_an_error(tmp_path):
+    """Only task heads (outside base_model_prefix) may lack a weight: a decoder linear missing from the checkpoint
+    is a broken checkpoint, refused rather than kept dense."""
+    from safetensors.torch import save_file
+
+    src = save_tiny(tmp_path / "src", arch="llama")
+    sd = load_file(str(tmp_path / "src" / "model.safetensors"))
+    del sd["model.layers.0.self_attn.q_proj.weight"]
+    save_file(sd, str(tmp_path / "src" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no weight was found in the checkpoint for \['model.layers.0.self_attn.q_proj'\]"):
+        AutoModelForCausalLM.from_pretrained(src, quantization_config=QFTConfig())

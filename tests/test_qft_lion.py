@@ -363,3 +363,17 @@ def test_sr_moves_plain_bf16_parameters_by_small_steps(opt):
     assert drift["exact"] > 0.01  # the fp32 parameter's drift: what the bf16 one should follow on average
     assert drift["rtn"] == 0.0, drift
     assert 0.8 < drift["sr"] / drift["exact"] < 1.2, drift
+
+
+def test_bf16_stochastic_rounding_keeps_nan_and_inf():
+    """SR adds a draw to the float's bits: NaN patterns near the top (CUDA's 0x7FFFFFFF) would carry into -0/+0,
+    so non-finite values take no draw; finite ones round to a bf16 neighbour, unbiased."""
+    from hfq_kernels.reference.intq import round_bf16
+
+    bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F800000, -8388608], dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    out = round_bf16(x, "sr", noise=torch.full((5,), 0.999)).float()
+    assert out[:3].isnan().all() and out[3] == float("inf") and out[4] == float("-inf")
+    v = torch.full((20000,), 1.0 + 2.0 ** -10)  # an eighth of the way from 1 to the next bf16 value, 1 + 2^-7
+    r = round_bf16(v, "sr", torch.Generator().manual_seed(0)).float()
+    assert set(r.unique().tolist()) <= {1.0, 1.0 + 2.0 ** -7} and abs(r.mean().item() - v[0].item()) < 2e-4

@@ -102,15 +102,22 @@ class HfqConfig(QuantizationConfigMixin):
         checkpoint's config (reload_conflicts)."""
         return {**{k: getattr(self, k) for k in self.RELOAD_OPTIONS}, "hfq_requested": self.to_dict()}
 
-    def reload_conflicts(self, requested: dict) -> list[str]:
-        """The fields a config passed to from_pretrained sets, away from its class default, to other values than
-        this (the checkpoint's) config has, other than RELOAD_OPTIONS: a reload cannot take them (the checkpoint
-        stores what they decided), so they are named in an error rather than dropped."""
+    def reload_differences(self, requested: dict) -> tuple[list[str], list[str]]:
+        """(conflicts, kept): the fields other than RELOAD_OPTIONS where a config passed to from_pretrained differs
+        from this (the checkpoint's) config, which a reload cannot take (the checkpoint stores what they decided).
+        Conflicts: set away from the class default (an error names them); kept: left at the default (the
+        checkpoint's value is kept, with a warning naming it)."""
         default = asdict(type(self)())
         skip = set(self.RELOAD_OPTIONS) | set(self._NOT_COMPARED)
-        return [f"{f.name}={requested[f.name]!r} (the checkpoint has {getattr(self, f.name)!r})" for f in fields(self)
-                if f.name not in skip and f.name in requested and requested[f.name] != default[f.name]
-                and requested[f.name] != getattr(self, f.name)]
+        conflicts, kept = [], []
+        for f in fields(self):
+            if f.name in skip or f.name not in requested or requested[f.name] == getattr(self, f.name):
+                continue
+            if requested[f.name] != default[f.name]:
+                conflicts.append(f"{f.name}={requested[f.name]!r} (the checkpoint has {getattr(self, f.name)!r})")
+            else:
+                kept.append(f"{f.name}={getattr(self, f.name)!r}")
+        return conflicts, kept
 
     @classmethod
     def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):

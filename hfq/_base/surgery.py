@@ -409,7 +409,12 @@ class HfqQuantizer(HfQuantizer):
     def __init__(self, quantization_config, **kwargs):
         requested = quantization_config.__dict__.pop("hfq_requested", None)  # set by get_loading_attributes
         if requested is not None:
-            conflicts = quantization_config.reload_conflicts(requested)
+            conflicts, kept = quantization_config.reload_differences(requested)
+            if kept and not conflicts:
+                warnings.warn(f"{quantization_config.quant_method} checkpoint: keeps its {', '.join(kept)} (the "
+                              f"{type(quantization_config).__name__} passed has the defaults there); a reload takes "
+                              f"only {list(quantization_config.RELOAD_OPTIONS)} from the config passed",
+                              UserWarning, stacklevel=3)
             if conflicts:
                 cfg = type(quantization_config).__name__
                 raise ValueError(

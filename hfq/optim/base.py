@@ -283,8 +283,13 @@ class QParamOptimizer(torch.optim.Optimizer):
         back with stochastic rounding, as the quantized weights are (nearest rounding drops every step below half a
         bf16 ulp: a norm weight of 1.0 never moves at lr 2e-5). fp16 parameters keep nearest rounding."""
         lp = local(p)
-        if self.rounding != "sr" or lp.dtype != torch.bfloat16 or lp.dim() == 0:
+        if self.rounding != "sr" or lp.dtype != torch.bfloat16:
             update(lp, ...)
+            return
+        if lp.dim() == 0:  # one element: its own block
+            w = lp.float()
+            update(w, ...)
+            lp.copy_(_intq.round_bf16(w.reshape(1), "sr", self._generator(lp.device)).reshape(()))
             return
         rows = lp.shape[0]
         cols = lp.numel() // max(rows, 1)

@@ -73,11 +73,16 @@ class QFTHfQuantizer(HfqQuantizer):
             index = checkpoint_index(checkpoint_files) if checkpoint_files else {}
             if index:
                 self.check_checkpoint_method(index)
-            # linears saved dense (a new head kept so at the first load, see _keep_new_heads_dense) stay dense
-            dense = [n for n, m in model.named_modules()
-                     if type(m) is nn.Linear and f"{n}.weight" in index and f"{n}.weight_codes" not in index]
-            self._reasons = {n: "saved dense in the checkpoint (a new head at the first load)" for n in dense}
-            self.converted = convert_linears_(model, cfg, placeholder=True, keep=[f"^{re.escape(n)}$" for n in dense])
+            # task heads saved dense (kept so at the first load, see _keep_new_heads_dense) stay dense; task heads
+            # the checkpoint lacks (a classifier on a causal LM's checkpoint) too, initialised by transformers
+            heads = [n for n, m in model.named_modules() if index and type(m) is nn.Linear and _task_head(model, n)
+                     and should_convert(n, self._skip) and f"{n}.weight_codes" not in index]
+            self._new_heads = [n for n in heads if f"{n}.weight" not in index] if index else []
+            self._reasons = {n: "saved dense in the checkpoint (a new head at the first load)" for n in heads
+                             if n not in self._new_heads}
+            self._reasons.update({n: _NEW_HEAD for n in self._new_heads})
+            keep = [f"^{re.escape(n)}$" for n in self._reasons]
+            self.converted = convert_linears_(model, cfg, placeholder=True, keep=keep)
             self.expect_guard(model)
         else:  # the loader converts these as their weights arrive (param_needs_quantization)
             self.converted = [n for n, m in model.named_modules()
@@ -93,8 +98,13 @@ class QFTHfQuantizer(HfqQuantizer):
         if self.pre_quantized:
             finalize_(model)
             refuse_nonfinite("hfq_qft", model, self.layer_types)
+            if self._new_heads:
+                self._keep_new_heads_dense(model, self._new_heads)
         else:
             left = [n for n, m in model.named_modules() if type(m) is nn.Linear and should_convert(n, self._skip)]
+            lost = [n for n in left if not _task_head(model, n)]
+            if lost:  # a decoder linear without weight: a truncated or renamed checkpoint, not a new head
+                raise ValueError(f"QFT: no weight was found in the checkpoint for {lost[:10]}")
             if left:  # no weight in the checkpoint: a new head (a classifier's `score`), initialised by transformers
                 self._keep_new_heads_dense(model, left)
             self.converted = [n for n, m in model.named_modules() if isinstance(m, QLinear)]
@@ -107,7 +117,7 @@ class QFTHfQuantizer(HfqQuantizer):
         """Linears the checkpoint has no weight for stay dense and trainable, as transformers leaves them (newly
         initialised, listed in its load report): in the conversion report as skipped, with a warning (an error
         under strict=True)."""
-        why = "not in the checkpoint (a new head, initialised by transformers): kept dense and trainable"
+        why = _NEW_HEAD
         if self.quantization_config.strict:
             raise ValueError(f"QFT/ECO (hfq_qft): {names[:10]} are {why.split(':')[0]}; strict=True refuses to "
                              "leave them dense (add them to modules_to_not_convert to keep them so)")
@@ -118,6 +128,16 @@ class QFTHfQuantizer(HfqQuantizer):
             report["quantized"] = [n for n in report["quantized"] if n not in names]
             report["skipped"].update({n: why for n in names})
         self.converted = [n for n in self.converted if n not in names]
+
+
+_NEW_HEAD = "not in the checkpoint (a new head, initialised by transformers): kept dense and trainable"
+
+
+def _task_head(model: nn.Module, name: str) -> bool:
+    """Whether module `name` lies outside the base model (`base_model_prefix`): a task head such as a classifier's
+    `score`, which a checkpoint of another head type does not have."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    return not prefix or not (name == prefix or name.startswith(prefix + "."))
 
 
 def _refuse_tied_head(model: nn.Module, skip: list[str]) -> None:

@@ -162,10 +162,12 @@ class QLinear(nn.Module):
         present = [k for k in names if keys[k] in state_dict]
         given = {k: state_dict[keys[k]] for k in present}
         if self.weight is not None and 0 < len(present) < len(names):
-            # a weight's tensors split over several calls (a sharded checkpoint loaded one file at a time, as
-            # Trainer's resume and load_best_model_at_end do): kept until the set is whole, then loaded
-            given = {**self.__dict__.setdefault("_hfq_partial", {}), **given}
-            self._hfq_partial.update(given)
+            # a weight's tensors split over several calls (a sharded checkpoint loaded one file at a time, in no
+            # particular order, as Trainer's resume and load_best_model_at_end do): kept until the set is whole,
+            # then loaded; a piece arriving again starts a new set (another load began)
+            held = self.__dict__.get("_hfq_partial", {})
+            held = {} if held.keys() & given.keys() else held
+            given = self.__dict__["_hfq_partial"] = {**held, **given}
             present = [k for k in names if k in given]
         if self.weight is None:
             for k in present:

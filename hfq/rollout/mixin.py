@@ -46,8 +46,8 @@ _NEUTRAL_GEN = {"repetition_penalty": (None, 1.0), "encoder_repetition_penalty":
                 "sequence_bias": (None, {}), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0),
                 "eta_cutoff": (None, 0.0), "exponential_decay_length_penalty": (None,), "guidance_scale": (None, 1.0),
                 "num_beams": (None, 1), "penalty_alpha": (None,), "watermarking_config": (None,),
-                "stop_strings": (None, []), "top_h": (None,), "assistant_model": (None,),
-                "prompt_lookup_num_tokens": (None,)}
+                "stop_strings": (None, []), "top_h": (None,), "prompt_lookup_num_tokens": (None,),
+                "token_healing": (None, False), "max_time": (None,)}
 
 
 def effective_generation_config(trainer, model):

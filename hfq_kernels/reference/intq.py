@@ -147,7 +147,9 @@ def round_bf16(x: torch.Tensor, rounding: str = "rtn", generator: torch.Generato
         return x.float().to(torch.bfloat16)
     u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32) if noise is None \
         else noise.reshape(x.shape)
-    bits = x.float().contiguous().view(torch.int32) + (u * 65536.0).to(torch.int32)  # the magnitude's low 16 bits
+    x = x.float().contiguous()
+    add = torch.where(torch.isfinite(x), (u * 65536.0).to(torch.int32), 0)  # NaN/Inf bits stay NaN/Inf
+    bits = x.view(torch.int32) + add  # carries from the magnitude's low 16 bits round it up
     return (bits >> 16).to(torch.int16).view(torch.bfloat16)
 
 
