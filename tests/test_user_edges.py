@@ -4,6 +4,7 @@ checkpoint whose config does not match its tensors says what it holds."""
 import json
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -388,3 +389,35 @@ def test_memory_footprint_counts_what_qft_weights_store(tiny_dir, fmt):
     assert m.get_memory_footprint(return_buffers=False) == state_bytes(m)["weights"]
     dense = sum(p.numel() * 2 for p in m.parameters())
     assert m.get_memory_footprint(return_buffers=False) < dense
+
+
+def test_quest_bf16_master_weights_are_announced(tiny_dir):
+    """QAT on master weights of the model's bf16 loses every optimizer step below half their ulp: the load says
+    so, and fp32 master weights load quietly."""
+    with pytest.warns(UserWarning, match="QuEST master weights are bfloat16"):
+        AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QuESTConfig(), dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*master weights.*")
+        m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QuESTConfig(), dtype=torch.float32)
+    assert m.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+
+
+def test_qft_format_that_loses_most_of_a_layer_is_announced(tmp_path):
+    """int4_tensor (one scale per tensor) on a heavy-tailed layer rounds most of it to zero: the load names the
+    layer and its relative error instead of fine-tuning from a silently damaged model."""
+    from hfq.tiny import save_tiny
+
+    src = save_tiny(tmp_path / "src", arch="llama")
+    m = AutoModelForCausalLM.from_pretrained(src)
+    with torch.no_grad():  # a real layer's absmax / RMS is 27-51 (SmolLM2): one such element sets the scale
+        w = m.model.layers[0].mlp.up_proj.weight
+        w[0, 0] = 40 * w.std()
+    m.save_pretrained(tmp_path / "tail")
+    with pytest.warns(UserWarning, match=r"int4_tensor\): 1 of .* layers keep less than half.*model.layers.0.mlp.up_proj"):
+        q = AutoModelForCausalLM.from_pretrained(tmp_path / "tail", quantization_config=hfq.QFTConfig(
+            weight_format="int4_tensor"))
+    assert list(q.hfq_quantization_report["relative_error"]) == ["model.layers.0.mlp.up_proj"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*keep less than half.*")
+        AutoModelForCausalLM.from_pretrained(tmp_path / "tail", quantization_config=hfq.QFTConfig(
+            weight_format="int4_group", group_size=32))

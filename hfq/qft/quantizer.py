@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 import warnings
-
 from types import SimpleNamespace
 
+import torch
 from torch import nn
 
 from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, checkpoint_index,
@@ -27,7 +27,13 @@ class QFTQuantize(QuantizeOnLoad):
 
     def quantize(self, model, name, module, value):
         make = layer_maker(self.hf_quantizer.quantization_config)
-        set_submodule(model, name, make(name, SimpleNamespace(weight=nn.Parameter(value), bias=module.bias)))
+        layer = make(name, SimpleNamespace(weight=nn.Parameter(value), bias=module.bias))
+        set_submodule(model, name, layer)
+        with torch.no_grad():  # how much of the weight the format keeps (see _warn_lossy)
+            w = value.detach().float()
+            rel = float((layer.weight.dequantize(torch.float32) - w).norm() / w.norm().clamp_min(1e-30))
+        if rel > LOSSY:
+            self.hf_quantizer.lossy[name] = rel
         return {}
 
 
@@ -44,6 +50,7 @@ class QFTHfQuantizer(HfqQuantizer):
         self.converted: list[str] = []
         self.errors: dict[str, str] = {}
         self._skip: list[str] = []
+        self.lossy: dict[str, float] = {}  # layer -> relative quantization error above LOSSY (a fresh load)
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         if self.pre_quantized:
@@ -108,10 +115,29 @@ class QFTHfQuantizer(HfqQuantizer):
             if left:  # no weight in the checkpoint: a new head (a classifier's `score`), initialised by transformers
                 self._keep_new_heads_dense(model, left)
             self.converted = [n for n, m in model.named_modules() if isinstance(m, QLinear)]
+            self._warn_lossy(model)
         ddp_ignore_int8_grad_weights_(model)
         name_qparams_(model)
         return model
 
+
+    def _warn_lossy(self, model: nn.Module) -> None:
+        """A format that loses most of a pretrained layer (int4_tensor's one scale per tensor on heavy-tailed
+        weights: ||Q(W) - W|| / ||W|| near 1) would start fine-tuning from noise: a warning names the worst layers;
+        the errors are in model.hfq_quantization_report['relative_error']."""
+        if not self.lossy:
+            return
+        report = getattr(model, "hfq_quantization_report", None)
+        if report is not None:
+            report["relative_error"] = dict(self.lossy)
+        worst = sorted(self.lossy.items(), key=lambda kv: -kv[1])[:3]
+        fmt = self.quantization_config.weight_format
+        warnings.warn(f"QFT/ECO ({fmt}): {len(self.lossy)} of {len(self.converted)} layers keep less than half of "
+                      f"their weight (relative error ||Q(W) - W|| / ||W|| above {LOSSY}; worst "
+                      f"{', '.join(f'{n} {e:.2f}' for n, e in worst)}); training starts from a damaged model. A "
+                      "finer format suits pretrained weights (int4_group, fp8_e4m3_row, int8_dense_sparse); "
+                      "int4_tensor's one scale per tensor suits weights trained in it from scratch",
+                      UserWarning, stacklevel=3)
 
     def _keep_new_heads_dense(self, model: nn.Module, names: list[str]) -> None:
         """Linears the checkpoint has no weight for stay dense and trainable, as transformers leaves them (newly
@@ -130,6 +156,7 @@ class QFTHfQuantizer(HfqQuantizer):
         self.converted = [n for n in self.converted if n not in names]
 
 
+LOSSY = 0.5  # relative quantization error of a layer above which a fresh load warns (QFTHfQuantizer._warn_lossy)
 _NEW_HEAD = "not in the checkpoint (a new head, initialised by transformers): kept dense and trainable"
 
 

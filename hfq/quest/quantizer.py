@@ -1,6 +1,8 @@
 """QuESTHfQuantizer: swaps linear layers for QuESTLinear in from_pretrained; saves master weights or codes."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -53,6 +55,14 @@ class QuESTHfQuantizer(HfqQuantizer):
                 check_finite(mod.weight.detach(), f"{name}.weight")
         if self.pre_quantized:
             refuse_nonfinite("hfq_quest", model, self.layer_types)
+        low = sorted({str(m.weight.dtype).removeprefix("torch.") for m in model.modules()
+                      if isinstance(m, QuESTLinear) and not m.packed and m.weight.dtype in (torch.bfloat16, torch.float16)})
+        if low:
+            warnings.warn(f"hfq_quest: the QuEST master weights are {'/'.join(low)} (the model's dtype): for QAT "
+                          "load with dtype=torch.float32 (Trainer's bf16=True then computes in bf16), since a "
+                          f"{low[0]} master weight loses every optimizer step below half its ulp (AdamW at lr 1e-4 "
+                          "leaves most weights of a pretrained model unchanged); for inference this does not matter",
+                          UserWarning, stacklevel=2)
         return model
 
     def checkpoint_state(self, model):
