@@ -54,9 +54,10 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
             self.vllm_layout = install_vllm_sync(self)
 
     def _refuse_fsdp(self) -> None:
-        """QeRL runs under DDP (or DeepSpeed ZeRO-1/2) only: AQN writes whole-shape noise into the norm weights and the rollout reads the
-        full policy, neither of which knows about FSDP's sharded (DTensor) parameters. Raised at construction,
-        whether accelerate will shard the model (FSDP config) or the model arrives already sharded."""
+        """QeRL runs under DDP (or DeepSpeed ZeRO-1/2) only: AQN writes whole-shape noise into the norm weights and
+        the rollout reads the full policy, neither of which knows about FSDP's sharded (DTensor) parameters or
+        ZeRO-3's partitioned ones. Raised at construction, whether accelerate will shard the model (FSDP config) or
+        the model arrives already sharded."""
         from torch.distributed.tensor import DTensor
 
         sharded = any(isinstance(p, DTensor) for p in self.model.parameters())

@@ -55,8 +55,8 @@ class QuESTHfQuantizer(HfqQuantizer):
                 check_finite(mod.weight.detach(), f"{name}.weight")
         if self.pre_quantized:
             refuse_nonfinite("hfq_quest", model, self.layer_types)
-        low = sorted({str(m.weight.dtype).removeprefix("torch.") for m in model.modules()
-                      if isinstance(m, QuESTLinear) and not m.packed and m.weight.dtype in (torch.bfloat16, torch.float16)})
+        low = sorted({str(m.weight.dtype).removeprefix("torch.") for m in model.modules() if isinstance(m, QuESTLinear)
+                      and not m.packed and m.weight.dtype in (torch.bfloat16, torch.float16)})
         if low:
             warnings.warn(f"hfq_quest: the QuEST master weights are {'/'.join(low)} (the model's dtype): for QAT "
                           "load with dtype=torch.float32 (Trainer's bf16=True then computes in bf16), since a "
