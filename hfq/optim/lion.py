@@ -248,9 +248,13 @@ class QLion(QParamOptimizer):
         for p, _ in items:
             self.state[p]["step"] += 1
         lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
-        seeds = [self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(self.state[p]["step"]) for p, _ in items]
+        seeds = [self._kernel_seed(p) for p, _ in items]
         _q.lion_plain_multi_step_([p.data for p, _ in items], [g for _, g in items], moms, lr=lr, beta1=b1,
                                   beta2=b2, weight_decay=wd, rounding=self.rounding, seeds=seeds)
+
+    def _kernel_seed(self, p) -> int:
+        """The SR seed of p's fused step at its current step (the kernels hash it with the element index)."""
+        return self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(self.state[p]["step"])
 
     def _fused_item(self, p, g) -> tuple:
         """(weight, gradient, momentum, seed, first global element) of p (its local shard under FSDP2) for
@@ -260,7 +264,7 @@ class QLion(QParamOptimizer):
         state["step"] += 1
         grad = ({"codes": g.codes, "scales": g.scales, "zeros": g.zeros} if isinstance(g, Int8Grad)
                 else {"value": g})
-        seed = self._seed * 1_000_003 + self._ordinal(p) * 7_919 + int(state["step"])
+        seed = self._kernel_seed(p)
         q = local(p)
         return q.qtensors(), grad, mom, seed, q.place.row0 * q.shape[1]
 

@@ -140,8 +140,8 @@ def outlier_thresholds(w: torch.Tensor, fraction: float = 0.01) -> torch.Tensor:
 
 def round_bf16(x: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None,
                noise: torch.Tensor | None = None) -> torch.Tensor:
-    """Finite float32 values -> bf16: nearest-even, or stochastic (up with probability the fraction of the bf16
-    step below x's magnitude: unbiased), from `generator` or `noise` [0, 1) of x's shape."""
+    """float32 values -> bf16: nearest-even, or stochastic (up with probability the fraction of the bf16 step
+    below x's magnitude: unbiased; NaN/Inf kept), from `generator` or `noise` [0, 1) of x's shape."""
     check_rounding(rounding)
     if rounding == "rtn":
         return x.float().to(torch.bfloat16)
