@@ -7,7 +7,7 @@ import torch
 
 from hfq_kernels import int8 as K
 from hfq_kernels import qlion as Q
-from hfq_kernels.reference import intq
+from hfq_kernels.reference import intq, lion as R
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 1), (5, 7), (37, 301), (16, 1030), (3, 2049)]
@@ -108,7 +108,7 @@ def test_qlion_step_rtn_equals_reference(rows, cols, lr, wd, int8_grad):
     kw = dict(lr=lr, beta1=0.9, beta2=0.99, weight_decay=wd, rounding="rtn")
     d1, m1, d2, m2 = clone(d), clone(mom), clone(d), clone(mom)
     i1, v1 = Q.qlion_dense_sparse_step_(d1, grad, m1, **kw)
-    i2, v2 = Q.qlion_dense_sparse_step_ref(d2, grad, m2, **kw)
+    i2, v2 = R.qlion_dense_sparse_step_ref(d2, grad, m2, **kw)
     same_codes(d1["codes"], d1["scales"], d1["zeros"], d2["codes"], d2["scales"], d2["zeros"])
     same_codes(m1["codes"], m1["scales"], m1["zeros"], m2["codes"], m2["scales"], m2["zeros"])
     assert torch.equal(i1, i2) and torch.equal(v1, v2)
@@ -127,7 +127,7 @@ def test_qlion_step_sr_is_unbiased_and_within_one_step():
     g = intq.dequantize_int_asym(grad["codes"], grad["scales"], grad["zeros"])
     m = intq.dequantize_int_asym(mom["codes"], mom["scales"], mom["zeros"])
     exact = val - kw["lr"] * torch.sign(m * 0.9 + g * 0.1)
-    Q.qlion_dense_sparse_step_ref(d_ref, grad, m_ref, rounding="rtn", **kw)
+    R.qlion_dense_sparse_step_ref(d_ref, grad, m_ref, rounding="rtn", **kw)
     step = d_ref["scales"]
     runs = []
     for seed in range(120):
@@ -258,7 +258,7 @@ def test_plain_param_step_matches_reference_and_qlion(dtype, wd, shape):
     kw = dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=wd)
     p1, p2, m1, m2 = init.clone(), init.clone(), clone(mom), clone(mom)
     Q.lion_plain_step_(p1, g, m1, **kw)
-    Q.lion_plain_step_ref(p2, g, m2, **kw)
+    R.lion_plain_step_ref(p2, g, m2, **kw)
     assert not torch.equal(p1, init)
     if DEV == "cpu":
         assert torch.equal(p1, p2)
@@ -306,7 +306,7 @@ def test_multi_tensor_step_equals_reference_per_weight(monkeypatch, sort_max):
             assert K.row_segments(d["sparse_idx"], rows, cols) is ptr
         moved = 0
         for (d1, _, m1), (d2, g2, m2) in zip(fused, ref):
-            i2, v2 = Q.qlion_dense_sparse_step_ref(d2, g2, m2, **kw)
+            i2, v2 = R.qlion_dense_sparse_step_ref(d2, g2, m2, **kw)
             same_codes(d1["codes"], d1["scales"], d1["zeros"], d2["codes"], d2["scales"], d2["zeros"])
             same_codes(m1["codes"], m1["scales"], m1["zeros"], m2["codes"], m2["scales"], m2["zeros"])
             assert torch.equal(d1["sparse_idx"], i2) and torch.equal(d1["sparse_val"], v2)
@@ -333,7 +333,7 @@ def test_plain_multi_step_equals_reference_per_parameter():
     kw = dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1)
     Q.lion_plain_multi_step_(ps, gs, ms, **kw)
     for p, g, m, (p2, m2) in zip(ps, gs, ms, refs):
-        Q.lion_plain_step_ref(p2, g, m2, **kw)
+        R.lion_plain_step_ref(p2, g, m2, **kw)
         if DEV == "cpu":
             assert torch.equal(p, p2)
             for k in m:
