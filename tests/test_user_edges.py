@@ -421,3 +421,7 @@ def test_qft_format_that_loses_most_of_a_layer_is_announced(tmp_path):
         warnings.filterwarnings("error", message=".*keep less than half.*")
         AutoModelForCausalLM.from_pretrained(tmp_path / "tail", quantization_config=hfq.QFTConfig(
             weight_format="int4_group", group_size=32))
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "tail")  # the route outside from_pretrained says the same
+    with pytest.warns(UserWarning, match=r"int4_tensor\): 1 of .* layers keep less than half.*layers.0.mlp.up_proj"):
+        hfq.qft.quantize_model_(m, hfq.QFTConfig(weight_format="int4_tensor"))
+    assert list(m.hfq_quantization_report["relative_error"]) == ["model.layers.0.mlp.up_proj"]

@@ -29,11 +29,7 @@ class QFTQuantize(QuantizeOnLoad):
         make = layer_maker(self.hf_quantizer.quantization_config)
         layer = make(name, SimpleNamespace(weight=nn.Parameter(value), bias=module.bias))
         set_submodule(model, name, layer)
-        with torch.no_grad():  # how much of the weight the format keeps (see _warn_lossy)
-            w = value.detach().float()
-            rel = float((layer.weight.dequantize(torch.float32) - w).norm() / w.norm().clamp_min(1e-30))
-        if rel > LOSSY:
-            self.hf_quantizer.lossy[name] = rel
+        self.hf_quantizer.note_error(name, value, layer)
         return {}
 
 
@@ -121,6 +117,14 @@ class QFTHfQuantizer(HfqQuantizer):
         return model
 
 
+    def note_error(self, name: str, w: torch.Tensor, layer: QLinear) -> None:
+        """Record how much of weight `w` the format lost in `layer` when that is above LOSSY (see _warn_lossy)."""
+        with torch.no_grad():
+            w = w.detach().float()
+            rel = float((layer.weight.dequantize(torch.float32) - w).norm() / w.norm().clamp_min(1e-30))
+        if rel > LOSSY:
+            self.lossy[name] = rel
+
     def _warn_lossy(self, model: nn.Module) -> None:
         """A format that loses most of a pretrained layer (int4_tensor's one scale per tensor on heavy-tailed
         weights: ||Q(W) - W|| / ||W|| near 1) would start fine-tuning from noise: a warning names the worst layers;
@@ -191,9 +195,18 @@ def quantize_model_(model: nn.Module, config) -> list[str]:
     config = quantizer.quantization_config
     skip = modules_to_skip(model, config, False)
     _refuse_tied_head(model, skip)
-    names = replace_linears(model, layer_maker(config), skip)
+    make = layer_maker(config)
+
+    def make_and_check(name, linear):
+        layer = make(name, linear)
+        quantizer.note_error(name, linear.weight, layer)
+        return layer
+
+    names = replace_linears(model, make_and_check, skip)
     report = check_conversion(config.quant_method, model, names, skip, strict=config.strict)
     model.hfq_quantization_report = report
+    quantizer.converted = names
+    quantizer._warn_lossy(model)
     ddp_ignore_int8_grad_weights_(model)
     name_qparams_(model)
     if hasattr(model, "config"):
