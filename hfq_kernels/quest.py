@@ -42,7 +42,7 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """bool [..., K] -> uint8 [..., ceil(K/8)], element 8j+i in bit i of byte j (zero padded)."""
     K = mask.shape[-1]
     pad = (-K) % 8
-    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).reshape(*mask.shape[:-1], -1, 8)
+    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).reshape(*mask.shape[:-1], (K + pad) // 8, 8)
     w = (1 << torch.arange(8, device=mask.device, dtype=torch.int32)).to(torch.uint8)
     return (m * w).sum(-1).to(torch.uint8)
 
@@ -51,7 +51,7 @@ def unpack_mask(packed: torch.Tensor, K: int) -> torch.Tensor:
     """uint8 [..., ceil(K/8)] -> bool [..., K]."""
     sh = torch.arange(8, device=packed.device, dtype=torch.uint8)
     bits = (packed[..., None] >> sh) & 1
-    return bits.reshape(*packed.shape[:-1], -1)[..., :K].bool()
+    return bits.reshape(*packed.shape[:-1], packed.shape[-1] * 8)[..., :K].bool()
 
 
 def _grid_name(fp4: bool) -> str:

@@ -277,6 +277,18 @@ def test_a_checkpoint_of_other_state_options_is_refused_at_load(saved, loaded, w
         other.load_state_dict(opt.state_dict())
 
 
+@pytest.mark.parametrize("make", [lambda ps: ECOAdamW(ps, lr=1e-2), lambda ps: __import__("hfq").QLion(ps, lr=1e-3)])
+def test_a_checkpoint_of_another_parameter_order_is_refused_at_load(make):
+    """An optimizer built over the parameters in another order than the checkpoint's used to take the saved
+    states of the wrong parameters (same dtypes) and fail half-way through its next step, some weights moved."""
+    net, opt, _ = _train(lambda n: make(list(n.parameters())), steps=2)
+    other = make(list(reversed(list(net.parameters()))))
+    with pytest.raises(ValueError, match=r"load_state_dict: the saved .* has shape .*another order"):
+        other.load_state_dict(opt.state_dict())
+    same = make(list(net.parameters()))
+    same.load_state_dict(opt.state_dict())
+
+
 def test_trainer_kwargs_refuse_a_weight_decay_trainer_would_override_and_read_booleans():
     from transformers import TrainingArguments
 

@@ -79,6 +79,18 @@ def test_qlinear_grad_matches_dense():
     assert plain.weight.grad.shape == (24, 48)
 
 
+def test_qlinear_computes_in_the_input_dtype_bias_included():
+    """The weight is decoded in x's dtype, and so is the bias taken (as NVFP4Linear's): a bf16 x on an fp32 layer
+    with a bias used to stop in F.linear on the dtypes; its gradient stays fp32."""
+    q = QLinear.from_linear(torch.nn.Linear(48, 24), "fp8_e4m3_row")
+    x = torch.randn(3, 48)
+    y = q(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), q(x), rtol=2e-2, atol=2e-2)
+    y.float().sum().backward()
+    assert q.bias.grad.dtype == torch.float32 and torch.equal(q.bias.grad, torch.full((24,), 3.0))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_state_dict_safetensors_codes_and_scales(fmt):
     lin = torch.nn.Linear(48, 24)

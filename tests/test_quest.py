@@ -178,6 +178,17 @@ def test_weight_only_gradient():
     assert not bool(mw.all())
 
 
+@pytest.mark.parametrize("activation_bits", [4, None])
+def test_empty_input_gives_empty_output_and_zero_grads(activation_bits):
+    """No rows (an MoE expert without tokens, an empty micro-batch) is an empty product, as nn.Linear's."""
+    layer = QuESTLinear.from_linear(torch.nn.Linear(64, 24), QuESTConfig(activation_bits=activation_bits))
+    x = torch.randn(2, 0, 64, requires_grad=True)
+    y = layer(x)
+    assert y.shape == (2, 0, 24)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and not layer.weight.grad.any()
+
+
 def test_sibling_layers_share_input_quantization():
     """Layers fed the same tensor (q/k/v) quantize it once: outputs and gradients equal the unshared
     ones; an in-place change of the input (version counter) or other settings miss the cache."""

@@ -304,21 +304,33 @@ def ignore_guard_on_load(model: nn.Module, names: list[str]) -> None:
                                                    or ()) | patterns
 
 
-def _drop_guard_keys(layer_types: tuple, module: nn.Module, incompatible) -> None:
-    """load_state_dict post-hook: the guard marker and the note are hfq's, not unexpected keys (Trainer's
+def _is_marker(t) -> bool:
+    """The guard's tensor (empty, or a weight with a leading dim of 1), not a linear's 2-D weight."""
+    return torch.is_tensor(t) and (t.numel() == 0 or t.dim() != 2)
+
+
+def _note_guard_markers(layer_types: tuple, module: nn.Module, state_dict, *args) -> None:
+    """load_state_dict pre-hook: remember which keys at the guarded layer's `weight` hold the guard's marker (a
+    dense state dict has the layer's real weight there, an unexpected key the load must report)."""
+    key = guard_key(converted_names(module, layer_types))
+    module.__dict__["_hfq_markers"] = set() if key is None else {
+        k for k, v in state_dict.items() if (k == key or k.endswith("." + key)) and _is_marker(v)}
+
+
+def _drop_guard_keys(module: nn.Module, incompatible) -> None:
+    """load_state_dict post-hook: the guard's marker and the note are hfq's, not unexpected keys (Trainer's
     resume would warn about them, a strict load would fail on them)."""
-    names = (NOTE_KEY, guard_key(converted_names(module, layer_types)) or NOTE_KEY)
-    ends = tuple("." + n for n in names)
+    markers = module.__dict__.pop("_hfq_markers", set())
     incompatible.unexpected_keys[:] = [k for k in incompatible.unexpected_keys
-                                       if k not in names and not k.endswith(ends)]
+                                       if k not in markers and k != NOTE_KEY and not k.endswith("." + NOTE_KEY)]
 
 
 def ignore_guard_on_state_dict_load(model: nn.Module, layer_types: tuple) -> None:
     """Let `model.load_state_dict` of an hfq checkpoint's tensors (Trainer's resume) pass over the guard; the
     guarded layer is looked up when the load runs, so this may be called before the conversion."""
     if getattr(model, "_hfq_guard_hook", None) is None:
-        model._hfq_guard_hook = model.register_load_state_dict_post_hook(
-            functools.partial(_drop_guard_keys, tuple(layer_types)))
+        model.register_load_state_dict_pre_hook(functools.partial(_note_guard_markers, tuple(layer_types)))
+        model._hfq_guard_hook = model.register_load_state_dict_post_hook(_drop_guard_keys)
 
 
 def _nonfinite(t: torch.Tensor) -> bool:

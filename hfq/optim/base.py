@@ -88,7 +88,8 @@ class QParamOptimizer(torch.optim.Optimizer):
     """torch.optim.Optimizer for QParam weights (and ordinary parameters beside them).
 
     Subclasses call `_begin_step(closure)` first in `step()`: it runs the closure and queues the NaN/Inf check,
-    whose verdict `_finish_check` waits for before any parameter is touched. Gradients come from `_grad32(p)`
+    whose verdict `_finish_check` waits for before any parameter is touched (check_finite=False skips it, and its
+    host read: non-finite gradients then go undetected, see docs/training.md). Gradients come from `_grad32(p)`
     (`.grad`; an INT8 store (hfq.qparam.Int8Grad) is consumed)."""
 
     updates_qparams = True  # read by hfq.qparam's guard that refuses other optimizers on trainable QParams
@@ -397,13 +398,31 @@ class QParamOptimizer(torch.optim.Optimizer):
 
         for idx, st in state_dict["state"].items():
             p = params[idx]
-            want, got = layout(self._fresh_state(p)), layout(st)
+            fresh = self._fresh_state(p)
+            want, got = layout(fresh), layout(st)
             if want != got:
                 raise ValueError(
                     f"{type(self).__name__}.load_state_dict: the saved state of {self._name_of(p)} is {got} but this "
                     f"optimizer keeps {want}: the checkpoint was written by another optimizer or with other state "
                     "options (state_bits, state_dtype, rule; QLion: momentum_bits). Build the optimizer as it was "
                     "built for the checkpoint")
+            self._check_saved_shapes(p, fresh, st)
+
+    def _check_saved_shapes(self, p, fresh: dict, saved: dict) -> None:
+        """A saved state of other shapes than parameter p's (the optimizer built over the parameters in another
+        order than the checkpoint's) is refused before any parameter moves. An FSDP2 shard's state may come whole
+        (rows gathered, as state_dict writes it) or as the local rows."""
+        rows = {p.shape[0]} if p.dim() else set()
+        for k, f in fresh.items():
+            if k == "step" or not torch.is_tensor(f):
+                continue
+            want, got = tuple(f.shape), tuple(saved[k].shape)
+            if want != got and not (local(p) is not p and got[:1] and got[0] in rows and got[1:] == want[1:]):
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the saved {k!r} of {self._name_of(p)} has shape "
+                    f"{list(got)}, this parameter's is {list(want)}: the optimizer lists its parameters in another "
+                    "order than the one the checkpoint was saved from. Build it over the parameters as it was built "
+                    "(the same groups, the same order)")
 
     def load_state_dict(self, state_dict):
         state_dict = dict(state_dict)

@@ -36,7 +36,7 @@ class _QLinearFn(torch.autograd.Function):
         # forward and its recompute hands the backward a fresh one (one layer's worth), so dL/dx needs no decode.
         ctx.keep_w = _checkpointing()
         ctx.save_for_backward(x, wd) if ctx.keep_w else ctx.save_for_backward(x)
-        return F.linear(x, wd, b)
+        return F.linear(x, wd, b if b is None or b.dtype == x.dtype else b.to(x.dtype))  # in x's dtype, as W
 
     @staticmethod
     def backward(ctx, gy):
