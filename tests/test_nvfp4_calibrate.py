@@ -193,6 +193,19 @@ def test_calibrate_bad_input_errors(tiny):
         NVFP4Config(scales="percentile")
 
 
+def test_calibrate_refuses_blocks_of_mixed_attention_types(tmp_path):
+    """Gemma 2/3 alternate sliding and full attention (config.layer_types; their blocks have no attention_type
+    in transformers 5): every block would be calibrated with the first block's mask and RoPE."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("gemma2", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=16, intermediate_size=64, sliding_window=8)
+    assert sorted(set(cfg.layer_types)) == ["full_attention", "sliding_attention"]
+    m = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match=r"several attention types \['full_attention', 'sliding_attention'\]"):
+        calibrate_(m, TEXTS, char_tokenizer(), progress=False, device="cpu")
+
+
 def test_cli_quantize_with_calibration(tiny, tmp_path, capsys):
     from hfq.cli import main
 

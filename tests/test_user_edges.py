@@ -30,10 +30,41 @@ def test_nothing_converted_is_refused_naming_layers_and_strict(tmp_path):
 
 def test_partial_conversion_warns_naming_the_layers(tmp_path):
     d = save_tiny(tmp_path / "odd", arch="qwen2", intermediate=72)  # only down_proj (in 72) misfits
-    with pytest.warns(UserWarning, match=r"2 of 14 linear layers left unquantized: model\.layers\.0\.mlp\.down_proj"):
+    with pytest.warns(UserWarning, match=r"2 of 14 layers left unquantized: model\.layers\.0\.mlp\.down_proj"):
         m = AutoModelForCausalLM.from_pretrained(d, quantization_config=hfq.NVFP4Config())
     assert m.hfq_quantization_report["skipped"]["model.layers.1.mlp.down_proj"].startswith("in_features=72")
     assert m.hfq_quantization_report["skipped"]["lm_head"] == "modules_to_not_convert"
+
+
+def _tiny_mixtral(path):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("mixtral", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=1, intermediate_size=64, num_local_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("method", sorted(CONFIGS))
+def test_fused_moe_experts_left_dense_are_announced(method, tmp_path):
+    """transformers 5 keeps MoE experts as 3-D parameters, no nn.Linear: they used to stay in full precision with
+    no word, most of an MoE model's weights. Now a warning and the report name them (strict=True refuses), the
+    routers are reported as kept in full precision, and modules_to_not_convert says it is meant."""
+    d = _tiny_mixtral(tmp_path / "mixtral")
+    with pytest.warns(UserWarning, match=r"2 of 10 layers left unquantized: model\.layers\.0\.mlp\.experts: "
+                                         r"MixtralExperts holds weight tensors \['gate_up_proj', 'down_proj'\]"):
+        m = AutoModelForCausalLM.from_pretrained(d, quantization_config=CONFIGS[method]())
+    skipped = m.hfq_quantization_report["skipped"]
+    assert skipped["model.layers.1.mlp.gate"].startswith("MoE router")
+    with pytest.raises(ValueError, match=r"cannot be converted \(strict=True\): model\.layers\.0\.mlp\.experts"):
+        AutoModelForCausalLM.from_pretrained(d, quantization_config=CONFIGS[method](strict=True))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*left unquantized.*")
+        m = AutoModelForCausalLM.from_pretrained(d, quantization_config=CONFIGS[method](
+            modules_to_not_convert=["lm_head", "experts"]))
+    assert m.hfq_quantization_report["skipped"]["model.layers.0.mlp.experts"] == "modules_to_not_convert"
 
 
 @pytest.mark.parametrize("method", sorted(CONFIGS))

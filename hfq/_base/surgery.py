@@ -156,35 +156,68 @@ def _linear_like(mod: nn.Module) -> bool:
     return isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D"
 
 
+def _matrices(mod: nn.Module) -> list[str]:
+    """Names of the weight matrices a module that is no linear holds itself (fused MoE experts' 3-D
+    gate_up_proj/down_proj, a router's 2-D weight); an embedding's table is not one."""
+    if isinstance(mod, nn.Embedding) or _linear_like(mod):
+        return []
+    return [k for k, p in mod.named_parameters(recurse=False) if p.dim() >= 2]
+
+
+ROUTER = "MoE router: not an nn.Linear, kept in full precision"
+
+
+def _unconverted_reason(mod: nn.Module) -> str | None:
+    """Why a module that holds weights was left as it is; None for a module without weight matrices."""
+    if _linear_like(mod):
+        if isinstance(mod, nn.Linear):
+            return (f"{type(mod).__name__} is a subclass of nn.Linear with its own forward, which hfq does not "
+                    "replace (it converts exactly nn.Linear)")
+        return f"{type(mod).__name__} is not an nn.Linear (hfq converts exactly nn.Linear)"
+    mats = _matrices(mod)
+    if not mats:
+        return None
+    if type(mod).__name__.endswith("Router"):
+        return ROUTER
+    return (f"{type(mod).__name__} holds weight tensors {mats} that are not nn.Linear layers (fused MoE experts): "
+            "hfq converts exactly nn.Linear, so they stay in full precision")
+
+
 def check_conversion(method: str, model: nn.Module, converted: list[str], skip: list[str] | None,
                      reasons: dict[str, str] | None = None, strict: bool = False, warn: bool = True) -> dict:
-    """The one check after a conversion: every linear-like layer left unconverted gets a reason (the method's
-    own from `reasons`, the skip rule's, or its type). Layers skipped only by `modules_to_not_convert` are the
-    user's choice; any other is a UserWarning naming it (with `warn`), a ValueError under `strict`, and a
+    """The one check after a conversion: every linear-like layer or other holder of weight matrices (fused MoE
+    experts) left unconverted gets a reason (the method's own from `reasons`, the skip rule's, or its type).
+    Layers skipped by `modules_to_not_convert` are the user's choice, and MoE routers stay in full precision as
+    everywhere; any other is a UserWarning naming it (with `warn`), a ValueError under `strict`, and a
     ValueError when nothing at all was converted. Returns the report {"quantized": [...], "skipped": {...}}."""
     done = set(converted)
-    skipped = {}
+    skipped, by_type = {}, set()
     for name, mod in model.named_modules():
-        if name in done or not _linear_like(mod):
+        if name in done:
+            continue
+        why = _unconverted_reason(mod)
+        if why is None:
             continue
         if reasons and name in reasons:
             skipped[name] = reasons[name]
         elif not should_convert(name, skip):
             skipped[name] = NOT_CONVERTED
         else:
-            skipped[name] = f"{type(mod).__name__} is not an nn.Linear (hfq converts exactly nn.Linear)"
-    unexpected = {n: r for n, r in skipped.items() if r != NOT_CONVERTED}
+            skipped[name] = why
+            by_type.add(name)
+    unexpected = {n: r for n, r in skipped.items() if r not in (NOT_CONVERTED, ROUTER)}
     listing = "; ".join(f"{n}: {r}" for n, r in list(unexpected.items() or skipped.items())[:8])
     more = f" (+{len(unexpected or skipped) - 8} more)" if len(unexpected or skipped) > 8 else ""
     if not converted:
+        fix = ("hfq has no conversion for this architecture's layers" if skipped and set(skipped) <= by_type else
+               "Change the config (modules_to_not_convert, format) for this model; with strict=True any layer "
+               "that cannot be converted is an error naming it")
         raise ValueError(f"{method}: no layer was converted, so the model would load unquantized under a "
-                         f"quantized config. Left as they were: {listing or 'no linear layers found'}{more}. "
-                         f"Change the config (modules_to_not_convert, format) for this model; with strict=True "
-                         f"any layer that cannot be converted is an error naming it")
+                         f"quantized config. Left as they were: {listing or 'no linear layers found'}{more}. {fix}")
     if unexpected and strict:
         raise ValueError(f"{method}: {len(unexpected)} layer(s) cannot be converted (strict=True): {listing}{more}")
     if unexpected and warn:
-        warnings.warn(f"{method}: {len(unexpected)} of {len(unexpected) + len(converted)} linear layers left "
+        warnings.warn(f"{method}: {len(unexpected)} of {len(unexpected) + len(converted)} layers left "
                       f"unquantized: {listing}{more}. strict=True refuses this instead; "
                       f"model.hfq_quantization_report['skipped'] lists them", UserWarning, stacklevel=3)
     return {"quantized": list(converted), "skipped": skipped}

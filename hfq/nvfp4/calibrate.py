@@ -239,7 +239,10 @@ def _decoder_layers(model) -> nn.ModuleList:
     if not isinstance(layers, nn.ModuleList) or not len(layers):
         raise ValueError(f"calibrate_: cannot find the decoder's block list (model.model.layers) in "
                          f"{type(model).__name__}")
-    types = {getattr(layer, "attention_type", None) for layer in layers}
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = {getattr(layer, "attention_type", None) for layer in layers} | set(getattr(cfg, "layer_types", None)
+                                                                               or ())
+    types.discard(None)
     if len(types) > 1:
         raise ValueError(f"calibrate_: decoder blocks of several attention types {sorted(map(str, types))} "
                          "(sliding-window layers) are not supported: the blocks' inputs are captured once")
