@@ -197,6 +197,38 @@ def test_export_with_adapter_side_by_side(tiny, tmp_path):
         export_with_adapter(pm, str(tmp_path / "again"))
 
 
+def test_export_with_adapter_refuses_lora_on_moe_experts_and_leaves_the_model_whole(tmp_path):
+    """LoRA 'all-linear' on an MoE model wraps the fused experts (3-D parameters) in nested ParamWrappers, which
+    vLLM's LoRA does not serve: refused before anything is swapped (the swap used to leave a module cycle: every
+    later forward hung). LoRA on the attention linears exports."""
+    from transformers import AutoConfig
+
+    from hfq.nvfp4 import export_with_adapter
+
+    cfg = AutoConfig.for_model("mixtral", vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=1, intermediate_size=64, num_local_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "mixtral")
+
+    def load():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the experts stay dense: announced (test_user_edges)
+            return AutoModelForCausalLM.from_pretrained(tmp_path / "mixtral", quantization_config=NVFP4Config())
+
+    x = _ids()
+    pm = peft.get_peft_model(load(), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    y = pm(x).logits
+    with pytest.raises(ValueError, match=r"LoRA on parameters that are no linear layers .*mlp\.experts"):
+        export_with_adapter(pm, str(tmp_path / "out"))
+    assert torch.equal(pm(x).logits, y) and len(pm.state_dict())
+    pm = peft.get_peft_model(load(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    _randomize_lora(pm)
+    y = pm(x).logits
+    paths = export_with_adapter(pm, str(tmp_path / "attn"))
+    assert torch.equal(PeftModel.from_pretrained(load(), paths["adapter"])(x).logits, y)
+
+
 def _grpo_args(cls, tmp_path, **kw):
     return cls(output_dir=str(tmp_path / "out"), learning_rate=1e-2, num_generations=4, per_device_train_batch_size=4,
                max_completion_length=6, max_steps=1, logging_steps=1, save_strategy="no", report_to="none",

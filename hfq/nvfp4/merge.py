@@ -144,6 +144,14 @@ def export_with_adapter(peft_model, out_dir: str) -> dict[str, str]:
     merged = [n for n, m in layers if m.merged]
     if merged:
         raise ValueError(f"export_with_adapter: {merged[:3]} are merged; call unmerge_adapter() first")
+    on_params = [n for n, m in layers if type(m).__name__ == "ParamWrapper"]
+    if on_params:
+        raise ValueError(f"export_with_adapter: LoRA on parameters that are no linear layers ({on_params[:3]}, "
+                         "e.g. fused MoE experts: PEFT's target_parameters, or target_modules='all-linear' on an "
+                         "MoE model); vLLM's LoRA serves linear layers' A/B matrices: target the linear layers by "
+                         "name (target_modules=[...])")
+    names = {n for n, _ in layers}  # a wrapper inside another (PEFT nests them on one module) goes with the outer
+    layers = [(n, m) for n, m in layers if not any(n.startswith(o + ".") for o in names)]
     paths = {"base": os.path.join(out_dir, "base"),
              "adapter": os.path.join(out_dir, "adapter", *([] if adapter == "default" else [adapter]))}
     swapped = []
@@ -156,7 +164,7 @@ def export_with_adapter(peft_model, out_dir: str) -> dict[str, str]:
             swapped.append((holder, child, mod))
         export_compressed_tensors(base_model, paths["base"])
     finally:
-        for holder, child, mod in swapped:
+        for holder, child, mod in reversed(swapped):
             setattr(holder, child, mod)
         if tag is not None:
             base_model.peft_config = tag
