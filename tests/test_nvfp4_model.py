@@ -133,6 +133,36 @@ def test_compressed_tensors_interop(tiny, tmp_path):
     assert cos > 0.999
 
 
+def test_compressed_tensors_export_writes_checkpoint_names_and_refuses_moe(tmp_path):
+    """transformers 5 renames some modules at load (GPT-NeoX's embed_out is its lm_head): the export used to write
+    the internal names, not the checkpoint's that save_pretrained (and vLLM's loaders) use. MoE models, whose
+    experts and routers hfq leaves in full precision outside nn.Linear, are refused."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("gpt_neox", vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "neox")
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "neox", quantization_config=NVFP4Config(),
+                                             dtype=torch.bfloat16)
+    out = hfq.nvfp4.export_compressed_tensors(m, str(tmp_path / "ct"))
+    sd = load_file(os.path.join(out, "model.safetensors"))
+    assert "embed_out.weight" in sd and not any(k.startswith("lm_head") for k in sd)
+    assert {"lm_head", "embed_out"} <= set(json.load(open(os.path.join(out, "config.json")))["quantization_config"]
+                                           ["ignore"])
+    ct = AutoModelForCausalLM.from_pretrained(out)
+    x = _ids()
+    with torch.no_grad():
+        assert torch.equal(ct(x).logits, m(x).logits)
+    moe = AutoConfig.for_model("mixtral", vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, intermediate_size=64, num_local_experts=2)
+    AutoModelForCausalLM.from_config(moe).save_pretrained(tmp_path / "moe")
+    with pytest.warns(UserWarning, match="experts"):
+        m = AutoModelForCausalLM.from_pretrained(tmp_path / "moe", quantization_config=NVFP4Config())
+    with pytest.raises(ValueError, match=r"hold weights outside nn.Linear layers \(fused MoE experts, routers\)"):
+        hfq.nvfp4.export_compressed_tensors(m, str(tmp_path / "ct_moe"))
+
+
 def test_compressed_tensors_export_of_an_fp32_model_is_bf16_and_runs(tiny, tmp_path):
     """compressed-tensors decompresses NVFP4 to bf16 whatever the config says: an fp32 model's export is bf16 (with
     a warning), so transformers' default load of it runs (with fp32 weights beside it, its first product failed)."""

@@ -200,7 +200,8 @@ def test_export_with_adapter_side_by_side(tiny, tmp_path):
 def test_export_with_adapter_refuses_lora_on_moe_experts_and_leaves_the_model_whole(tmp_path):
     """LoRA 'all-linear' on an MoE model wraps the fused experts (3-D parameters) in nested ParamWrappers, which
     vLLM's LoRA does not serve: refused before anything is swapped (the swap used to leave a module cycle: every
-    later forward hung). LoRA on the attention linears exports."""
+    later forward hung). With LoRA on the attention linears the base's export refuses the MoE model, and the
+    wrappers are back in place afterwards."""
     from transformers import AutoConfig
 
     from hfq.nvfp4 import export_with_adapter
@@ -225,8 +226,10 @@ def test_export_with_adapter_refuses_lora_on_moe_experts_and_leaves_the_model_wh
     pm = peft.get_peft_model(load(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     _randomize_lora(pm)
     y = pm(x).logits
-    paths = export_with_adapter(pm, str(tmp_path / "attn"))
-    assert torch.equal(PeftModel.from_pretrained(load(), paths["adapter"])(x).logits, y)
+    with pytest.raises(ValueError, match="hold weights outside nn.Linear"):  # the base's own export refuses MoE
+        export_with_adapter(pm, str(tmp_path / "attn"))
+    assert torch.equal(pm(x).logits, y) and isinstance(pm.base_model.model.model.layers[0].self_attn.q_proj,
+                                                         NVFP4LoraLinear)
 
 
 def _grpo_args(cls, tmp_path, **kw):

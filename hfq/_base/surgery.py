@@ -156,7 +156,7 @@ def _linear_like(mod: nn.Module) -> bool:
     return isinstance(mod, nn.Linear) or type(mod).__name__ == "Conv1D"
 
 
-def _matrices(mod: nn.Module) -> list[str]:
+def matrices_outside_linears(mod: nn.Module) -> list[str]:
     """Names of the weight matrices a module that is no linear holds itself (fused MoE experts' 3-D
     gate_up_proj/down_proj, a router's 2-D weight); an embedding's table is not one."""
     if isinstance(mod, nn.Embedding) or _linear_like(mod):
@@ -174,7 +174,7 @@ def _unconverted_reason(mod: nn.Module) -> str | None:
             return (f"{type(mod).__name__} is a subclass of nn.Linear with its own forward, which hfq does not "
                     "replace (it converts exactly nn.Linear)")
         return f"{type(mod).__name__} is not an nn.Linear (hfq converts exactly nn.Linear)"
-    mats = _matrices(mod)
+    mats = matrices_outside_linears(mod)
     if not mats:
         return None
     if type(mod).__name__.endswith("Router"):

@@ -8,6 +8,7 @@ import warnings
 import torch
 from torch import nn
 
+from .._base.surgery import matrices_outside_linears
 from .linear import _CODE_BUFFERS, NVFP4Linear
 
 
@@ -39,6 +40,23 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _checkpoint_names(model: nn.Module, sd: dict, modules: list[str]) -> tuple[dict, dict]:
+    """`sd` under the names checkpoints of this architecture use (what save_pretrained writes: transformers 5
+    renames some at load, e.g. GPT-NeoX's embed_out, and fuses MoE experts), and module name -> checkpoint name
+    for `modules`."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = revert_weight_conversion(model, sd)
+    names = {}
+    for n in modules:
+        key = f"{n}.weight"
+        if key in sd and key not in out:
+            back = list(revert_weight_conversion(model, {key: sd[key]}))
+            if len(back) == 1:
+                names[n] = back[0].removesuffix(".weight")
+    return out, names
+
+
 def export_compressed_tensors(model: nn.Module, out_dir: str, max_shard_bytes: int = 4 << 30) -> str:
     """Save `model` (with NVFP4Linear layers) to `out_dir` in compressed-tensors' nvfp4-pack-quantized layout."""
     from safetensors.torch import save_file
@@ -50,11 +68,18 @@ def export_compressed_tensors(model: nn.Module, out_dir: str, max_shard_bytes: i
     bad = [n for n, m in nv.items() if m.format != "nvfp4"]
     if bad:
         raise ValueError(f"export_compressed_tensors: only format='nvfp4' is exportable; {bad[:5]} use mxfp4")
-    ignore = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    moe = [n for n, m in model.named_modules() if matrices_outside_linears(m)]
+    if moe:  # vLLM reads compressed-tensors' "Linear" targets as covering them: it would expect NVFP4 codes
+        raise ValueError(f"export_compressed_tensors: {moe[:3]} hold weights outside nn.Linear layers (fused MoE "
+                         "experts, routers), which hfq leaves in full precision; a compressed-tensors NVFP4 export "
+                         "of such a model is not supported")
+    dense = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     os.makedirs(out_dir, exist_ok=True)
     # tied parameters (e.g. lm_head tied to embed_tokens) are stored once: the loader re-ties them
     tied = set(getattr(model, "all_tied_weights_keys", None) or ())
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in tied}
+    sd, names = _checkpoint_names(model, sd, dense)
+    ignore = dense + [c for c in names.values() if c not in dense]  # a loader matches either name
     # compressed-tensors decompresses NVFP4 weights to bf16 whatever the checkpoint's dtype: the other weights
     # must be bf16 too, or a default load's first product mixes dtypes
     codes = {f"{n}.{b}" for n in nv for b in _CODE_BUFFERS}
