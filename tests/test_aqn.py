@@ -144,6 +144,22 @@ def test_norm_names_of_gemma_and_a_warning_for_unknown_model_types():
 
     assert NORM_NAMES["gemma2"] == NORM_NAMES["gemma3_text"] == ("input_layernorm", "pre_feedforward_layernorm")
     m = tiny_model("llama")
-    m.config.model_type = "olmo2"
-    with pytest.warns(UserWarning, match="model_type 'olmo2' is not one .*aqn_norm_names"):
+    m.config.model_type = "granite"
+    with pytest.warns(UserWarning, match=r"model_type 'granite' is not one .*perturbing \['input_layernorm', "
+                                         r"'post_attention_layernorm'\].*aqn_norm_names"):
         resolve_norms(m)
+
+
+def test_post_norm_blocks_refused_and_names_that_match_nothing_said():
+    """OLMo-2 norms the attention and MLP outputs only: the defaults used to perturb its post_attention_layernorm
+    (the attention output's scale, no linear's input) under a warning naming an input_layernorm it lacks."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("olmo2", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=64)
+    m = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="model_type 'olmo2' norms the outputs .*aqn=False"):
+        resolve_norms(m)
+    with pytest.warns(UserWarning, match=r"no module is named \['input_layernorm'\]; only "
+                                         r"\['post_attention_layernorm'\] are perturbed"):
+        assert len(resolve_norms(m, ["input_layernorm", "post_attention_layernorm"])) == 2

@@ -41,6 +41,8 @@ NORM_NAMES = {
     "gemma3": ("input_layernorm", "pre_feedforward_layernorm"),
 }
 DEFAULT_NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+# blocks that norm their outputs only (x + norm(attn(x))): no norm weight scales a quantized linear's input
+POST_NORM_ONLY = {"olmo2", "olmo3"}
 
 
 @dataclass(frozen=True)
@@ -126,12 +128,15 @@ def resolve_norms(model: nn.Module, norm_names: tuple[str, ...] | list[str] | No
 
     `norm_names` are attribute names inside a decoder block (default: by model_type, see NORM_NAMES).
     Raises ValueError listing the norm-like modules found when nothing matches."""
+    guessed = False
     if norm_names is None:
         mt = _model_type(model)
-        if mt not in NORM_NAMES:
-            warnings.warn(f"AQN: model_type {mt!r} is not one whose norms in front of attention and of the MLP hfq "
-                          f"knows; perturbing {list(DEFAULT_NORM_NAMES)} (check they are those pre-norms, or pass "
-                          "aqn_norm_names=[...])", UserWarning, stacklevel=2)
+        if mt in POST_NORM_ONLY:
+            raise ValueError(f"AQN: model_type {mt!r} norms the outputs of attention and of the MLP (post-norms), "
+                             "no norm in front of their quantized linears, so noise in norm weights cannot act as "
+                             "noise on those linears (QeRL's AQN); pass aqn=False, or aqn_norm_names=[...] to perturb "
+                             "norms of your choosing")
+        guessed = mt not in NORM_NAMES
         norm_names = NORM_NAMES.get(mt, DEFAULT_NORM_NAMES)
     norm_names = tuple(norm_names)
     if not norm_names or not all(isinstance(n, str) and n for n in norm_names):
@@ -151,6 +156,15 @@ def resolve_norms(model: nn.Module, norm_names: tuple[str, ...] | list[str] | No
         raise ValueError(f"AQN found no norm named {list(norm_names)} in {type(model).__name__} "
                          f"(model_type={_model_type(model)!r}); norm-like modules present: {normish or 'none'}. "
                          "Pass aqn_norm_names=[...] naming the norms before attention and before the MLP.")
+    hit = {n.rsplit(".", 1)[-1] for n, _ in found}
+    if guessed:
+        warnings.warn(f"AQN: model_type {_model_type(model)!r} is not one whose norms in front of attention and of "
+                      f"the MLP hfq knows; perturbing {sorted(hit)} (check they are those pre-norms, or pass "
+                      "aqn_norm_names=[...])", UserWarning, stacklevel=3)
+    missing = [n for n in norm_names if n not in hit]
+    if missing:
+        warnings.warn(f"AQN: no module is named {missing}; only {sorted(hit)} are perturbed", UserWarning,
+                      stacklevel=3)
     return found
 
 
