@@ -40,6 +40,12 @@ def register_all() -> None:
         PreTrainedModel.save_pretrained = save_with_state_dict(PreTrainedModel.save_pretrained)
     if not hasattr(PreTrainedModel.get_memory_footprint, "hfq_wrapped"):  # QParams count what they store
         PreTrainedModel.get_memory_footprint = footprint_with_stored_bytes(PreTrainedModel.get_memory_footprint)
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hfq.nvfp4.linear import marking_codes_for_ddp
+
+    if not hasattr(DistributedDataParallel.__init__, "hfq_wrapped"):  # DDP leaves NVFP4 codes alone, however wrapped
+        DistributedDataParallel.__init__ = marking_codes_for_ddp(DistributedDataParallel.__init__)
     importlib.import_module("hfq._base.peft_guard").install()  # adapters on QuEST/QFT/ECO layers: refused clearly
     importlib.import_module("hfq.nvfp4.peft_lora").register_peft_dispatch()  # LoRA on NVFP4Linear, process-wide
     _DONE = True

@@ -369,8 +369,80 @@ def test_save_pretrained_of_an_fsdp2_sharded_quest_model_is_refused(tmp_path):
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        with pytest.raises(ValueError, match="save_pretrained of an FSDP2-sharded hfq model"):
+        with pytest.raises(ValueError, match="save_pretrained of an FSDP2-sharded hfq model.*save_pretrained_whole"):
             model.save_pretrained(tmp_path / "q")
         assert not (tmp_path / "q" / "model.safetensors").exists()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("method", ["qft", "quest"])
+def test_save_pretrained_whole_of_an_fsdp2_model_reloads_in_one_process(method, tmp_path):
+    """Trainer's save_model() writes nothing under SHARDED_STATE_DICT and save_pretrained refuses a sharded model:
+    save_pretrained_whole gathers on every rank and writes a checkpoint that reloads to the same logits."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import hfq
+    from hfq.qparam.fsdp import save_pretrained_whole
+    from hfq.tiny import save_tiny
+
+    src = save_tiny(tmp_path / "tiny", arch="llama")
+    cfg = (hfq.QFTConfig(weight_format="int8_dense_sparse") if method == "qft"
+           else hfq.QuESTConfig(weight_bits=4, activation_bits=4))
+    model = AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg, dtype=torch.bfloat16
+                                                 if method == "qft" else torch.float32)
+    ids = torch.randint(3, 50, (2, 8))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = (hfq.QLion if method == "qft" else torch.optim.AdamW)(model.parameters(), lr=1e-2)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        with torch.no_grad():
+            want = model(input_ids=ids).logits
+        save_pretrained_whole(model, tmp_path / "whole")
+    finally:
+        dist.destroy_process_group()
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "whole")
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, want)
+
+
+@pytest.mark.parametrize("route", ["peft.get_peft_model", "add_adapter"])
+def test_ddp_leaves_nvfp4_codes_alone_however_lora_was_attached(route, tmp_path):
+    """The README's route (plain peft.get_peft_model, TRL's peft_config) and transformers' add_adapter move the NVFP4
+    layers under PEFT's base_layer after loading: the ignore list DDP read still held the load-time names, so DDP
+    broadcast every code and scale (gloo: 'Invalid scalar type' on the float8 scales; NCCL: the whole base before
+    each forward). DDP's construction now names the codes relative to the module it wraps."""
+    import peft
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import hfq
+    from hfq.tiny import save_tiny
+
+    m = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "tiny", arch="qwen2"),
+                                             quantization_config=hfq.NVFP4Config())
+    lora = peft.LoraConfig(r=4, target_modules="all-linear")
+    if route == "add_adapter":
+        m.add_adapter(lora)
+    else:
+        m = peft.get_peft_model(m, lora)
+    codes = {n for n, _ in m.named_buffers() if n.rsplit(".", 1)[-1].startswith("weight_")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(m)
+        assert codes and codes <= ddp.parameters_to_ignore
+        ids = torch.randint(3, 50, (2, 8))
+        ddp(input_ids=ids, labels=ids).loss.backward()
+        assert all(p.grad is not None for n, p in m.named_parameters() if p.requires_grad)
     finally:
         dist.destroy_process_group()

@@ -130,6 +130,19 @@ def checked_state_dict(model: nn.Module, passed: dict) -> dict:
     return dict(passed)
 
 
+def whole_state_checked(model: nn.Module, passed: dict) -> dict:
+    """The gathered state dict (hfq.qparam.fsdp.whole_state_dict) of an FSDP2-sharded model for its save: the keys
+    of model.state_dict(), every value a whole tensor."""
+    keys = set(model.state_dict())
+    odd = sorted(k for k, v in passed.items() if not isinstance(v, torch.Tensor))
+    if set(passed) != keys or odd:
+        raise ValueError("save_pretrained(state_dict=...) of an FSDP2-sharded model takes the dict of "
+                         "hfq.qparam.fsdp.whole_state_dict(model) (gathered on every rank): "
+                         f"{len(keys - set(passed))} keys missing, {len(set(passed) - keys)} unknown, "
+                         f"non-tensors {odd[:3]}")
+    return dict(passed)
+
+
 def apply_keeping_buffer_dtypes(module: nn.Module, module_apply, fn, recurse: bool = True):
     """`module_apply(fn, recurse)` (the layer's nn.Module._apply) with its buffers (codes, scales) following device
     moves but never dtype casts: model.to(bfloat16) must not round stored scales."""
@@ -518,15 +531,16 @@ class HfqQuantizer(HfQuantizer):
     def checkpoint_state(self, model: nn.Module) -> dict:
         from torch.distributed.tensor import DTensor
 
-        if any(isinstance(p, DTensor) for p in model.parameters()):
-            raise ValueError(
-                "save_pretrained of an FSDP2-sharded hfq model: transformers reads model.state_dict() on the saving "
-                "rank only, which would need every rank to gather the shards. Gather on "
-                "every rank instead: sd = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in "
-                "model.state_dict().items()} (quantized weights come whole), then on rank 0 load sd into an "
-                "unsharded copy of the model and save_pretrained that; or save FSDP2's sharded checkpoints "
-                "(fsdp_state_dict_type: SHARDED_STATE_DICT)")
         passed = self.__dict__.get("passed_state_dict")
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            if passed is None or any(isinstance(v, DTensor) for v in passed.values()):
+                raise ValueError(
+                    "save_pretrained of an FSDP2-sharded hfq model: transformers reads model.state_dict() on the "
+                    "saving rank only, which would need every rank to gather the shards. Call "
+                    "hfq.qparam.fsdp.save_pretrained_whole(model, save_directory) on every rank instead (with "
+                    "Trainer: on trainer.model after training; trainer.save_model() writes nothing under "
+                    "fsdp_state_dict_type SHARDED_STATE_DICT), or save FSDP2's sharded checkpoints")
+            return whole_state_checked(model, passed)
         return model.state_dict() if passed is None else checked_state_dict(model, passed)
 
     def check_layers_kept(self, model: nn.Module) -> None:

@@ -1,6 +1,8 @@
 """`NVFP4Linear`: a frozen FP4 linear layer holding compressed-tensors' buffers; the input gets a gradient."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -321,13 +323,28 @@ class NVFP4Linear(nn.Module):
 _CODE_BUFFERS = ("weight_packed", "weight_scale", "weight_global_scale", "weight_g4", "weight_g4_scale")
 
 
+def marking_codes_for_ddp(init):
+    """DistributedDataParallel.__init__ that first runs mark_ddp_ignore on the module it wraps when that holds NVFP4
+    layers, so the names are relative to what DDP sees whatever wrapped the layers after loading (PEFT's
+    get_peft_model / add_adapter move them under `base_layer`; installed by `import hfq`)."""
+    @functools.wraps(init)
+    def wrapped(self, module, *args, **kwargs):
+        if isinstance(module, nn.Module) and any(isinstance(m, NVFP4Linear) for m in module.modules()):
+            mark_ddp_ignore(module)
+        init(self, module, *args, **kwargs)
+
+    wrapped.hfq_wrapped = True
+    return wrapped
+
+
 def mark_ddp_ignore(model: nn.Module) -> list[str]:
     """Tell DistributedDataParallel to leave the frozen NVFP4 codes/scales alone.
 
     By default DDP broadcasts every buffer at construction and before every forward: for NVFP4 codes that is the
     whole base model each step, and gloo cannot broadcast float8 scales at all. Every rank loads the same
     checkpoint, so the codes need no sync. Uses DDP's `_ddp_params_and_buffers_to_ignore` (names relative to
-    the module handed to DDP: call this on the outermost model, e.g. the PEFT model). Returns the names added."""
+    the module handed to DDP, which runs this itself after `import hfq`: marking_codes_for_ddp). Returns the names
+    added."""
     names = [f"{mn}.{b}" if mn else b for mn, m in model.named_modules() if isinstance(m, NVFP4Linear)
              for b in _CODE_BUFFERS if b in m._buffers or m.format == "nvfp4"]  # both layouts: it may change
     prev = list(model.__dict__.get("_ddp_params_and_buffers_to_ignore", []))

@@ -251,8 +251,8 @@ def register_lora(lora_config):
 
 
 def get_peft_model(model, lora_config, **kwargs):
-    """`peft.get_peft_model` (which handles NVFP4 after `import hfq`) plus `mark_ddp_ignore` on the result, so
-    DDP does not broadcast the frozen codes (their names carry PEFT's prefix)."""
+    """`peft.get_peft_model` (which handles NVFP4 after `import hfq`) plus `mark_ddp_ignore` on the result (which
+    DDP's construction also runs on whatever it wraps, after `import hfq`)."""
     import peft
 
     from .linear import mark_ddp_ignore

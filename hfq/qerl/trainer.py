@@ -22,7 +22,6 @@ import warnings
 import torch
 from trl import GRPOTrainer
 
-from ..nvfp4.linear import mark_ddp_ignore
 from ..rollout.mixin import RolloutMixin
 from .aqn import AdaptiveQuantizationNoise
 from .config import QeRLConfig
@@ -46,7 +45,6 @@ class QeRLGRPOTrainer(RolloutMixin, GRPOTrainer):
                     if args.aqn else None)
         self._aqn_now: tuple[int, float] | None = None  # (step, sigma) while a generation batch is being built
         self._aqn_stages_checked = False
-        mark_ddp_ignore(self.model)  # TRL may have wrapped the model with PEFT: names relative to self.model
         self.vllm_layout = None  # "dense" / "packed" when hfq's vLLM weight stream is installed
         if self.use_vllm:  # LoRA / NVFP4: LoRA-merged layers + noisy norms (see hfq.qerl.vllm_sync)
             from .vllm_sync import install_vllm_sync

@@ -357,3 +357,18 @@ def whole_state_dict(model) -> dict:
             v = list_from_bytes(v, name, "cpu")
         out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
     return out
+
+
+def save_pretrained_whole(model, save_directory: str, **kwargs) -> None:
+    """save_pretrained of an FSDP2-sharded hfq model (ECO, QFT, QuEST) as an ordinary checkpoint that loads in one
+    process: every rank gathers the whole state dict and runs save_pretrained (a collective: call it on all
+    ranks), the main rank writes the files.
+    With Trainer under fsdp_state_dict_type SHARDED_STATE_DICT, whose save_model() writes nothing, call it on
+    trainer.model after training."""
+    import torch.distributed as dist
+
+    sd = whole_state_dict(model)
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    model.save_pretrained(save_directory, state_dict=sd, is_main_process=main, **kwargs)  # its gathers run everywhere
+    if dist.is_initialized():
+        dist.barrier()

@@ -5,6 +5,7 @@ import warnings
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hfq_kernels.reference.fp4 import check_finite
 
@@ -69,6 +70,10 @@ class QuESTHfQuantizer(HfqQuantizer):
         state = super().checkpoint_state(model)  # refuses FSDP2-sharded (DTensor) models with what to do instead
         if self.quantization_config.save_format != "codes":
             return state
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ValueError("save_format='codes' of an FSDP2-sharded QuEST model: the codes are computed from whole "
+                             "weights; save with save_format='master' (the default), then reload and save codes in "
+                             "one process")
         owners: dict[int, list[str]] = {}
         for pname, p in model.named_parameters(remove_duplicate=False):
             owners.setdefault(id(p), []).append(pname)

@@ -242,7 +242,7 @@ def run(acc, method, tiny_dir, out, resume):
 def final_logits_and_storage(acc, method, model, out, tag, pretrained):
     """Logits of the trained model on a fixed batch (every rank the same batch), bytes of the QParams this rank
     stores (local shards under FSDP2), and with `pretrained` a save_pretrained checkpoint of the whole model
-    (state dict gathered on every rank, loaded into an unsharded copy that rank 0 saves)."""
+    (FSDP2: save_pretrained_whole, the state dict gathered on every rank and written by rank 0)."""
     from hfq.qparam import QParam
     from hfq.qparam.fsdp import local
 
@@ -252,14 +252,19 @@ def final_logits_and_storage(acc, method, model, out, tag, pretrained):
     m = acc.unwrap_model(model)
     stored = sum(local(p).storage_bytes for p in m.parameters() if isinstance(local(p), QParam))
     if pretrained:
-        from hfq.qparam.fsdp import whole_state_dict
+        from torch.distributed.tensor import DTensor
 
-        sd = whole_state_dict(m)
-        if acc.is_main_process:  # transformers' save_pretrained of a quantized model reads model.state_dict()
-            whole, _ = build(method, None)
-            whole.load_state_dict(sd)
-            whole.save_pretrained(os.path.join(out, f"{tag}_pretrained"))
-        acc.wait_for_everyone()
+        from hfq.qparam.fsdp import save_pretrained_whole, whole_state_dict
+
+        if any(isinstance(p, DTensor) for p in m.parameters()):
+            save_pretrained_whole(m, os.path.join(out, f"{tag}_pretrained"))  # every rank gathers, rank 0 writes
+        else:
+            sd = whole_state_dict(m)
+            if acc.is_main_process:
+                whole, _ = build(method, None)
+                whole.load_state_dict(sd)
+                whole.save_pretrained(os.path.join(out, f"{tag}_pretrained"))
+            acc.wait_for_everyone()
     return {"logits": logits, "qparam_bytes": stored, "probe": x}
 
 
