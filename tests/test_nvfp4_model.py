@@ -212,6 +212,7 @@ def test_lora_trains_only_adapters_and_lowers_loss(tiny, tmp_path):
 
 
 def test_merge_and_unload_gives_dense_model_and_requantize(tiny, tmp_path):
+    torch.manual_seed(0)  # the random adapter (init_lora_weights=False) sets how far requantization moves the logits
     m = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=NVFP4Config())
     pm = hfq.nvfp4.get_peft_model(m, peft.LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False))
     x = _ids()
