@@ -171,8 +171,8 @@ def _linear_like(mod: nn.Module) -> bool:
 
 def matrices_outside_linears(mod: nn.Module) -> list[str]:
     """Names of the weight matrices a module that is no linear holds itself (fused MoE experts' 3-D
-    gate_up_proj/down_proj, a router's 2-D weight); an embedding's table is not one."""
-    if isinstance(mod, nn.Embedding) or _linear_like(mod):
+    gate_up_proj/down_proj, a router's 2-D weight); an embedding's table and a convolution's kernel are not."""
+    if isinstance(mod, (nn.Embedding, nn.modules.conv._ConvNd)) or _linear_like(mod):
         return []
     return [k for k, p in mod.named_parameters(recurse=False) if p.dim() >= 2]
 
