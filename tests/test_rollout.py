@@ -235,3 +235,52 @@ def test_bad_input_and_memory_knob():
         RolloutEngine(gpt2, max_batch=1, max_seq_len=16)
     eng_ok = RolloutEngine(model, max_batch=1, max_seq_len=16, kv_cache_gb=1.0)
     assert math.isclose(eng_ok.kv_bytes, 2 * 2 * 1 * 2 * 64 * 16 * 4)
+
+
+def _greedy_on(model, prompts, max_new):
+    ids, am = _E._left_pad(prompts, None, 0)
+    dev = next(model.parameters()).device
+    out = model.generate(input_ids=ids.to(dev), attention_mask=am.to(dev), max_new_tokens=max_new, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[:, ids.shape[1]:].cpu()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_adapter_state_changes_reach_captured_decode_graphs(device):
+    """disable_adapter(), rescale_adapter_scale, and transformers' set_adapter / disable_adapters move no tensor: the
+    engine's graph fingerprint must still change, or a captured decode step replays the old adapter state."""
+    from peft import LoraConfig, get_peft_model
+    from peft.helpers import rescale_adapter_scale
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    pm = get_peft_model(tiny_model("qwen2", seed=5).to(device),
+                        LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)).eval()
+    eng = RolloutEngine(pm, max_batch=4, max_seq_len=48, kv_block=16)
+
+    def check(model, eng):
+        out = eng.generate(PROMPTS, max_new_tokens=8, temperature=0, eos_token_ids=[])
+        assert torch.equal(out.completion_ids.cpu(), _greedy_on(model, PROMPTS, 8))
+        return eng._model_fingerprint(), out.completion_ids.cpu()
+
+    fp, lora_out = check(pm, eng)
+    with pm.disable_adapter():
+        fp1, base_out = check(pm, eng)
+    assert fp1 != fp and not torch.equal(base_out, lora_out)
+    with rescale_adapter_scale(pm, 0.25):
+        assert check(pm, eng)[0] != fp
+    fp2, out2 = check(pm, eng)
+    assert fp2 == fp and torch.equal(out2, lora_out)
+
+    model = tiny_model("qwen2", seed=5).to(device).eval()
+    for name in ("A", "B"):
+        model.add_adapter(LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False),
+                          adapter_name=name)
+    model.set_adapter("A")
+    eng = RolloutEngine(model, max_batch=4, max_seq_len=48, kv_block=16)
+    fp, _ = check(model, eng)
+    for change, undo in ((lambda: model.set_adapter("B"), lambda: model.set_adapter("A")),
+                         (model.disable_adapters, model.enable_adapters)):
+        change()
+        assert check(model, eng)[0] != fp
+        undo()
+        assert check(model, eng)[0] == fp

@@ -179,18 +179,23 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- graphs
     def _model_fingerprint(self):
+        """What a captured decode step depends on beyond its inputs: every parameter's and buffer's address, and
+        each LoRA layer's adapter state (active adapters, disabled, merged, scales, train/eval), which PEFT and
+        transformers change without moving a tensor (disable_adapter(), set_adapter, rescale_adapter_scale)."""
         m = self.model
         ptrs = tuple(p.data_ptr() for p in m.parameters()) + tuple(b.data_ptr() for b in m.buffers())
-        peft = getattr(m, "active_adapters", None)
-        try:
-            peft = tuple(peft) if peft is not None and not callable(peft) else None
-        except Exception:  # noqa: BLE001 - models without adapters may raise here
-            peft = None
-        return ptrs, peft
+        lora = []
+        for mod in m.modules():
+            if hasattr(mod, "lora_A") and hasattr(mod, "scaling"):
+                active = getattr(mod, "active_adapters", ())
+                lora.append((tuple(active() if callable(active) else active),
+                             bool(getattr(mod, "disable_adapters", False)), bool(getattr(mod, "merged", False)),
+                             tuple(sorted((k, repr(v)) for k, v in mod.scaling.items())), mod.training))
+        return ptrs, tuple(lora)
 
     def invalidate(self):
-        """Drop captured graphs (the next call re-captures). Needed only after structural model changes
-        the engine cannot see, e.g. switching the active LoRA adapter by hand."""
+        """Drop captured graphs (the next call re-captures). Needed only after changes the engine cannot see:
+        tensors written through `.data` in place of new ones, a module swapped for another at the same addresses."""
         self._graphs.clear()
 
     def _kv_bucket(self, n_cols: int) -> int:
