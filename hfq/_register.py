@@ -34,12 +34,15 @@ def register_all() -> None:
 
     from transformers import PreTrainedModel
 
-    from hfq._base.surgery import footprint_with_stored_bytes, save_with_state_dict
+    from hfq._base.surgery import footprint_with_stored_bytes, refusing_quantized_head_resize, save_with_state_dict
 
     if not hasattr(PreTrainedModel.save_pretrained, "hfq_wrapped"):  # hfq checkpoints honour state_dict=
         PreTrainedModel.save_pretrained = save_with_state_dict(PreTrainedModel.save_pretrained)
     if not hasattr(PreTrainedModel.get_memory_footprint, "hfq_wrapped"):  # QParams count what they store
         PreTrainedModel.get_memory_footprint = footprint_with_stored_bytes(PreTrainedModel.get_memory_footprint)
+    resize = PreTrainedModel.resize_token_embeddings
+    if not hasattr(resize, "hfq_wrapped"):  # a quantized lm_head: refused before anything is resized
+        PreTrainedModel.resize_token_embeddings = refusing_quantized_head_resize(resize)
     from torch.nn.parallel import DistributedDataParallel
 
     from hfq.nvfp4.linear import marking_codes_for_ddp

@@ -37,6 +37,8 @@ from hfq_kernels._triton import (HAS_TRITON, INTERPRET, LRU, TABLE_CODES, availa
                                  on_gpu, table_ptr, tl, triton, upload_table)
 from hfq_kernels.reference import eco as Fn
 from hfq_kernels.reference import fp8 as _fp8
+
+_MIN_SCALE = tl.constexpr(_fp8.MIN_SCALE) if HAS_TRITON else _fp8.MIN_SCALE
 MAX_ONE_PASS = 8192
 MIN_BLOCK = 64
 # block width -> (rows per program, num_warps); tuned on an H100 (benchmarks/eco.py --sweep), overridable
@@ -191,7 +193,7 @@ def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, ep
         tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1, beta2,
                                      omb2, eps, step_size, inv_sqrt_bc2)
         amax = tl.max(tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=2), axis=1)
-        s_new = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+        s_new = tl.where(amax > 0, tl.maximum(tl.div_rn(amax, 448.0), _MIN_SCALE), 1.0)
         s3 = s_new[:, None, None]
         _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, grows, jj,
                        stream, SR, INTERP)
@@ -203,7 +205,7 @@ def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, ep
             tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1,
                                          beta2, omb2, eps, step_size, inv_sqrt_bc2)
             amax = tl.maximum(amax, tl.max(tl.max(tl.where(mask, tl.abs(tmp), 0.0), axis=2), axis=1))
-        s_new = tl.where(amax > 0, tl.div_rn(amax, 448.0), 1.0)
+        s_new = tl.where(amax > 0, tl.maximum(tl.div_rn(amax, 448.0), _MIN_SCALE), 1.0)
         s3 = s_new[:, None, None]
         for b in range(nb):
             mask, offs = _block_offs(b, cols0, rmask, base, n_cols, BLOCK)

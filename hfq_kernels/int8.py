@@ -22,6 +22,9 @@ from __future__ import annotations
 import torch
 
 from hfq_kernels._triton import HAS_TRITON, INTERPRET, f32_to_bf16_rne, tl, triton  # noqa: F401
+from hfq_kernels.reference.fp8 import MIN_SCALE
+
+_MIN_SCALE = tl.constexpr(MIN_SCALE) if HAS_TRITON else MIN_SCALE
 
 # kernel -> (elements per inner step of a row program, warps); benchmarks/qft_kernels.py --sweep times the choices
 LAUNCH = {"decode": (2048, 4), "quant": (1024, 4)}
@@ -43,7 +46,7 @@ def _rint(x):
 @triton.jit
 def _qparams(lo, hi):
     """Row scale and zero point from the row range (lo <= 0 <= hi), as reference.intq.quantize_int_asym."""
-    s = tl.where(hi > lo, tl.div_rn(hi - lo, 255.0), 1.0)
+    s = tl.where(hi > lo, tl.maximum(tl.div_rn(hi - lo, 255.0), _MIN_SCALE), 1.0)
     return s, tl.minimum(tl.maximum(_rint(tl.div_rn(-lo, s)), 0.0), 255.0)
 
 
@@ -184,7 +187,7 @@ def _quant_rows_kernel(g, codes, scales, zeros, finite, C, ACC: tl.constexpr, BL
         ok = tl.min((fin | ~mask).to(tl.int32), 0)
     else:
         lo, hi, ok = _row_range(g, codes, so, zo, base, C, BLOCK, ACC)
-    s = tl.where(hi > lo, tl.div_rn(hi - lo, 255.0), 1.0)
+    s = tl.where(hi > lo, tl.maximum(tl.div_rn(hi - lo, 255.0), _MIN_SCALE), 1.0)
     z = tl.minimum(tl.maximum(_rint(tl.div_rn(-lo, s)), 0.0), 255.0)
     r = tl.div_rn(1.0, s)
     if ONE_PASS:

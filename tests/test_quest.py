@@ -266,6 +266,40 @@ def test_layer_dim_not_covered_names_layer_and_nan_refused():
         quantize_model(m, QuESTConfig())
 
 
+@pytest.mark.parametrize("amax,match", [(1e19, r"row 0 .*sum of squares past fp32.*in_features=64"),
+                                         (1e-30, r"row 0 has RMS .* below 1e-12"),
+                                         (1e-36, r"row 0 has RMS .* below 1e-12")])
+def test_weights_outside_fp32_rms_range_refused_by_name(tmp_path, amax, match):
+    """A master weight whose per-row RMS overflows fp32 (NaN levels) or sits below the kernels' clamp (levels of
+    the clamp's size, 1e17x the weight at 1e-30) is refused when quantized: quantize_model and from_pretrained."""
+    from hfq.tiny import save_tiny, tiny_model
+
+    m = tiny_model("llama")
+    w = m.model.layers[1].mlp.up_proj.weight
+    w.data.mul_(amax / w.abs().max())
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.weight: " + match):
+        quantize_model(m, QuESTConfig())
+    path = save_tiny(tmp_path / "m", "llama")
+    m = AutoModelForCausalLM.from_pretrained(path)
+    m.model.layers[1].mlp.up_proj.weight.data.mul_(amax / m.model.layers[1].mlp.up_proj.weight.abs().max())
+    m.save_pretrained(path)
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj\.weight: " + match):
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=QuESTConfig(), dtype=torch.float32)
+
+
+def test_weights_at_the_edge_of_the_rms_range_quantize_finitely():
+    from hfq.tiny import tiny_model
+
+    m = tiny_model("llama")  # up_proj: in_features 64, so 1e18 keeps sum(w^2) < 1.7e38
+    for amax in (1e18, 1e-11):
+        lin = m.model.layers[1].mlp.up_proj
+        layer = QuESTLinear.from_linear(torch.nn.Linear(64, 128), QuESTConfig(), "up")
+        layer.weight.data.copy_(lin.weight.data * (amax / lin.weight.abs().max()))
+        wq, unit = layer.quantized_weight_h()
+        assert torch.isfinite(wq).all() and torch.isfinite(layer(torch.randn(2, 64))).all()
+        assert 0.1 < float(wq.abs().max()) / amax < 10
+
+
 def test_config_dict_roundtrip_and_registration():
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AutoQuantizationConfig
 

@@ -8,6 +8,7 @@ checkpoint written by 2 ranks resumes on 1 and one written by 1 resumes on 2, en
 ends (DDP: the optimizer state and SR generators are replicated; FSDP2: hfq's optimizers gather their states to
 whole tensors and SR is keyed by global element). The worker is tests/scripts/scaleout.py.
 """
+import contextlib
 import os
 import socket
 import subprocess
@@ -31,6 +32,20 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _one_rank_gloo():
+    """A 1-rank gloo process group on a free port for the block, yielding its CPU device mesh; destroyed after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
 
 
 def _env(**extra):
@@ -276,8 +291,6 @@ def test_unshardable_qparams_and_fsdp1_refused():
     weight and what would work (rows the shard count does not divide, int4_tensor's one scale); hfq's optimizers
     refuse parameters flattened by FSDP1 (in bf16, where FSDP1 would otherwise dequantize the QParams without an
     error) and 8-bit blockwise states on FSDP2 (DTensor) parameters."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -298,10 +311,7 @@ def test_unshardable_qparams_and_fsdp1_refused():
         torch.chunk(odd, 2, dim=0)
     with pytest.raises(NotImplementedError, match=r"int4_tensor \(8, 64\)\) has one scale.*int4_group"):
         torch.chunk(QParam.from_float(torch.randn(8, 64), "int4_tensor"), 2, dim=0)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
+    with _one_rank_gloo() as mesh:
         p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 64), mesh, [Shard(0)]))
         with pytest.raises(ValueError, match=r"ECOAdamW: state_bits=8 .*FSDP2"):
             ECOAdamW([p], lr=1e-3, state_bits=8)
@@ -311,24 +321,19 @@ def test_unshardable_qparams_and_fsdp1_refused():
         with pytest.raises(ValueError, match=r"QLion: ECO / QFT .* FSDP1 .*flattened by FSDP \(FullyShardedDataParallel"
                                              r"\).*Supported for ECO / QFT: FSDP2"):
             QLion(wrapped.parameters(), lr=1e-3)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp2_int8_gradient_buckets_flush_by_size_and_at_backward_end(monkeypatch):
     """QFT's INT8 gradients under FSDP2 leave in buckets (one reduce-scatter for several weights): a bucket small
     enough to flush at every weight and one that holds the whole backward give the same INT8 stores, and nothing is
     left queued or in flight when backward returns (the stores are complete for clip_grad_norm_)."""
-    import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
     from hfq.qft import QFTConfig, quantize_model_
     from hfq.qparam import int8grad
     from hfq.tiny import tiny_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with _one_rank_gloo():
         stores = []
         for max_bytes in (1, 1 << 28):
             monkeypatch.setattr(int8grad.BUCKET, "MAX_BYTES", max_bytes)
@@ -347,41 +352,30 @@ def test_fsdp2_int8_gradient_buckets_flush_by_size_and_at_backward_end(monkeypat
             stores.append({n: (g.codes.clone(), g.scales.clone()) for n, g in grads.items()})
         for n, (codes, scales) in stores[0].items():
             assert torch.equal(codes, stores[1][n][0]) and torch.equal(scales, stores[1][n][1]), n
-    finally:
-        dist.destroy_process_group()
 
 
 def test_save_pretrained_of_an_fsdp2_sharded_quest_model_is_refused(tmp_path):
     """QuEST's checkpoint_state refuses DTensor shards as the base's does (it handed them to safetensors, which
     failed on rank 0 with 'invalid python storage' after writing config.json)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import hfq
     from hfq.tiny import tiny_model
 
     model = hfq.quest.quantize_model(tiny_model("llama"), hfq.QuESTConfig(weight_bits=4, activation_bits=4))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
+    with _one_rank_gloo() as mesh:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         with pytest.raises(ValueError, match="save_pretrained of an FSDP2-sharded hfq model.*save_pretrained_whole"):
             model.save_pretrained(tmp_path / "q")
         assert not (tmp_path / "q" / "model.safetensors").exists()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("method", ["qft", "quest"])
 def test_save_pretrained_whole_of_an_fsdp2_model_reloads_in_one_process(method, tmp_path):
     """Trainer's save_model() writes nothing under SHARDED_STATE_DICT and save_pretrained refuses a sharded model:
     save_pretrained_whole gathers on every rank and writes a checkpoint that reloads to the same logits."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
@@ -395,10 +389,7 @@ def test_save_pretrained_whole_of_an_fsdp2_model_reloads_in_one_process(method, 
     model = AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg, dtype=torch.bfloat16
                                                  if method == "qft" else torch.float32)
     ids = torch.randint(3, 50, (2, 8))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
+    with _one_rank_gloo() as mesh:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -408,8 +399,6 @@ def test_save_pretrained_whole_of_an_fsdp2_model_reloads_in_one_process(method, 
         with torch.no_grad():
             want = model(input_ids=ids).logits
         save_pretrained_whole(model, tmp_path / "whole")
-    finally:
-        dist.destroy_process_group()
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "whole")
     with torch.no_grad():
         assert torch.equal(again(input_ids=ids).logits, want)
@@ -422,7 +411,6 @@ def test_ddp_leaves_nvfp4_codes_alone_however_lora_was_attached(route, tmp_path)
     broadcast every code and scale (gloo: 'Invalid scalar type' on the float8 scales; NCCL: the whole base before
     each forward). DDP's construction now names the codes relative to the module it wraps."""
     import peft
-    import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
     import hfq
@@ -442,13 +430,9 @@ def test_ddp_leaves_nvfp4_codes_alone_however_lora_was_attached(route, tmp_path)
     else:
         m = peft.get_peft_model(m, lora)
     codes = {n for n, _ in m.named_buffers() if n.rsplit(".", 1)[-1].startswith("weight_")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with _one_rank_gloo():
         ddp = torch.nn.parallel.DistributedDataParallel(m)
         assert codes and codes <= ddp.parameters_to_ignore
         ids = torch.randint(3, 50, (2, 8))
         ddp(input_ids=ids, labels=ids).loss.backward()
         assert all(p.grad is not None for n, p in m.named_parameters() if p.requires_grad)
-    finally:
-        dist.destroy_process_group()

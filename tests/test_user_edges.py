@@ -1,6 +1,7 @@
 """No silent no-op at conversion: what a method leaves unconverted is warned about (or refused), non-finite
 weights are refused by every method, options a format ignores are announced, int4_group fits any width, and a
-checkpoint whose config does not match its tensors says what it holds."""
+checkpoint whose config does not match its tensors says what it holds; a quantized lm_head refuses
+resize_token_embeddings before anything changes."""
 import json
 import os
 import re
@@ -456,3 +457,27 @@ def test_qft_format_that_loses_most_of_a_layer_is_announced(tmp_path):
     with pytest.warns(UserWarning, match=r"int4_tensor\): 1 of .* layers keep less than half.*layers.0.mlp.up_proj"):
         hfq.qft.quantize_model_(m, hfq.QFTConfig(weight_format="int4_tensor"))
     assert list(m.hfq_quantization_report["relative_error"]) == ["model.layers.0.mlp.up_proj"]
+
+
+@pytest.mark.parametrize("route", ["from_pretrained_qft", "from_pretrained_quest", "quest_quantize_model"])
+def test_resize_token_embeddings_with_a_quantized_head_is_refused_untouched(tiny_dir, route):
+    """transformers would resize the input embeddings and then stop on the quantized head with a TypeError; the
+    refusal names the head and both fixes, and nothing is resized. With the head kept out the resize works."""
+    from hfq.tiny import tiny_model
+
+    if route == "quest_quantize_model":
+        model = hfq.quest.quantize_model(tiny_model("qwen2"), hfq.QuESTConfig(modules_to_not_convert=[]))
+    else:
+        cfg = CONFIGS[route.split("_")[-1]](modules_to_not_convert=[])
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=cfg)
+    assert isinstance(model.lm_head, tuple(LAYERS.values()))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not isinstance(p, hfq.qparam.QParam)}
+    with pytest.raises(ValueError, match=r"resize_token_embeddings: the output embeddings `lm_head` are a quantized "
+                                         r".*nothing was changed.*Resize before quantizing.*modules_to_not_convert"):
+        model.resize_token_embeddings(120)
+    assert model.config.vocab_size == 100 and model.get_input_embeddings().weight.shape[0] == 100
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
+    model.resize_token_embeddings()  # no new size: nothing to resize, nothing refused
+    kept = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QFTConfig())  # lm_head kept out
+    kept.resize_token_embeddings(120)
+    assert kept.lm_head.weight.shape[0] == 120 and kept(torch.tensor([[5, 119]])).logits.shape[-1] == 120

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 import warnings
 from typing import Callable
@@ -71,7 +72,6 @@ def save_with_state_dict(save_pretrained):
     """Wrap `PreTrainedModel.save_pretrained`: transformers takes a quantized model's tensors from its quantizer and
     drops a `state_dict=` given (EMA or edited weights would be replaced by the live ones, silently); an hfq
     quantizer is handed that dict for the save (`HfqQuantizer.checkpoint_state` checks and writes it)."""
-    import inspect
 
     sig = inspect.signature(save_pretrained)
 
@@ -90,6 +90,31 @@ def save_with_state_dict(save_pretrained):
             q.passed_state_dict = None
 
     wrapper.hfq_wrapped = save_pretrained
+    return wrapper
+
+
+def refusing_quantized_head_resize(resize):
+    """PreTrainedModel.resize_token_embeddings wrapped: when the output embeddings are one of hfq's quantized layers,
+    a ValueError naming the head and the fix, raised before anything is resized (transformers itself would resize
+    the input embeddings and then stop on the head with a TypeError)."""
+    sig = inspect.signature(resize)
+
+    @functools.wraps(resize)
+    def wrapper(self, *args, **kwargs):
+        q = getattr(self, "hf_quantizer", None)
+        head = self.get_output_embeddings() if isinstance(q, HfqQuantizer) else None
+        a = sig.bind_partial(self, *args, **kwargs).arguments
+        resizing = a.get("new_num_tokens") is not None or a.get("pad_to_multiple_of") is not None
+        if resizing and isinstance(head, q.layer_types if head is not None else ()):
+            name = next((n for n, m in self.named_modules() if m is head), "lm_head")
+            raise ValueError(
+                f"resize_token_embeddings: the output embeddings `{name}` are a quantized {type(head).__name__} "
+                f"({q.quantization_config.quant_method}), which cannot be resized; nothing was changed. Resize "
+                "before quantizing (load the float model, resize_token_embeddings, save_pretrained, then load that "
+                f"with the quantization_config), or keep the head unquantized: modules_to_not_convert=[..., '{name}']")
+        return resize(self, *args, **kwargs)
+
+    wrapper.hfq_wrapped = resize
     return wrapper
 
 

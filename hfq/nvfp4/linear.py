@@ -88,6 +88,7 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"{name}: expected shape {(self.out_features, self.in_features)}, got {tuple(w.shape)}")
         fp4.check_finite(w, name)
         if self.format == "nvfp4":
+            fp4.check_nvfp4_amax(w, name)
             op = torch.ops.hfq.nvfp4_quantize_search if self.scale_rule == "mse" else torch.ops.hfq.nvfp4_quantize
             packed, scale, gs = op(w)
             dev = self.qweight.device

@@ -25,6 +25,33 @@ from .._base.surgery import apply_keeping_buffer_dtypes, unguard_weight
 from .config import QuESTConfig
 
 
+# ----------------------------------------------------------------------------- weight range
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def check_weight(w: torch.Tensor, name: str = "weight") -> None:
+    """Refuse a master weight QuEST cannot quantize (ValueError naming it): NaN/Inf, a row whose fp32 sum of squares
+    (the RMS the kernels normalise by) overflows, or a nonzero row whose RMS is below the kernels' clamp (its
+    levels would be clamp-sized, not its values')."""
+    check_finite(w, name)
+    wf = w.detach().float().reshape(-1, w.shape[-1])
+    k = wf.shape[-1]
+    amax = wf.abs().amax(-1)
+    ss = (wf / amax.clamp_min(1e-38)[:, None]).square().sum(-1).double() * amax.double().square()  # no overflow
+    big = ss >= _F32_MAX / 2
+    if bool(big.any()):
+        r = int(big.nonzero()[0])
+        raise ValueError(f"{name}: row {r} (max |w| {float(amax[r]):.3g}) has a sum of squares past fp32's range, "
+                         f"where QuEST's per-row RMS overflows to inf (NaN weights); for in_features={k} every row "
+                         f"needs sum(w^2) < {_F32_MAX / 2:.3g}, e.g. max |w| < {(_F32_MAX / 2 / k) ** 0.5:.3g}")
+    small = (amax > 0) & ((ss / k).sqrt() < _qk.EPS)
+    if bool(small.any()):
+        r = int(small.nonzero()[0])
+        raise ValueError(f"{name}: row {r} has RMS {float((ss[r] / k).sqrt()):.3g}, below {_qk.EPS:g}, the smallest "
+                         "RMS QuEST normalises by (rows this small would quantize to levels of that size, not to their "
+                         "values); rescale the weight or keep the layer unquantized (modules_to_not_convert)")
+
+
 # ----------------------------------------------------------------------------- code packing
 def storage_bits(bits: int) -> int:
     """Bits per stored code: the next of 1, 2, 4, 8 (3 -> 4, 5..7 -> 8)."""
@@ -205,7 +232,10 @@ class QuESTLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, config: QuESTConfig, name: str = "linear") -> "QuESTLinear":
-        """Wrap an existing nn.Linear, reusing its parameters (master weights stay as they are)."""
+        """Wrap an existing nn.Linear, reusing its parameters (master weights stay as they are); a weight
+        check_weight refuses raises naming `name`."""
+        if lin.weight.device.type != "meta":
+            check_weight(lin.weight, f"{name}.weight")
         m = cls(lin.in_features, lin.out_features, lin.bias is not None, config, name=name, device="meta")
         m.weight = lin.weight
         m.bias = lin.bias
@@ -227,7 +257,7 @@ class QuESTLinear(nn.Module):
             codes = unpack_codes(self.weight_codes, self.config.weight_bits, self.in_features)
             level = gaussian.codes_to_levels(codes, self.config.weight_bits, self.config.grid)
             return level * self.weight_scale[:, None], self.weight_scale
-        check_finite(self.weight, "weight")
+        check_weight(self.weight, "weight")
         wq32, _, unit = quantize_weight_h(self.weight, self.spec)
         return wq32, unit
 
@@ -313,14 +343,12 @@ class QuESTLinear(nn.Module):
 # ----------------------------------------------------------------------------- model surgery
 def layer_maker(config: QuESTConfig, packed: bool = False, reuse: bool = False):
     """The surgery's builder: a QuESTLinear for an nn.Linear. reuse=True keeps the existing parameters (QAT of
-    an instantiated model; a non-finite weight is refused naming it); otherwise the layer is built on the
+    an instantiated model; a weight check_weight refuses raises naming it); otherwise the layer is built on the
     linear's device (meta while from_pretrained loads). A width the HT cannot cover raises naming the layer."""
 
     def make(name: str, lin: nn.Linear) -> QuESTLinear:
         if reuse:
             config.block_for(lin.in_features, name)
-            if lin.weight.device.type != "meta":
-                check_finite(lin.weight.detach(), f"{name}.weight")
             return QuESTLinear.from_linear(lin, config, name)
         return QuESTLinear(lin.in_features, lin.out_features, lin.bias is not None, config, packed=packed,
                            name=name, device=lin.weight.device, dtype=lin.weight.dtype)

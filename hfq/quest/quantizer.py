@@ -7,13 +7,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hfq_kernels.reference.fp4 import check_finite
 
 from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, mark_quantized,
                              modules_to_skip, refuse_nonfinite, refuse_quantized, replace_linears,
                              unguard_weight)
 from .config import QuESTConfig
-from .linear import QuESTLinear, layer_maker
+from .linear import QuESTLinear, check_weight, layer_maker
 
 
 class QuESTHfQuantizer(HfqQuantizer):
@@ -53,7 +52,7 @@ class QuESTHfQuantizer(HfqQuantizer):
                                           requires_grad=mod.weight.requires_grad)
             if (isinstance(mod, QuESTLinear) and not mod.packed and not self.pre_quantized
                     and mod.weight.device.type != "meta"):
-                check_finite(mod.weight.detach(), f"{name}.weight")
+                check_weight(mod.weight, f"{name}.weight")
         if self.pre_quantized:
             refuse_nonfinite("hfq_quest", model, self.layer_types)
         low = sorted({str(m.weight.dtype).removeprefix("torch.") for m in model.modules() if isinstance(m, QuESTLinear)

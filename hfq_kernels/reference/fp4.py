@@ -4,6 +4,9 @@ NVFP4: E2M1 codes, one E4M3 scale per 16 elements along the last dim, one fp32 g
 stored as its reciprocal (compressed-tensors' convention): value = e2m1 * scale / global_recip.
 MXFP4: E2M1 codes, one E8M0 (power-of-two) scale per 32 elements, no global scale.
 Codes: bit 3 = sign, bits 0-2 = magnitude index; two codes per byte, element 2i in the low nibble.
+Tiny tensors: the reciprocal is capped at 2^117 so that every block multiplier (scale / global_recip, scale >= 2^-9)
+is a normal fp32 (GPU kernels may flush subnormals); below NVFP4_MIN_AMAX even the largest block's E4M3 scale would
+leave E4M3's normal range, so such tensors are refused rather than rounded towards zero.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
+NVFP4_MAX_RECIP = 2.0 ** 117
+NVFP4_MIN_AMAX = 2.0 ** -120  # the largest block's scale amax / 6 * NVFP4_MAX_RECIP stays >= 2^-6 (E4M3's smallest normal)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Decision boundaries between consecutive magnitudes; a value exactly on a boundary goes to the
 # even code index (round-half-to-even on the E2M1 mantissa, as the hardware cvt does).
@@ -67,10 +72,21 @@ def _check_2d(w: torch.Tensor, block: int, name: str) -> None:
         raise ValueError(f"{name}: expected a floating-point weight, got {w.dtype}")
 
 
-def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
-    """Reciprocal global scale 448*6/amax (fp32 [1]); 1.0 for an all-zero tensor."""
+def check_nvfp4_amax(amax, name: str = "weight") -> None:
+    """ValueError for a nonzero max |value| (a tensor, or the amax itself) below NVFP4_MIN_AMAX."""
+    a = float(amax.detach().abs().amax()) if isinstance(amax, torch.Tensor) else float(amax)
+    if 0 < a < NVFP4_MIN_AMAX:
+        raise ValueError(f"{name}: max |value| {a:.3g} is below {NVFP4_MIN_AMAX:.3g} (2^-120), the smallest NVFP4 "
+                         "holds within its error (fp32 global scale, E4M3 block scales); scale the tensor up or keep "
+                         "the layer unquantized (modules_to_not_convert)")
+
+
+def nvfp4_global_scale(w: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """Reciprocal global scale 448*6/amax capped at NVFP4_MAX_RECIP (fp32 [1]); 1.0 for an all-zero tensor.
+    ValueError for a nonzero amax below NVFP4_MIN_AMAX, which NVFP4 cannot hold within its error."""
     amax = w.abs().amax().float()
-    recip = torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax
+    check_nvfp4_amax(amax, name)
+    recip = (torch.full_like(amax, E4M3_MAX * E2M1_MAX) / amax).clamp(max=NVFP4_MAX_RECIP)
     return torch.where(amax > 0, recip, torch.ones_like(recip)).reshape(1)
 
 
@@ -83,7 +99,7 @@ def nvfp4_quantize(w: torch.Tensor, global_scale: torch.Tensor | None = None, na
     check_finite(w, name)
     out, k = w.shape
     wf = w.float()
-    recip = nvfp4_global_scale(wf) if global_scale is None else global_scale.float().reshape(1)
+    recip = nvfp4_global_scale(wf, name) if global_scale is None else global_scale.float().reshape(1)
     blocks = wf.reshape(out, k // NVFP4_BLOCK, NVFP4_BLOCK)
     bmax = blocks.abs().amax(dim=-1)
     # a tensor divisor: CUDA turns division by a Python scalar into a reciprocal multiply, CPU does not

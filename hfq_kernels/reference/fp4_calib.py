@@ -107,12 +107,12 @@ def nvfp4_quantize_search(w: torch.Tensor, global_factors=GLOBAL_FACTORS, byte_o
     fp4._check_2d(w, fp4.NVFP4_BLOCK, name)
     fp4.check_finite(w, name)
     out, k = w.shape
-    recip0 = fp4.nvfp4_global_scale(w.float())
+    recip0 = fp4.nvfp4_global_scale(w.float(), name)
     chunks = [w[i:i + row_chunk].float().reshape(-1, k // fp4.NVFP4_BLOCK, fp4.NVFP4_BLOCK)
               for i in range(0, out, row_chunk)]
     best = None
     for f in global_factors:
-        recip = recip0 * f if f != 1.0 else recip0
+        recip = (recip0 * f).clamp(max=fp4.NVFP4_MAX_RECIP) if f != 1.0 else recip0
         scales, err = [], 0.0
         for blocks in chunks:
             s, e = search_block_scales(blocks, recip, byte_offsets)

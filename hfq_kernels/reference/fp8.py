@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 
 E4M3_MAX = 448.0
+# Smallest scale of any row/group format: fp32's smallest normal. 1/scale stays finite and no scale is a subnormal
+# that a GPU kernel may flush to zero; rows smaller than ~qmax * MIN_SCALE are quantized with this step instead.
+MIN_SCALE = 2.0 ** -126
 ROUNDINGS = ("rtn", "sr")
 
 
@@ -49,10 +52,10 @@ def round_e4m3(x: torch.Tensor, rounding: str = "rtn", generator: torch.Generato
 
 
 def fp8_row_scales(w: torch.Tensor) -> torch.Tensor:
-    """float32 [rows, 1]: amax(row)/448; an all-zero row gets scale 1 (its codes are all 0)."""
+    """float32 [rows, 1]: amax(row)/448, at least MIN_SCALE; an all-zero row gets scale 1 (its codes are all 0)."""
     amax = w.float().abs().amax(dim=-1, keepdim=True)
     # tensor / tensor: an IEEE division on every device (CUDA turns `/ python_scalar` into a reciprocal multiply)
-    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
+    return torch.where(amax > 0, (amax / torch.full_like(amax, E4M3_MAX)).clamp_min(MIN_SCALE), torch.ones_like(amax))
 
 
 def quantize_fp8_row(w: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None,

@@ -8,13 +8,13 @@
   The one INT8 quantizer of hfq: weights' dense part, QFT's INT8 gradients and QLion's INT8 momentum.
 - Dense + sparse (QFT eq. 3): values outside [T_min, T_max] (the `outlier_fraction` tails, split evenly) are
   kept in bf16 as (flat int32 index, value) pairs; the dense rest (outliers zeroed) is INT8 per channel.
-Rounding: nearest (RTN) or stochastic (SR, floor(x + u), unbiased).
+Rounding: nearest (RTN) or stochastic (SR, floor(x + u), unbiased). Scales are at least fp8.MIN_SCALE.
 """
 from __future__ import annotations
 
 import torch
 
-from .fp8 import check_finite, check_rounding
+from .fp8 import MIN_SCALE, check_finite, check_rounding
 
 
 def round_int(x: torch.Tensor, rounding: str = "rtn", generator: torch.Generator | None = None,
@@ -50,7 +50,7 @@ def _sym_scales(w: torch.Tensor, qmax: int, group_size: int | None) -> torch.Ten
         amax = w.abs().amax().reshape(1)
     else:
         amax = w.abs().reshape(rows, cols // group_size, group_size).amax(-1)
-    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    return torch.where(amax > 0, (amax / qmax).clamp_min(MIN_SCALE), torch.ones_like(amax))
 
 
 def _expand_scales(scales: torch.Tensor, shape, group_size: int | None) -> torch.Tensor:
@@ -109,7 +109,7 @@ def quantize_int_asym(w: torch.Tensor, bits: int = 8, rounding: str = "rtn", gen
     qmax = 2 ** bits - 1
     lo = w.amin(-1, keepdim=True).clamp_max(0)
     hi = w.amax(-1, keepdim=True).clamp_min(0)
-    scales = torch.where(hi > lo, (hi - lo) / qmax, torch.ones_like(hi))
+    scales = torch.where(hi > lo, ((hi - lo) / qmax).clamp_min(MIN_SCALE), torch.ones_like(hi))
     zeros = torch.round(-lo / scales).clamp(0, qmax)
     q = (round_int(w * (1.0 / scales), rounding, generator, noise) + zeros).clamp(0, qmax)  # one division per row
     return q.to(torch.uint8), scales, zeros.to(torch.uint8)
