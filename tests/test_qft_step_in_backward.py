@@ -179,6 +179,32 @@ def test_resume_from_state_dicts_bit_exact_with_sr():
     _assert_same_state(oa, ob)
 
 
+def test_group_settings_read_at_each_update_after_load_state_dict():
+    """optimizer.load_state_dict after install replaces the param-group dicts: the hooks must step with the new
+    groups (their lr as a scheduler sets it), as backward + step() does; a parameter moved out of its place is
+    refused by name."""
+    fused, ref = _llama(), _llama()
+    of, orf = _opt(fused), _opt(ref)
+    step_in_backward_(fused, of)
+    for o in (of, orf):
+        o.load_state_dict(copy.deepcopy(o.state_dict()))
+        for g in o.param_groups:
+            g["lr"] = 5e-4
+    for m, o in ((fused, of), (ref, orf)):
+        m(**_batch(0)).loss.backward()
+        o.step()
+    _assert_same(snapshot(fused, ":"), snapshot(ref, ":"))
+    for g in of.param_groups:
+        g["lr"] = 0.0
+    before = snapshot(fused, ":")
+    fused(**_batch(1)).loss.backward()
+    of.step()
+    _assert_same(snapshot(fused, ":"), before)  # lr 0: no update at all
+    of.param_groups[0]["params"].reverse()
+    with pytest.raises(RuntimeError, match="no longer where it was"):
+        fused(**_batch(2)).loss.backward()
+
+
 def test_nan_gradient_names_the_parameter_and_says_what_was_updated():
     model = _llama()
     opt = _opt(model)

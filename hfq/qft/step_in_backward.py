@@ -59,10 +59,10 @@ class StepInBackwardHandle:
         self._names = {}
         for n, p in model.named_parameters(remove_duplicate=True):
             self._names.setdefault(id(p), n)
-        self._group = {}
+        self._where = {}  # positions, not the group dicts: optimizer.load_state_dict replaces those
         for gi, group in enumerate(optimizer.param_groups):
             for pi, p in enumerate(group["params"]):
-                self._group[id(p)] = group
+                self._where[id(p)] = (gi, pi)
                 names = group.get("param_names")
                 if names:
                     self._names[id(p)] = names[pi]
@@ -93,9 +93,19 @@ class StepInBackwardHandle:
                 g32 = Int8Grad(g, name, p.dtype)  # the INT8 store's round trip (the fused step reads its codes)
             else:
                 g32 = g if g.dtype == torch.float32 else g.float()
-            opt.update_param_(p, g32, self._group[id(p)])
+            opt.update_param_(p, g32, self._group_of(p, name))
         self._stepped.add(id(p))
         self.updated += 1
+
+    def _group_of(self, p: torch.Tensor, name: str) -> dict:
+        """p's current param group (its settings as the LR scheduler or a loaded state left them)."""
+        gi, pi = self._where[id(p)]
+        groups = self.optimizer.param_groups
+        if gi >= len(groups) or pi >= len(groups[gi]["params"]) or groups[gi]["params"][pi] is not p:
+            raise RuntimeError(f"step_in_backward_: {name} is no longer where it was in optimizer.param_groups "
+                               "when the hooks were installed; call handle.remove() and step_in_backward_ again "
+                               "after changing the groups")
+        return groups[gi]
 
     def _consume(self, p, g, name=None):  # QParam.grad_consumer: the float dL/dW from _QLinearFn.backward
         self._update(p, g, True)
