@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from hfq_kernels._triton import on_gpu, sm_count, tl, triton
+from hfq_kernels._triton import LRU, on_gpu, sm_count, tl, triton
 from hfq_kernels.hadamard import MAX_TRITON_BLOCK, MIN_TRITON_BLOCK, hadamard_tile, use_ieee
 from hfq_kernels.reference import gaussian
 from hfq_kernels.reference.hadamard import effective_block, fwht
@@ -254,7 +254,7 @@ ROW_TILE_ELEMS = 8192    # elements of the whole-row kernel's register tile [BM 
 ROW_WARPS = 4
 MASKED_BM = 64           # masked HT rows per tile (16-bit inputs, B <= 128)
 
-_PLANS: dict = {}
+_PLANS = LRU(512)  # per (rows, width, settings): variable-length batches bring a new row count each
 
 
 def _row_tile(K: int, B: int) -> tuple[int, int] | None:
@@ -271,23 +271,23 @@ def _quant_plan(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block
     R, K = x.shape
     key = (R, K, x.dtype, x.device.type, x.device.index, bits, fp4, trust_scale, block, ROW_KERNEL,
            TWO_PASS_MIN_WAVES, ROW_TILE_ELEMS, ROW_WARPS)
-    plan = _PLANS.get(key)
-    if plan is not None:
+
+    def make():
+        gaussian.check_bits_grid(bits, _grid_name(fp4))
+        B, ht = _tile(block, K)
+        scalars = (R, K, (K + 7) // 8, gaussian.unit_rms(bits, _grid_name(fp4)), B ** -0.5, float(trust_scale), EPS)
+        rt = _row_tile(K, B) if (ht and ROW_KERNEL) else None
+        if rt is not None and triton.cdiv(R, 16) < TWO_PASS_MIN_WAVES * sm_count(x.device):
+            bm, nb = rt
+            plan = (_quest_quantize_rows_kernel, (triton.cdiv(R, bm),), scalars,
+                    dict(NLEV=2**bits, FP4=fp4, B=B, NB=nb, BM=bm, IEEE=use_ieee(x), num_warps=ROW_WARPS))
+        else:
+            bm = 16 if B <= 128 else 8
+            plan = (_quest_quantize_kernel, (triton.cdiv(R, bm),), scalars,
+                    dict(NLEV=2**bits, FP4=fp4, HT=ht, B=B, BM=bm, IEEE=use_ieee(x), num_warps=4))
         return plan
-    gaussian.check_bits_grid(bits, _grid_name(fp4))
-    B, ht = _tile(block, K)
-    scalars = (R, K, (K + 7) // 8, gaussian.unit_rms(bits, _grid_name(fp4)), B ** -0.5, float(trust_scale), EPS)
-    rt = _row_tile(K, B) if (ht and ROW_KERNEL) else None
-    if rt is not None and triton.cdiv(R, 16) < TWO_PASS_MIN_WAVES * sm_count(x.device):
-        bm, nb = rt
-        plan = (_quest_quantize_rows_kernel, (triton.cdiv(R, bm),), scalars,
-                dict(NLEV=2**bits, FP4=fp4, B=B, NB=nb, BM=bm, IEEE=use_ieee(x), num_warps=ROW_WARPS))
-    else:
-        bm = 16 if B <= 128 else 8
-        plan = (_quest_quantize_kernel, (triton.cdiv(R, bm),), scalars,
-                dict(NLEV=2**bits, FP4=fp4, HT=ht, B=B, BM=bm, IEEE=use_ieee(x), num_warps=4))
-    _PLANS[key] = plan
-    return plan
+
+    return _PLANS.get_or(key, make)
 
 
 def quest_quantize_triton(x: torch.Tensor, bits: int, fp4: bool, trust_scale: float, block: int,
@@ -317,14 +317,13 @@ def quest_masked_ht_triton(g: torch.Tensor, mask: torch.Tensor | None, block: in
     g = g.contiguous()
     R, K = g.shape
     key = ("mht", R, K, g.dtype, block, mask is not None, g.is_cuda, MASKED_BM)
-    plan = _PLANS.get(key)
-    if plan is None:
+    def make():
         B, ht = _tile(block, K)
         bm = MASKED_BM if (B <= 128 and g.dtype != torch.float32) else 16
-        plan = _PLANS[key] = ((triton.cdiv(R, bm), triton.cdiv(K, B)), (R, K, (K + 7) // 8, B ** -0.5),
-                              dict(HAS_MASK=mask is not None, HT=ht, B=B, BM=bm, IEEE=use_ieee(g),
-                                   num_warps=4))
-    grid, scalars, meta = plan
+        return ((triton.cdiv(R, bm), triton.cdiv(K, B)), (R, K, (K + 7) // 8, B ** -0.5),
+                dict(HAS_MASK=mask is not None, HT=ht, B=B, BM=bm, IEEE=use_ieee(g), num_warps=4))
+
+    grid, scalars, meta = _PLANS.get_or(key, make)
     out = torch.empty_like(g)
     _quest_masked_ht_kernel[grid](g, mask if mask is not None else g, out, *scalars, **meta)
     return out

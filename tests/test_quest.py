@@ -84,6 +84,15 @@ def test_quantize_kernel_variants_match_reference(monkeypatch, knobs):
             assert (K.unpack_mask(m, width) != K.unpack_mask(rm, width)).float().mean() < 0.01
 
 
+def test_launch_plans_stay_bounded_over_many_row_counts():
+    """Variable-length batches bring a new row count per call: the per-shape launch plans are an LRU, not a dict
+    that grows for the whole run."""
+    for rows in range(1, 700):
+        K._quant_plan(torch.empty(rows, 64, device=DEV), 4, False, 1.0, 64)
+    assert len(K._PLANS) <= 512
+    assert K._quant_plan(torch.empty(3, 64, device=DEV), 4, False, 1.0, 64)[1] == (1,)
+
+
 def test_mask_and_code_packing_roundtrip():
     torch.manual_seed(0)
     m = torch.rand(6, 29) > 0.5
