@@ -81,6 +81,23 @@ def test_keyed_sr_requantize_of_shards_equals_the_whole(fmt, shape, meta):
         assert torch.equal(p.dequantize(), q.dequantize()[i * rows:(i + 1) * rows])
 
 
+def test_keyed_sr_positions_follow_the_groups_as_they_are_now():
+    """Keyed SR draws use a parameter's position in the optimizer: after the groups are rebuilt in another order
+    the positions are those a freshly built optimizer over the same groups has, so a resumed run repeats."""
+    from hfq.eco import ECOAdamW
+
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(4, 8, dtype=torch.bfloat16)) for _ in range(3)]
+    opt = ECOAdamW(ps, lr=1e-3, rounding="sr", keyed_sr=True, seed=1)
+    assert [opt._ordinal(p) for p in ps] == [0, 1, 2]
+    opt.param_groups[0]["params"] = ps[::-1]
+    fresh = ECOAdamW(ps[::-1], lr=1e-3, rounding="sr", keyed_sr=True, seed=1)
+    assert [opt._ordinal(p) for p in ps] == [fresh._ordinal(p) for p in ps] == [2, 1, 0]
+    opt.param_groups[0]["params"] = ps[2:]
+    opt.add_param_group({"params": ps[:2]})
+    assert [opt._ordinal(p) for p in ps] == [1, 2, 0]
+
+
 def test_shared_outlier_lists_refuse_a_list_changed_by_hand():
     """The whole outlier lists shared among ranks (share_outliers_, at each QLion step) serve an unshard only while
     this rank's list is the one they were taken from; one changed elsewhere raises instead of using stale lists,

@@ -101,7 +101,7 @@ class QParamOptimizer(torch.optim.Optimizer):
         if keyed_sr not in (None, True, False):
             raise ValueError(f"keyed_sr must be None, True or False, got {keyed_sr!r}")
         self.rounding, self.check_finite, self.keyed_sr = rounding, check_finite, keyed_sr
-        self._ordinals: dict[int, int] = {}
+        self._ordinals: dict[int, tuple[int, int]] = {}
         self._seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}
         super().__init__(params, dict(defaults, betas=tuple(defaults["betas"])) if "betas" in defaults else defaults)
@@ -325,11 +325,17 @@ class QParamOptimizer(torch.optim.Optimizer):
         return self.rounding == "sr" and (bool(self.keyed_sr) or (self.keyed_sr is None and local(p) is not p))
 
     def _ordinal(self, p) -> int:
-        """p's position in the optimizer's flat parameter list (keys its SR draws)."""
-        if id(p) not in self._ordinals:
-            flat = [q for g in self.param_groups for q in g["params"]]
-            self._ordinals = {id(q): i for i, q in enumerate(flat)}
-        return self._ordinals[id(p)]
+        """p's position in the optimizer's flat parameter list (keys its SR draws), as the groups are now: the
+        cached (group, index) is checked, so reordered or rebuilt groups are seen."""
+        groups = self.param_groups
+        at = self._ordinals.get(id(p))
+        if at is not None:
+            gi, pi = at
+            if gi < len(groups) and pi < len(groups[gi]["params"]) and groups[gi]["params"][pi] is p:
+                return sum(len(g["params"]) for g in groups[:gi]) + pi
+        self._ordinals = {id(q): (gi, pi) for gi, g in enumerate(groups) for pi, q in enumerate(g["params"])}
+        gi, pi = self._ordinals[id(p)]
+        return sum(len(g["params"]) for g in groups[:gi]) + pi
 
     def _outlier_refresh_due(self, p) -> bool:
         """True on every n-th step of an int8_dense_sparse weight (QFT App. C lazy update), n = the optimizer's
