@@ -198,6 +198,22 @@ def test_nvfp4_greedy_with_and_without_lora(tmp_path):
     assert torch.equal(out.completion_ids, hf_greedy(pm, PROMPTS, 12, None))
 
 
+def test_in_place_writes_to_nvfp4_codes_change_the_graph_fingerprint(tmp_path):
+    """load_state_dict copies into the NVFP4 code buffers at the same addresses; a layer may keep a copy derived
+    from them (the canonical layout's g4 copy) that a captured graph reads by address: the graphs are re-captured."""
+    model = _nvfp4_model(tmp_path)
+    eng = RolloutEngine(model, max_batch=4, max_seq_len=40, kv_block=16)
+    eng.generate(PROMPTS, max_new_tokens=4, temperature=0, eos_token_ids=[])
+    fp = eng._model_fingerprint()
+    other = _nvfp4_model(tmp_path / "other")
+    down = other.model.layers[0].mlp.down_proj
+    down.set_weight(torch.randn(down.out_features, down.in_features))
+    model.load_state_dict(other.state_dict())
+    assert eng._model_fingerprint() != fp
+    out = eng.generate(PROMPTS, max_new_tokens=12, temperature=0, eos_token_ids=[])
+    assert torch.equal(out.completion_ids.cpu(), hf_greedy(model, PROMPTS, 12, None).cpu())
+
+
 def test_stop_strings():
     tok = char_tokenizer()
     model = tiny_model("llama", seed=7, vocab=len(tok))

@@ -179,11 +179,14 @@ class RolloutEngine:
 
     # ---------------------------------------------------------------- graphs
     def _model_fingerprint(self):
-        """What a captured decode step depends on beyond its inputs: every parameter's and buffer's address, and
-        each LoRA layer's adapter state (active adapters, disabled, merged, scales, train/eval), which PEFT and
-        transformers change without moving a tensor (disable_adapter(), set_adapter, rescale_adapter_scale)."""
+        """What a captured decode step depends on beyond its inputs: every parameter's and buffer's address, the
+        buffers' versions (in-place writes), and each LoRA layer's adapter state (active adapters, disabled, merged,
+        scales, train/eval), which PEFT and transformers change without moving a tensor (disable_adapter(),
+        set_adapter, rescale_adapter_scale)."""
         m = self.model
         ptrs = tuple(p.data_ptr() for p in m.parameters()) + tuple(b.data_ptr() for b in m.buffers())
+        # buffers (e.g. NVFP4 codes) written in place: layers may keep copies derived from them, captured by address
+        vers = tuple(b._version for b in m.buffers())
         lora = []
         for mod in m.modules():
             if hasattr(mod, "lora_A") and hasattr(mod, "scaling"):
@@ -191,7 +194,7 @@ class RolloutEngine:
                 lora.append((tuple(active() if callable(active) else active),
                              bool(getattr(mod, "disable_adapters", False)), bool(getattr(mod, "merged", False)),
                              tuple(sorted((k, repr(v)) for k, v in mod.scaling.items())), mod.training))
-        return ptrs, tuple(lora)
+        return ptrs, vers, tuple(lora)
 
     def invalidate(self):
         """Drop captured graphs (the next call re-captures). Needed only after changes the engine cannot see:
