@@ -120,6 +120,25 @@ def test_merge_lora_bias_is_scaled(tiny):
     assert torch.allclose(pm.merge_and_unload()(x).logits, y, atol=1e-4)
 
 
+def test_loading_base_weights_while_merged_is_refused(tiny):
+    """While merged, an NVFP4LoraLinear holds its NVFP4 base aside for unmerge: base codes loaded then would reach
+    no layer and the old ones would return on unmerge. Refused (strict or not); unmerged, the same load works."""
+    pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    _randomize_lora(pm, scale=0.2)
+    other = peft.get_peft_model(_base(tiny), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    q = other.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    q.set_weight(torch.randn(q.out_features, q.in_features))
+    sd = {k: v for k, v in other.state_dict().items() if "lora_" not in k}
+    pm.merge_adapter()
+    with pytest.raises(RuntimeError, match=r"q_proj.base_layer: NVFP4 base weights given while adapters are merged"):
+        pm.load_state_dict(sd, strict=False)
+    pm.unmerge_adapter()
+    pm.load_state_dict(sd, strict=False)
+    x = _ids()
+    with pm.disable_adapter(), other.disable_adapter():
+        assert torch.equal(pm(x).logits, other(x).logits)
+
+
 def _transformers_needs_newer_peft() -> bool:
     """transformers' add_adapter/load_adapter check PEFT against its own MIN_PEFT_VERSION and raise below it."""
     import importlib.metadata

@@ -127,6 +127,17 @@ class NVFP4LoraLinear(LoraLinear):
         self.merged_adapters.clear()
         self.base_layer, self._nvfp4_base = self._nvfp4_base, None  # exact: the codes were never touched
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if self._nvfp4_base is not None and any(k.startswith(prefix + "base_layer.weight_") for k in state_dict):
+            # merged: the NVFP4 base is held aside for unmerge, so these codes would reach no layer and the old
+            # ones would come back on unmerge
+            error_msgs.append(f"{prefix}base_layer: NVFP4 base weights given while adapters are merged into this "
+                              "layer (merge_adapter); call unmerge_adapter() before loading base weights")
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def _apply(self, fn, recurse=True):
         if self._nvfp4_base is not None:  # .to()/.cuda() while merged move the kept base too
             self._nvfp4_base._apply(fn, recurse)
