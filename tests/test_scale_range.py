@@ -15,6 +15,7 @@ TINY = (1e-36, 1e-30)
 FLOOR = 2.0 ** -127  # half of fp32's smallest normal: the error bound of rows below ~qmax * fp8.MIN_SCALE
 # E4M3 rounds each value within 2^-4 of itself: the bound for rows whose scale is raised to fp8.MIN_SCALE
 FORMAT_BOUND = {"fp8_e4m3_row": 2.0 ** -4}
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton kernels: device tensors on a GPU, the interpreter on CPU
 
 
 def _w(amax, rows=8, cols=64, seed=0):
@@ -87,19 +88,21 @@ def test_nvfp4_refuses_tensor_below_its_range():
 @pytest.mark.parametrize("amax", TINY)
 def test_nvfp4_kernel_equals_reference_on_tiny_tensors(amax):
     w = _w(amax, 16, 64)
-    p, s, r = NV.quantize(w)
+    p, s, r = NV.quantize(w.to(DEV))
     rp, rs, rr = fp4.nvfp4_quantize(w)
-    assert torch.equal(p, rp) and torch.equal(s.view(torch.uint8), rs.view(torch.uint8)) and torch.equal(r, rr)
-    assert torch.equal(NV.dequantize(p, s, r, torch.float32), fp4.nvfp4_dequantize(rp, rs, rr, torch.float32))
+    assert torch.equal(p.cpu(), rp) and torch.equal(s.view(torch.uint8).cpu(), rs.view(torch.uint8))
+    assert torch.equal(r.cpu(), rr)
+    assert torch.equal(NV.dequantize(p, s, r, torch.float32).cpu(), fp4.nvfp4_dequantize(rp, rs, rr, torch.float32))
 
 
 @pytest.mark.parametrize("amax", TINY + (1e-38,))
 def test_int8_kernel_equals_reference_on_tiny_rows(amax):
     g = _w(amax, 5, 70)
-    c, s, z = (torch.zeros(5, 70, dtype=torch.uint8), torch.zeros(5, 1), torch.zeros(5, 1, dtype=torch.uint8))
-    assert bool(INT8.int8_quantize_rows_(g, c, s, z))
+    c, s, z = (torch.zeros(5, 70, dtype=torch.uint8, device=DEV), torch.zeros(5, 1, device=DEV),
+               torch.zeros(5, 1, dtype=torch.uint8, device=DEV))
+    assert bool(INT8.int8_quantize_rows_(g.to(DEV), c, s, z))
     rc, rs, rz = intq.quantize_int_asym(g, 8)
-    assert torch.equal(c, rc) and torch.equal(s, rs) and torch.equal(z, rz)
+    assert torch.equal(c.cpu(), rc) and torch.equal(s.cpu(), rs) and torch.equal(z.cpu(), rz)
 
 
 @pytest.mark.parametrize("amax", TINY)
@@ -108,11 +111,17 @@ def test_eco_kernel_equals_reference_on_tiny_rows(amax):
     g = torch.Generator().manual_seed(1)
     grad = (torch.randn(4, 64, generator=g) * amax).bfloat16()
     states = [codes, scales, grad, torch.zeros(4, 64), torch.zeros(4, 64)]
-    a, b = [t.clone() for t in states], [t.clone() for t in states]
+    a, b = [t.clone().to(DEV) for t in states], [t.clone() for t in states]
     kw = dict(lr=1e-3 * amax, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1)
     ECO.eco_adamw_fp8_step_triton(*a, rounding="rtn", **kw)
     ECO.eco_adamw_fp8_step_ref(*b, rounding="rtn", **kw)
-    assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+    a = [t.cpu() for t in a]
+    ca, cb = a[0].view(torch.uint8), b[0].view(torch.uint8)
+    if DEV == "cpu":  # the interpreter runs the reference's fp32 ops in the same order: bit-identical
+        assert torch.equal(ca, cb) and torch.equal(a[1], b[1])
+    else:  # torch's GPU kernels may fuse a multiply-add: an ulp in the scale, a code on a boundary flipped
+        torch.testing.assert_close(a[1], b[1], rtol=1e-6, atol=0)
+        assert (ca != cb).float().mean() < 0.02
     assert (a[1] >= fp8.MIN_SCALE).all() and (a[0].float() != 0).any()
 
 
