@@ -1,5 +1,6 @@
 """RolloutEngine correctness on CPU (engine logic without CUDA graphs) against transformers' generate."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -274,7 +275,12 @@ def test_adapter_state_changes_reach_captured_decode_graphs(device):
     eng = RolloutEngine(pm, max_batch=4, max_seq_len=48, kv_block=16)
 
     def check(model, eng):
-        out = eng.generate(PROMPTS, max_new_tokens=8, temperature=0, eos_token_ids=[])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = eng.generate(PROMPTS, max_new_tokens=8, temperature=0, eos_token_ids=[])
+        # re-captures after a change must work (a dropped graph pool is not reused): no fallback to eager decoding
+        assert not [w for w in seen if "hfq.rollout" in str(w.message)], [str(w.message) for w in seen]
+        assert eng.use_graphs == (device == "cuda")
         assert torch.equal(out.completion_ids.cpu(), _greedy_on(model, PROMPTS, 8))
         return eng._model_fingerprint(), out.completion_ids.cpu()
 

@@ -199,7 +199,13 @@ class RolloutEngine:
     def invalidate(self):
         """Drop captured graphs (the next call re-captures). Needed only after changes the engine cannot see:
         tensors written through `.data` in place of new ones, a module swapped for another at the same addresses."""
+        self._drop_graphs()
+
+    def _drop_graphs(self):
+        """Forget the graphs and their memory pool: the next capture starts a new pool (the allocator releases a
+        graph's pool when the last graph captured into it is gone, so the old handle must not be used again)."""
         self._graphs.clear()
+        self._pool = None
 
     def _kv_bucket(self, n_cols: int) -> int:
         return min(int(math.ceil(n_cols / self.kv_block) * self.kv_block), self.cache_len)
@@ -262,7 +268,7 @@ class RolloutEngine:
                               "model's own modules", stacklevel=3)
                 torch.cuda.synchronize(self.device)
                 self.adapter.drop_fused()
-                self._graphs.clear()
+                self._drop_graphs()
                 return self._capture(key)
             warnings.warn(f"hfq.rollout: CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly",
                           stacklevel=3)
@@ -275,7 +281,7 @@ class RolloutEngine:
             return
         fp = self._model_fingerprint()
         if fp != self._fingerprint:
-            self._graphs.clear()
+            self._drop_graphs()
             self._fingerprint = fp
         kv = self._kv_bucket(first_col + 1)
         while True:
