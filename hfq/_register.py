@@ -19,12 +19,15 @@ def register_all() -> None:
         return
     from transformers.quantizers import auto
 
+    importlib.import_module("hfq.nvfp4.peft_lora").check_peft()  # before anything is patched
     for method, (cfg_mod, cfg_name, q_mod, q_name) in QUANTIZERS.items():
         cfg_cls = getattr(importlib.import_module(cfg_mod), cfg_name)
         q_cls = getattr(importlib.import_module(q_mod), q_name)
-        # Re-registration of our own class (e.g. importlib.reload in a notebook) is allowed.
-        if auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(method) not in (None, cfg_cls):
-            raise RuntimeError(f"quant_method {method!r} is already registered by another package")
+        # Re-registration of our own class (e.g. importlib.reload in a notebook: a new class object) is allowed.
+        known = auto.AUTO_QUANTIZATION_CONFIG_MAPPING.get(method)
+        if known is not None and (known.__module__, known.__qualname__) != (cfg_mod, cfg_name):
+            raise RuntimeError(f"quant_method {method!r} is already registered by another package "
+                               f"({known.__module__}.{known.__qualname__})")
         auto.AUTO_QUANTIZATION_CONFIG_MAPPING[method] = cfg_cls
         auto.AUTO_QUANTIZER_MAPPING[method] = q_cls
         # a config with loading attributes (QFTConfig) has them applied to a saved checkpoint's config on reload
@@ -32,6 +35,11 @@ def register_all() -> None:
         if hasattr(cfg_cls, "get_loading_attributes") and kinds is not None and cfg_cls not in kinds:
             auto.LOADING_ATTRIBUTES_CONFIG_TYPES = (*kinds, cfg_cls)
 
+    from hfq._base.config import refusing_other_methods_of_one_name
+
+    merge = auto.AutoHfQuantizer.merge_quantization_configs
+    if not hasattr(merge, "hfq_wrapped"):  # hfq's NVFP4Config shares transformers' class name: told apart here
+        auto.AutoHfQuantizer.merge_quantization_configs = classmethod(refusing_other_methods_of_one_name(merge))
     from transformers import PreTrainedModel
 
     from hfq._base.surgery import footprint_with_stored_bytes, refusing_quantized_head_resize, save_with_state_dict

@@ -139,3 +139,29 @@ class HfqConfig(QuantizationConfigMixin):
     @property
     def is_trainable(self) -> bool:
         return True
+
+
+def refusing_other_methods_of_one_name(merge):
+    """Wrap transformers' AutoHfQuantizer.merge_quantization_configs (a bound classmethod). transformers refuses a
+    quantization_config of another class than the checkpoint's, comparing class names; hfq's NVFP4Config and
+    transformers' own share a name, so a checkpoint of one method loaded with the other's config loaded with the
+    checkpoint's method and a generic warning. Refused as other classes are."""
+
+    def wrapper(cls, quantization_config, quantization_config_from_args, *args, **kwargs):
+        if quantization_config_from_args is not None:
+            saved = (quantization_config.get("quant_method") if isinstance(quantization_config, dict)
+                     else getattr(quantization_config, "quant_method", None))
+            asked = getattr(quantization_config_from_args, "quant_method", None)
+            saved, asked = (str(getattr(m, "value", m)) for m in (saved, asked))
+            if saved != asked and "hfq_" in saved + asked:
+                name = type(quantization_config_from_args).__name__
+                raise ValueError(
+                    f"The model is quantized with quant_method {saved!r} but the quantization_config passed to "
+                    f"from_pretrained is {type(quantization_config_from_args).__module__}.{name} (quant_method "
+                    f"{asked!r}); transformers and hfq both have a class named {name}. Load the checkpoint without "
+                    "quantization_config (its own method is used), or pass that method's config")
+        return merge(quantization_config, quantization_config_from_args, *args, **kwargs)
+
+    wrapper.hfq_wrapped = merge
+    return wrapper
+

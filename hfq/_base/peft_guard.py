@@ -54,7 +54,7 @@ def install() -> bool:
 
     if _INSTALLED:
         return False
-    _INSTALLED = True
     tuners_utils._maybe_include_all_linear_layers = _all_linear_refused(tuners_utils._maybe_include_all_linear_layers)
     LoraModel._create_new_module = staticmethod(_lora_target_refused(LoraModel._create_new_module))
+    _INSTALLED = True
     return True

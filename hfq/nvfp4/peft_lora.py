@@ -228,6 +228,19 @@ def _count_nvfp4_weights(get_nb):
     return get_nb_trainable_parameters
 
 
+def check_peft() -> None:
+    """ImportError unless PEFT has the entry points hfq wraps (checked before anything is patched)."""
+    from peft.tuners import tuners_utils
+    from peft.tuners.lora.model import LoraModel
+
+    missing = [n for n, owner in (("LoraModel._create_new_module", LoraModel),
+                                   ("tuners_utils._maybe_include_all_linear_layers", tuners_utils))
+               if not hasattr(owner, n.rpartition(".")[2])]
+    if missing:
+        raise ImportError(f"hfq: this PEFT version lacks {missing}, through which hfq lets LoRA wrap NVFP4Linear; "
+                          "install a PEFT release hfq supports (see setup.cfg)")
+
+
 def register_peft_dispatch() -> bool:
     """Teach PEFT's LoRA, process-wide, to wrap NVFP4Linear (see the module docstring). Called on `import hfq`;
     idempotent. Returns True when it installed the hooks now, False when they were already in place."""
@@ -236,12 +249,7 @@ def register_peft_dispatch() -> bool:
     from peft.tuners.lora.model import LoraModel
     from peft.utils.other import ModulesToSaveWrapper
 
-    missing = [n for n, owner in (("LoraModel._create_new_module", LoraModel),
-                                   ("tuners_utils._maybe_include_all_linear_layers", tuners_utils))
-               if not hasattr(owner, n.rpartition(".")[2])]
-    if missing:
-        raise ImportError(f"hfq: this PEFT version lacks {missing}, through which hfq lets LoRA wrap NVFP4Linear; "
-                          "install a PEFT release hfq supports (see setup.cfg)")
+    check_peft()
     if hasattr(LoraModel._create_new_module, "hfq_wrapped"):
         return False
     LoraModel._create_new_module = staticmethod(_lora_for_nvfp4(LoraModel._create_new_module))
