@@ -54,7 +54,7 @@ class KernelSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "KernelSettings":
-        return cls(interpret=env.get("TRITON_INTERPRET", "0") == "1", gluon=flag(env, "HFQ_NVFP4_GLUON", True),
+        return cls(interpret=env.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on"), gluon=flag(env, "HFQ_NVFP4_GLUON", True),
                    autotune=flag(env, "HFQ_AUTOTUNE", True), autotune_cache=env.get("HFQ_AUTOTUNE_CACHE") or None,
                    bind=flag(env, "HFQ_TRITON_BIND", True),
                    grad_dense_gb=amount(env, "HFQ_NVFP4_GRAD_DENSE_GB", 2.0))

@@ -76,5 +76,8 @@ def test_settings_read_from_the_environment_once():
         True, False, False, "/tmp/t.json", False, False)
     d = KernelSettings.from_env({})
     assert (d.interpret, d.gluon, d.autotune, d.autotune_cache, d.bind) == (False, True, True, None, True)
+    # TRITON_INTERPRET is Triton's variable: on where Triton reads it as on
+    assert [KernelSettings.from_env({"TRITON_INTERPRET": v}).interpret
+            for v in ("true", "ON", "yes", "0", "false")] == [True, True, True, False, False]
     with pytest.raises(ValueError, match="HFQ_AUTOTUNE='off': allowed values are 0"):
         KernelSettings.from_env({"HFQ_AUTOTUNE": "off"})
