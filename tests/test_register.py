@@ -81,3 +81,25 @@ def test_configs_sharing_transformers_class_name_are_told_apart(tmp_path):
     (Path(path) / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="quantized with quant_method 'nvfp4'.*hfq.nvfp4.config.NVFP4Config"):
         AutoModelForCausalLM.from_pretrained(path, quantization_config=hfq.NVFP4Config(), dtype=torch.float32)
+
+
+def test_reloading_the_registering_modules_patches_nothing_twice():
+    """A notebook reload (%autoreload, importlib.reload) of the modules that patch PEFT and torch must not wrap
+    them again: PEFT would count the NVFP4 weights twice and every optimizer step run the QParam check twice."""
+    out = _run("""
+import importlib, tempfile, torch, peft
+import hfq
+from hfq.tiny import save_tiny
+from torch.optim import optimizer as O
+from transformers import AutoModelForCausalLM
+path = save_tiny(tempfile.mkdtemp() + "/t", arch="qwen2")
+def count():
+    m = AutoModelForCausalLM.from_pretrained(path, quantization_config=hfq.NVFP4Config())
+    return peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules="all-linear")).get_nb_trainable_parameters()
+before = count(), len(O._global_optimizer_pre_hooks)
+importlib.reload(importlib.import_module("hfq._base.peft_guard")).install()
+importlib.reload(importlib.import_module("hfq.nvfp4.peft_lora")).register_peft_dispatch()
+importlib.reload(importlib.import_module("hfq.qparam.guard"))
+print("same", before == (count(), len(O._global_optimizer_pre_hooks)))
+""")
+    assert "same True" in out.stdout, out.stdout + out.stderr

@@ -52,9 +52,9 @@ def install() -> bool:
     from peft.tuners import tuners_utils
     from peft.tuners.lora.model import LoraModel
 
-    if _INSTALLED:
+    if _INSTALLED or getattr(LoraModel, "_hfq_peft_guard", False):  # the class flag survives a reload of this module
         return False
     tuners_utils._maybe_include_all_linear_layers = _all_linear_refused(tuners_utils._maybe_include_all_linear_layers)
     LoraModel._create_new_module = staticmethod(_lora_target_refused(LoraModel._create_new_module))
-    _INSTALLED = True
+    LoraModel._hfq_peft_guard = _INSTALLED = True
     return True

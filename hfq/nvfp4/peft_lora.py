@@ -250,7 +250,7 @@ def register_peft_dispatch() -> bool:
     from peft.utils.other import ModulesToSaveWrapper
 
     check_peft()
-    if hasattr(LoraModel._create_new_module, "hfq_wrapped"):
+    if getattr(LoraModel, "_hfq_nvfp4_dispatch", False):  # kept on PEFT's class: a reload of this module sees it
         return False
     LoraModel._create_new_module = staticmethod(_lora_for_nvfp4(LoraModel._create_new_module))
     tuners_utils._maybe_include_all_linear_layers = _all_linear_with_nvfp4(tuners_utils._maybe_include_all_linear_layers)
@@ -259,6 +259,7 @@ def register_peft_dispatch() -> bool:
     for owner in (PeftModel, PeftMixedModel):
         if hasattr(owner, "get_nb_trainable_parameters"):
             owner.get_nb_trainable_parameters = _count_nvfp4_weights(owner.get_nb_trainable_parameters)
+    LoraModel._hfq_nvfp4_dispatch = True
     return True
 
 

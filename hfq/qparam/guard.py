@@ -1,7 +1,7 @@
 """The global optimizer step pre-hook that refuses torch optimizers other than hfq's on a trainable QParam."""
 from __future__ import annotations
 
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
 from .tensor import USE_HFQ_OPTIMIZER, QParam
 
@@ -23,4 +23,5 @@ def _refuse_plain_optimizer(optimizer, args, kwargs):
     return None
 
 
-register_optimizer_step_pre_hook(_refuse_plain_optimizer)
+if not getattr(Optimizer, "_hfq_guard_hook", None):  # once per process, also across reloads of this module
+    Optimizer._hfq_guard_hook = register_optimizer_step_pre_hook(_refuse_plain_optimizer)
