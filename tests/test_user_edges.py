@@ -432,6 +432,9 @@ def test_quest_bf16_master_weights_are_announced(tiny_dir):
         warnings.filterwarnings("error", message=".*master weights.*")
         m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QuESTConfig(), dtype=torch.float32)
     assert m.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    dense = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.bfloat16)  # the module-level route too
+    with pytest.warns(UserWarning, match=r"QuEST master weights are bfloat16.*\(AdamW at lr 1e-4"):
+        hfq.quest.quantize_model(dense)
 
 
 def test_qft_format_that_loses_most_of_a_layer_is_announced(tmp_path):

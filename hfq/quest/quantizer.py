@@ -55,14 +55,7 @@ class QuESTHfQuantizer(HfqQuantizer):
                 check_weight(mod.weight, f"{name}.weight")
         if self.pre_quantized:
             refuse_nonfinite("hfq_quest", model, self.layer_types)
-        low = sorted({str(m.weight.dtype).removeprefix("torch.") for m in model.modules() if isinstance(m, QuESTLinear)
-                      and not m.packed and m.weight.dtype in (torch.bfloat16, torch.float16)})
-        if low:
-            warnings.warn(f"hfq_quest: the QuEST master weights are {'/'.join(low)} (the model's dtype): for QAT "
-                          "load with dtype=torch.float32 (Trainer's bf16=True then computes in bf16), since a "
-                          f"{low[0]} master weight loses every optimizer step below half its ulp (AdamW at lr 1e-4 "
-                          "leaves most weights of a pretrained model unchanged); for inference this does not matter",
-                          UserWarning, stacklevel=2)
+        warn_low_precision_masters(model, stacklevel=3)
         return model
 
     def checkpoint_state(self, model):
@@ -93,6 +86,18 @@ class QuESTHfQuantizer(HfqQuantizer):
         return state
 
 
+def warn_low_precision_masters(model: torch.nn.Module, stacklevel: int = 2) -> None:
+    """Warn when QuEST master weights are bf16/fp16: QAT steps below half their ulp are lost."""
+    low = sorted({str(m.weight.dtype).removeprefix("torch.") for m in model.modules() if isinstance(m, QuESTLinear)
+                  and not m.packed and m.weight.dtype in (torch.bfloat16, torch.float16)})
+    if low:
+        warnings.warn(f"hfq_quest: the QuEST master weights are {'/'.join(low)} (the model's dtype): for QAT "
+                      "load with dtype=torch.float32 (Trainer's bf16=True then computes in bf16), since a "
+                      f"{low[0]} master weight loses every optimizer step below half its ulp (AdamW at lr 1e-4 "
+                      "leaves most weights of a pretrained model unchanged); for inference this does not matter",
+                      UserWarning, stacklevel=stacklevel + 1)
+
+
 def quantize_model(model: torch.nn.Module, config: QuESTConfig | None = None) -> torch.nn.Module:
     """Prepare an instantiated model (e.g. `AutoModelForCausalLM.from_config(...)` for pre-training) for
     QuEST QAT in place: linear layers become QuESTLinear sharing the existing parameters, and the model
@@ -106,4 +111,5 @@ def quantize_model(model: torch.nn.Module, config: QuESTConfig | None = None) ->
                               strict=config.strict)
     if hasattr(model, "config"):
         mark_quantized(model, quantizer, report)
+    warn_low_precision_masters(model)
     return model
