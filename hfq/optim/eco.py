@@ -37,6 +37,13 @@ class _ECOBase(QParamOptimizer):
         self._init_state(local(p), state)
         return state
 
+    def _carrier_rng(self, p, m: torch.Tensor) -> torch.Generator | None:
+        """The generator for storing p's first moment stochastically: 8-bit states of a quantized weight under the
+        memory-free rule, whose momentum carries the quantization error (see hfq.optim.states); else None."""
+        if self._store.bits == 8 and isinstance(p, QParam) and self.rule == "memory_free":
+            return self._generator(m.device)
+        return None
+
     def _new_residual(self, state, p) -> None:
         if isinstance(p, QParam) and self.rule == "exact":
             state["residual"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
@@ -83,7 +90,7 @@ class ECOSGD(_ECOBase):
                                  requant=self._requant(p), rule=self.rule, residual=state.get("residual"))
                 else:
                     self._plain_update_(p, lambda w, r: Fn.sgdm_(w, m[r], g[r], lr=lr, beta=beta, weight_decay=wd))
-                st.store(state, "momentum_buffer", m, True)
+                st.store(state, "momentum_buffer", m, True, self._carrier_rng(lp, m))
         return loss
 
 
@@ -186,7 +193,7 @@ class ECOAdamW(_ECOBase):
             else:
                 self._plain_update_(p, lambda w, r: Fn.adamw_(w, m[r], v[r], g[r], step=step, lr=lr, beta1=b1,
                                                               beta2=b2, eps=eps, weight_decay=wd))
-            st.store(state, "exp_avg", m, True)
+            st.store(state, "exp_avg", m, True, self._carrier_rng(lp, m))
             st.store(state, "exp_avg_sq", v, False)
         return loss
 

@@ -4,6 +4,9 @@
 rounding so small entries keep relative precision (the role of bitsandbytes' dynamic map):
   first moment (signed):  code = round(127 * sign(x) * sqrt(|x|/absmax)),  x = absmax * sign * (code/127)^2
   second moment (>= 0):   code = round(255 * (x/absmax)^(1/4)),           x = absmax * (code/255)^4
+A first moment may instead be rounded stochastically between its two neighbouring codes (unbiased in x): ECO's
+memory-free rule puts the quantization error into the momentum, entries ~1/lr times the gradient increments,
+which round-to-nearest would drop step after step.
 Bytes per element: 1 + 4/BLOCK.
 """
 from __future__ import annotations
@@ -22,12 +25,18 @@ def _blocks(x: torch.Tensor):
     return flat.view(-1, BLOCK)
 
 
-def encode8(x: torch.Tensor, signed: bool):
+def encode8(x: torch.Tensor, signed: bool, generator: torch.Generator | None = None):
+    """(codes, absmax) of x; a signed x with `generator` is rounded stochastically (see the module doc)."""
     b = _blocks(x)
     absmax = b.abs().amax(-1, keepdim=True)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     r = b.abs() / safe
-    if signed:
+    if signed and generator is not None:
+        k = torch.floor(127 * r.sqrt()).clamp_(max=126)
+        lo, hi = (k / 127) ** 2, ((k + 1) / 127) ** 2
+        up = torch.rand(b.shape, generator=generator, device=b.device) < (r - lo) / (hi - lo)
+        codes = (torch.sign(b) * (k + up)).to(torch.int8)
+    elif signed:
         codes = (torch.sign(b) * torch.round(127 * r.sqrt())).to(torch.int8)
     else:
         codes = torch.round(255 * r.sqrt().sqrt()).to(torch.uint8)
@@ -70,9 +79,11 @@ class StateStore:
         t = state[name]
         return t if t.dtype == torch.float32 else t.float()
 
-    def store(self, state: dict, name: str, value: torch.Tensor, signed: bool) -> None:
+    def store(self, state: dict, name: str, value: torch.Tensor, signed: bool,
+              generator: torch.Generator | None = None) -> None:
+        """Write `value` back; with 8 bits, a signed moment given a `generator` is rounded stochastically."""
         if self.bits == 8:
-            codes, absmax = encode8(value, signed)
+            codes, absmax = encode8(value, signed, generator)
             state[name + "_q8"].copy_(codes)
             state[name + "_absmax"].copy_(absmax)
         elif state[name] is not value:
