@@ -306,3 +306,32 @@ def test_adapter_state_changes_reach_captured_decode_graphs(device):
         assert check(model, eng)[0] != fp
         undo()
         assert check(model, eng)[0] == fp
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_graphs_follow_outlier_lists_an_optimizer_replaced(device):
+    """QLion gives an int8_dense_sparse weight new outlier lists (new storage, new length) while its codes keep their
+    address: the graph fingerprint must change, and decoding (graphs on CUDA) equals eager decoding afterwards."""
+    from hfq.qft import QFTConfig, QLion, quantize_model_
+
+    model = tiny_model("qwen2", seed=3, dtype=torch.bfloat16).to(device)
+    quantize_model_(model, QFTConfig(weight_format="int8_dense_sparse", outlier_fraction=0.05))
+    kw = dict(max_new_tokens=8, temperature=0, eos_token_ids=[])
+    graphs = RolloutEngine(model, max_batch=4, max_seq_len=40, kv_block=16)
+    eager = RolloutEngine(model, max_batch=4, max_seq_len=40, kv_block=16, graph_mode="eager")
+    graphs.generate(PROMPTS[:2], **kw)
+    fp = graphs._model_fingerprint()
+    q = model.model.layers[0].mlp.down_proj.weight
+    before = (q.sparse_idx.data_ptr(), q.sparse_idx.numel())
+    opt = QLion(model.parameters(), lr=3e-2)
+    g = torch.Generator(device=device).manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, model.config.vocab_size, (2, 12), device=device, generator=g)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert (q.sparse_idx.data_ptr(), q.sparse_idx.numel()) != before  # the lists were replaced
+    assert graphs._model_fingerprint() != fp
+    got, want = graphs.generate(PROMPTS[:2], **kw), eager.generate(PROMPTS[:2], **kw)
+    assert graphs.use_graphs == (device == "cuda")
+    assert torch.equal(got.completion_ids, want.completion_ids)

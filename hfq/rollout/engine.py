@@ -77,6 +77,16 @@ def _check_engine_args(max_batch, max_seq_len, graph_mode, batch_buckets, kv_blo
     return buckets
 
 
+def _address(p: torch.Tensor):
+    """A parameter's storage as a captured graph sees it: a tensor subclass (e.g. a quantized weight) by each inner
+    tensor's address and size, since an optimizer may give those new storage (QFT's outlier lists) in place."""
+    t = p.data if isinstance(p, torch.nn.Parameter) else p
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return t.data_ptr()
+    return tuple((getattr(t, name).data_ptr(), getattr(t, name).numel()) for name in flatten(t)[0])
+
+
 class RolloutEngine:
     """Generation engine for Hugging Face causal LMs (Qwen2/Qwen3/Llama/Mistral).
 
@@ -184,7 +194,7 @@ class RolloutEngine:
         scales, train/eval), which PEFT and transformers change without moving a tensor (disable_adapter(),
         set_adapter, rescale_adapter_scale)."""
         m = self.model
-        ptrs = tuple(p.data_ptr() for p in m.parameters()) + tuple(b.data_ptr() for b in m.buffers())
+        ptrs = tuple(_address(p) for p in m.parameters()) + tuple(b.data_ptr() for b in m.buffers())
         # buffers (e.g. NVFP4 codes) written in place: layers may keep copies derived from them, captured by address
         vers = tuple(b._version for b in m.buffers())
         lora = []
