@@ -335,3 +335,29 @@ def test_graphs_follow_outlier_lists_an_optimizer_replaced(device):
     got, want = graphs.generate(PROMPTS[:2], **kw), eager.generate(PROMPTS[:2], **kw)
     assert graphs.use_graphs == (device == "cuda")
     assert torch.equal(got.completion_ids, want.completion_ids)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture")
+def test_out_of_memory_while_capturing_is_retried_by_a_later_call(monkeypatch):
+    """An out-of-memory while capturing (memory tight for a moment mid-training) makes that call decode eagerly;
+    a later call captures again, fused kernels kept, instead of eager unfused decoding for the engine's life."""
+    model = tiny_model("qwen2", seed=1, dtype=torch.bfloat16).cuda().eval()
+    eng = RolloutEngine(model, max_batch=4, max_seq_len=48, kv_block=16)
+    fused = eng.adapter.fused
+    real, fails = eng._decode_body, [2]
+
+    def flaky(*a, **kw):
+        if fails[0] and torch.cuda.is_current_stream_capturing():
+            fails[0] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(eng, "_decode_body", flaky)
+    kw = dict(max_new_tokens=8, temperature=0, eos_token_ids=[])
+    with pytest.warns(UserWarning, match="out of memory while capturing"):
+        first = eng.generate(PROMPTS, **kw)
+    later = [eng.generate(PROMPTS, **kw) for _ in range(2)]
+    assert fails == [0] and eng.use_graphs and eng.adapter.fused == fused
+    assert eng._graphs and all(g is not None for g in eng._graphs.values())
+    for out in later:
+        assert torch.equal(out.completion_ids, first.completion_ids)

@@ -77,6 +77,9 @@ def _check_engine_args(max_batch, max_seq_len, graph_mode, batch_buckets, kv_blo
     return buckets
 
 
+_RETRY = object()  # _capture's answer after an out-of-memory: no graph for this call, try again on the next
+
+
 def _address(p: torch.Tensor):
     """A parameter's storage as a captured graph sees it: a tensor subclass (e.g. a quantized weight) by each inner
     tensor's address and size, since an optimizer may give those new storage (QFT's outlier lists) in place."""
@@ -165,6 +168,7 @@ class RolloutEngine:
         self.eos = torch.full((16,), -1, dtype=torch.long, device=dev)
         self.vocab_ids = torch.arange(a.vocab_size, dtype=torch.long, device=dev)
         self._graphs: dict = {}
+        self._oom_warned = False
         self._pool = None
         self._fingerprint = None
 
@@ -273,6 +277,16 @@ class RolloutEngine:
             g.replay()  # the first replay uploads the graph; keep that out of generate (it resets the state)
             return g
         except Exception as e:  # noqa: BLE001 - a module that cannot be captured still generates eagerly
+            if isinstance(e, torch.OutOfMemoryError):  # a tight moment, not an uncapturable step: retried next call
+                torch.cuda.synchronize(self.device)
+                if not any(g is not None for g in self._graphs.values()):
+                    self._pool = None  # the failed graph was the pool's last: a released handle is not reused
+                torch.cuda.empty_cache()
+                if not self._oom_warned:
+                    self._oom_warned = True
+                    warnings.warn(f"hfq.rollout: out of memory while capturing a decode graph ({e}); this call "
+                                  "decodes eagerly, a later one captures again", stacklevel=3)
+                return _RETRY
             if self.adapter.fused:  # first drop the fused kernels, keep the graphs
                 warnings.warn(f"hfq.rollout: fused decode kernels failed ({type(e).__name__}: {e}); using the "
                               "model's own modules", stacklevel=3)
@@ -297,7 +311,10 @@ class RolloutEngine:
         while True:
             key = (b, kv, flags)
             if key not in self._graphs:
-                self._graphs[key] = self._capture(key)
+                g = self._capture(key)
+                if g is _RETRY:
+                    return
+                self._graphs[key] = g
                 if not self.use_graphs:
                     return
             if kv >= self._kv_bucket(last_col + 1):
