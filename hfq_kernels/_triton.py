@@ -89,6 +89,15 @@ def on_gpu(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
+def switch_to_device_of(t: torch.Tensor):
+    """A context making t's CUDA device the current one, or None where it already is (or t is not on CUDA).
+    Triton launches on the current device: a layer on another GPU (device_map over several) needs this around its
+    launches, or they run on the wrong device (an access error, or unordered access through peer memory)."""
+    if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():
+        return torch.cuda.device(t.device)
+    return None
+
+
 def aligned16(*tensors) -> bool:
     """Whether every tensor given (None skipped) starts on a 16-byte boundary, as compiled launches assume."""
     return all(t is None or not t.data_ptr() & 15 for t in tensors)

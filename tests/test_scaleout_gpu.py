@@ -109,3 +109,51 @@ def test_trainer_fsdp2_sharded_checkpoint_resumes_on_another_world_size(tmp_path
     _close_losses(two["losses"], one["losses"], 1e-2)
     _close_losses(resumed["losses"][-2:], one["losses"][2:], 1e-2)
     assert float((resumed["logits"] - one["logits"]).abs().max()) < QP_LOGIT_TOL
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "qft", "quest"])
+def test_layers_on_a_gpu_that_is_not_current_match_the_current_one(tmp_path, method):
+    """Triton launches on the current device: a model on cuda:1 while cuda:0 is current (device_map over several
+    GPUs, or a policy beside a reference model) must give the bits of the same model on cuda:0, quantize-on-load,
+    few-row (Gluon) and many-row forwards and the rollout engine alike."""
+    import hfq
+    from hfq.rollout import RolloutEngine
+    from hfq.tiny import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    torch.cuda.set_device(0)
+    path = save_tiny(tmp_path / "tiny", arch="qwen2", seed=6, hidden=256, intermediate=512)
+    cfg = {"nvfp4": hfq.NVFP4Config, "qft": hfq.QFTConfig, "quest": hfq.QuESTConfig}[method]
+    load = lambda dev: AutoModelForCausalLM.from_pretrained(  # noqa: E731
+        path, quantization_config=cfg(), dtype=torch.bfloat16, device_map=dev).eval()
+    m0, m1 = load("cuda:0"), load("cuda:1")
+    assert torch.cuda.current_device() == 0
+    s0, s1 = m0.state_dict(), m1.state_dict()
+    for name, t in s0.items():
+        assert torch.equal(t.cpu().view(torch.uint8), s1[name].cpu().view(torch.uint8)), name
+    for rows in (1, 8, 100):
+        ids = torch.randint(0, m0.config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            want, got = m0(ids.to("cuda:0")).logits.cpu(), m1(ids.to("cuda:1")).logits.cpu()
+        assert torch.equal(got, want), rows
+    if method == "nvfp4":
+        prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+        outs = []
+        for m in (m0, m1):
+            eng = RolloutEngine(m, max_batch=2, max_seq_len=40, kv_block=16)
+            outs.append(eng.generate(prompts, max_new_tokens=8, temperature=0, eos_token_ids=[]))
+            assert eng.use_graphs
+        assert torch.equal(outs[0].completion_ids.cpu(), outs[1].completion_ids.cpu())
+
+
+def test_optimizer_over_quantized_weights_on_two_gpus_is_refused():
+    """The fused steps launch over many weights on one device: quantized weights spread over GPUs in one process
+    are refused by name, pointing to DDP / FSDP2."""
+    from hfq.eco import ECOAdamW
+    from hfq.qparam import QParam
+
+    ps = [torch.nn.Parameter(QParam.from_float(torch.randn(32, 64, device=f"cuda:{i}"), "fp8_e4m3_row"))
+          for i in (0, 1)]
+    with pytest.raises(ValueError, match=r"several GPUs in one process \(cuda:0: .*cuda:1: .*DDP or FSDP2"):
+        ECOAdamW(ps, lr=1e-3)
+    ECOAdamW(ps[:1], lr=1e-3)

@@ -113,11 +113,15 @@ class QParamOptimizer(torch.optim.Optimizer):
         by the flattening, so training would go on as a plain model. Refused at construction and again before the
         first step (accelerate swaps the parameters of an optimizer built before `prepare`), naming the first such
         parameter. FSDP2's DTensor parameters are trained shard by shard; 8-bit blockwise states (state_bits=8),
-        whose blocks run across rows, are refused for them."""
+        whose blocks run across rows, are refused for them. Quantized weights on several GPUs of one process (a
+        device_map spread over GPUs) are refused too: the fused steps launch over many weights on one device."""
         from torch.distributed.tensor import DTensor
 
+        gpus = {}
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
+                if isinstance(local(p), QParam) and p.is_cuda:
+                    gpus.setdefault(p.get_device(), self._param_name(gi, pi, p))
                 if getattr(p, "_fsdp_flattened", False):
                     raise ValueError(f"{type(self).__name__}: " + sharding_refusal(
                         f"parameter {self._param_name(gi, pi, p)} was flattened by FSDP (FullyShardedDataParallel)"))
@@ -126,6 +130,11 @@ class QParamOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"{type(self).__name__}: state_bits=8 keeps blockwise states across rows, which "
                                      f"FSDP2 cannot shard ({self._param_name(gi, pi, p)} is a sharded DTensor); "
                                      "use state_bits=None with state_dtype=torch.bfloat16 or torch.float32")
+        if len(gpus) > 1:  # the fused steps launch over many weights at once, on one device
+            raise ValueError(f"{type(self).__name__}: quantized weights on several GPUs in one process "
+                             f"({', '.join(f'cuda:{d}: {n}' for d, n in sorted(gpus.items()))}); hfq's optimizers "
+                             "step the weights of one GPU per process: train with DDP or FSDP2 (accelerate launch), "
+                             "one GPU per process, instead of a device_map spread over GPUs")
 
     def _check_ranks_agree(self) -> None:
         """Before the first step of a multi-process run: every rank must hold the same (replicated) quantized weights.

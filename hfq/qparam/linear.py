@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hfq_kernels._triton import checkpointing as _checkpointing
+from hfq_kernels._triton import switch_to_device_of
 from . import formats as _formats
 from .formats import check_format, check_qtensors, empty_qtensors
 from .fsdp import (LIST_DTYPES, forget_outliers_, gather_whole, list_from_bytes, list_to_bytes, local, local_rows,
@@ -127,6 +128,10 @@ class QLinear(nn.Module):
                                           self.weight_meta), requires_grad=True)
 
     def forward(self, x):
+        dev = switch_to_device_of(x)  # a layer on a GPU that is not the current one (device_map over several)
+        if dev is not None:
+            with dev:
+                return qlinear(x, self.weight, self.bias)
         return qlinear(x, self.weight, self.bias)
 
     def __getattr__(self, name):

@@ -6,10 +6,13 @@ stored tensors, hfq's optimizers call `dequantize()` / `requantize_(value)`. Eve
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
 
+from hfq_kernels._triton import switch_to_device_of
 from hfq_kernels.reference import fp8 as _fp8
 from . import formats as _formats
 from . import fsdp as _fsdp
@@ -72,7 +75,8 @@ class QParam(torch.Tensor):
                    generator: torch.Generator | None = None, requires_grad: bool = True, **meta) -> "QParam":
         """Quantize a float weight [out, in]; the result is an nn.Parameter-ready QParam."""
         meta = check_format(fmt, tuple(w.shape), meta)
-        with torch.no_grad():
+        dev = switch_to_device_of(w) or contextlib.nullcontext()
+        with torch.no_grad(), dev:
             data = _formats._encode(fmt, w.detach(), meta, rounding, generator)
         return cls(data, fmt, tuple(w.shape), meta, requires_grad=requires_grad)
 
