@@ -92,8 +92,9 @@ def on_gpu(t: torch.Tensor) -> bool:
 def switch_to_device_of(t: torch.Tensor):
     """A context making t's CUDA device the current one, or None where it already is (or t is not on CUDA).
     Triton launches on the current device: a layer on another GPU (device_map over several) needs this around its
-    launches, or they run on the wrong device (an access error, or unordered access through peer memory)."""
-    if t.is_cuda and t.get_device() != torch._C._cuda_getDevice():
+    launches, or they run on the wrong device (an access error, or unordered access through peer memory). Under
+    torch.compile, None: the compiled code guards its device itself."""
+    if t.is_cuda and not torch.compiler.is_compiling() and t.get_device() != torch._C._cuda_getDevice():
         return torch.cuda.device(t.device)
     return None
 
