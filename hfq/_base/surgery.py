@@ -10,6 +10,7 @@ transformers 5.23 adds that the match must end at a module boundary) or when the
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -22,6 +23,8 @@ from torch import nn
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
+
+from hfq_kernels._triton import switch_to_device_of
 
 
 def should_convert(name: str, skip: list[str] | None) -> bool:
@@ -306,7 +309,8 @@ class QuantizeOnLoad(ConversionOps):
         if missing_keys is not None:
             missing_keys.discard(key)
         try:
-            return self.quantize(model, name, model.get_submodule(name), value)
+            with switch_to_device_of(value) or contextlib.nullcontext():  # a layer loaded onto a non-current GPU
+                return self.quantize(model, name, model.get_submodule(name), value)
         except ValueError as e:
             self.hf_quantizer.errors[name] = str(e)
             return {}

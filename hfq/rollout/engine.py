@@ -288,7 +288,7 @@ class RolloutEngine:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool), self._pdl():
+            with torch.cuda.graph(g, pool=self._pool, stream=s), self._pdl():  # s: on this engine's device
                 self._decode_body(b, kv_len, flags)
             g.replay()  # the first replay uploads the graph; keep that out of generate (it resets the state)
             return g
