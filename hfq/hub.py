@@ -237,7 +237,7 @@ def _method_from(kind: str, trainer, quant: dict) -> str:
     name = type(trainer).__name__ if trainer is not None else ""
     opt = _optimizer_name(trainer)
     if kind == "adapter":
-        if name == "QeRLGRPOTrainer" or (trainer is None and quant.get("quant_method") == "hfq_nvfp4"):
+        if name == "QeRLGRPOTrainer":  # without a trainer the method is unknown: model_card(method="qerl") says it
             return "qerl"
         return {"GRPOTrainer": "grpo", "SFTTrainer": "sft", "DPOTrainer": "dpo"}.get(name, "lora")
     if kind == "qft":
@@ -414,7 +414,7 @@ def folder_card(folder: str, repo_id: str):
         w, a = quant.get("weight_bits"), quant.get("activation_bits")
         quant["format"] = f"w{w}a{a}" if a else f"w{w}"
     fmt = str(quant.get("format") or ("unrecorded" if quant["quant_method"] == "unrecorded" else "dense"))
-    method = {"adapter": "qerl" if quant.get("quant_method") == "hfq_nvfp4" else "lora", "nvfp4": "nvfp4",
+    method = {"adapter": "lora", "nvfp4": "nvfp4",  # an adapter folder does not say how it was trained
               "quest": "quest", "qft": "qft" if fmt == "int8_dense_sparse" else "eco"}[kind]
     base = hub_id(source)
     has_tok = any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))

@@ -115,7 +115,8 @@ def test_adapter_card_and_folder(nvfp4, tiny_dir, tmp_path):
     card = ModelCard.load(os.path.join(out, "README.md"))
     d = card.data
     assert d.base_model == HUB_BASE and d.base_model_relation == "adapter" and d.library_name == "peft"
-    assert {"hfq", "qerl", "nvfp4", "lora"} <= set(d.tags)
+    assert {"hfq", "nvfp4", "lora"} <= set(d.tags) and "qerl" not in d.tags  # no trainer: the method is not known
+    assert "QeRL" not in card.text and "Adaptive Quantization Noise" not in card.text
     assert d.quantization["format"] == "nvfp4" and d.training["lora"]["r"] == 4
     assert d.training["lora"]["target_modules"] == ["q_proj", "v_proj"]
     assert "rank 4, alpha 8" in card.text
