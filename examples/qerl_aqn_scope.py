@@ -10,7 +10,7 @@ LoRA r=16, GRPO, 60 steps, AQN exponential 1e-2 -> 5e-4 with K=4):
 Each run is `python -m hfq.cli grpo --seed S ...` in a subprocess (so runs can go in parallel), with its
 metrics.json read back. Writes `<out>/qerl_aqn_scope.{md,json,png}` (`_quick` suffix with --quick).
 
-    python examples/qerl_aqn_scope.py                 # 3 seeds x 3 arms x 60 steps (~20 min on 2 CPU cores)
+    python examples/qerl_aqn_scope.py                 # 3 seeds x 3 arms x 60 steps (~45-50 min on 2 CPU cores)
     python examples/qerl_aqn_scope.py --quick         # 1 seed x 3 arms x 8 steps (a smoke run)
 """
 from __future__ import annotations
@@ -149,7 +149,7 @@ def write_md(path, runs, summ, arms, args, png_name):
          "model, same data order, same AQN noise. "
          f"CPU, runs {args.jobs} at a time with {max(1, (os.cpu_count() or 1) // max(1, args.jobs))} thread(s) each "
          f"(wall time includes model loading). Produced by `python examples/qerl_aqn_scope.py"
-         f"{' --quick' if args.quick else ''}`; curves: `{png_name}`.", "",
+         f"{' --quick' if args.quick else ''}{'' if args.quick or args.seeds == [0, 1, 2] else ' --seeds ' + ' '.join(map(str, seeds))}`; curves: `{png_name}`.", "",
          f"Mean ± std over seeds {seeds}; 'last 10' = mean over the last {LAST} logged steps.", "",
          "| AQN | reward final | reward last 10 | reward mean (all steps) | accuracy last 10 | entropy final | "
          "entropy last 10 | wall s / run |",
