@@ -142,14 +142,15 @@ def plot(runs, arms, path):
 def write_md(path, runs, summ, arms, args, png_name):
     seeds = sorted({r["seed"] for r in runs})
     steps = runs[0]["steps"]
+    how = " --quick" if args.quick else ("" if args.seeds == [0, 1, 2] else " --seeds " + " ".join(map(str, seeds)))
     L = [f"# QeRL: where the AQN noise acts (offline `hfq grpo` demo, {len(seeds)} seed(s) x {steps} steps)", "",
          "Tiny pre-trained Qwen2 (demo base, char tokenizer), NVFP4 base + LoRA r=16, GRPO (8 samples/prompt, "
          "64 completions/step, lr 2e-3), rewards = accuracy + format on the bundled arithmetic task; AQN exponential "
          "1e-2 -> 5e-4 with K=4 (stage 0 = first fifth of the run without added noise). Same seed = same base "
          "model, same data order, same AQN noise. "
          f"CPU, runs {args.jobs} at a time with {max(1, (os.cpu_count() or 1) // max(1, args.jobs))} thread(s) each "
-         f"(wall time includes model loading). Produced by `python examples/qerl_aqn_scope.py"
-         f"{' --quick' if args.quick else ''}{'' if args.quick or args.seeds == [0, 1, 2] else ' --seeds ' + ' '.join(map(str, seeds))}`; curves: `{png_name}`.", "",
+         f"(wall time includes model loading). Produced by `python examples/qerl_aqn_scope.py{how}`; curves: "
+         f"`{png_name}`.", "",
          f"Mean ± std over seeds {seeds}; 'last 10' = mean over the last {LAST} logged steps.", "",
          "| AQN | reward final | reward last 10 | reward mean (all steps) | accuracy last 10 | entropy final | "
          "entropy last 10 | wall s / run |",
