@@ -27,6 +27,7 @@ import os
 from hfq.nvfp4 import NVFP4Linear
 assert any(isinstance(m, NVFP4Linear) for m in merged.modules())
 assert os.path.isfile("adapter/adapter_config.json") and os.path.isfile("export/config.json")
+assert model.hfq_quantization_report["skipped"] == {"lm_head": "modules_to_not_convert"}  # what the README prints
 """,
     "QeRL": """
 from transformers.utils import is_torch_bf16_gpu_available
@@ -37,7 +38,7 @@ assert trainer.args.bf16 == is_torch_bf16_gpu_available()
 assert out.completion_ids.shape[0] == 2 and bool((out.lengths > 0).all())
 assert issubclass(MyGRPOTrainer, RolloutMixin)
 """,
-    "ECO": _OPT_STEPPED,
+    "ECO": _OPT_STEPPED + "assert trainer.state.global_step == args.max_steps  # the optimizer_cls_and_kwargs route\n",
     "QuEST": """
 from hfq.quest.linear import QuESTLinear
 assert any(isinstance(m, QuESTLinear) for m in model.modules())
