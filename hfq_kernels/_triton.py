@@ -6,6 +6,7 @@ references and `import hfq_kernels.*` works on CPU-only installs.
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import torch
@@ -89,14 +90,35 @@ def on_gpu(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
-def switch_to_device_of(t: torch.Tensor):
-    """A context making t's CUDA device the current one, or None where it already is (or t is not on CUDA).
-    Triton launches on the current device: a layer on another GPU (device_map over several) needs this around its
-    launches, or they run on the wrong device (an access error, or unordered access through peer memory). Under
-    torch.compile, None: the compiled code guards its device itself."""
-    if t.is_cuda and not torch.compiler.is_compiling() and t.get_device() != torch._C._cuda_getDevice():
-        return torch.cuda.device(t.device)
+def switch_to_device_of(t):
+    """A context making the CUDA device of t (a tensor or a torch.device) the current one, or None where it already
+    is (or t is not on CUDA). Triton launches, streams and graphs use the current device: a layer on another GPU
+    (device_map over several) needs this around its launches, or they run on the wrong device (an access error,
+    or unordered access through peer memory). Under torch.compile, None: the compiled code guards its device."""
+    dev = t if isinstance(t, torch.device) else t.device
+    if (dev.type == "cuda" and dev.index is not None and not torch.compiler.is_compiling()
+            and dev.index != torch._C._cuda_getDevice()):
+        return torch.cuda.device(dev)
     return None
+
+
+def on_device_of(pick):
+    """Decorator: run the function with the CUDA device of pick(*args, **kwargs) (a tensor, a torch.device or None)
+    current (switch_to_device_of); the one way hfq's layers and engine follow their own GPU."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t = pick(*args, **kwargs)
+            ctx = None if t is None else switch_to_device_of(t)
+            if ctx is None:
+                return fn(*args, **kwargs)
+            with ctx:
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    return deco
 
 
 def aligned16(*tensors) -> bool:

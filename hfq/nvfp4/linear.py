@@ -11,7 +11,7 @@ import hfq_kernels.nvfp4 as _K  # registers torch.ops.hfq.*
 import hfq_kernels.nvfp4_calib  # noqa: F401  (torch.ops.hfq.nvfp4_quantize_search)
 from hfq_kernels import nvfp4_gluon as _G4
 from hfq_kernels.lora_nvfp4 import G4Operands
-from hfq_kernels._triton import switch_to_device_of
+from hfq_kernels._triton import on_device_of
 from hfq_kernels.reference import fp4
 
 from hfq._settings import SETTINGS
@@ -83,12 +83,9 @@ class NVFP4Linear(nn.Module):
         return mod
 
     @torch.no_grad()
+    @on_device_of(lambda self, w, *a, **k: w)
     def set_weight(self, w: torch.Tensor, name: str = "weight") -> None:
         """Quantize `w` [out, in] into this layer's buffers (NaN/Inf refused, naming `name`)."""
-        dev = switch_to_device_of(w)
-        if dev is not None:
-            with dev:
-                return self.set_weight(w, name)
         if tuple(w.shape) != (self.out_features, self.in_features):
             raise ValueError(f"{name}: expected shape {(self.out_features, self.in_features)}, got {tuple(w.shape)}")
         fp4.check_finite(w, name)
@@ -130,14 +127,11 @@ class NVFP4Linear(nn.Module):
         self.__dict__.pop("_hfq_plans", None)
 
     @torch.no_grad()
+    @on_device_of(lambda self: self._buffers.get("weight_packed"))
     def to_g4_layout_(self) -> "NVFP4Linear":
         """Keep codes and scales in the g4 layout only (NVFP4 on a real device; a no-op otherwise). Works on any
         device (CPU tests use the torch reference on it); NVFP4Linear calls it itself where the kernel runs."""
         p = self._buffers.get("weight_packed")
-        dev = None if p is None else switch_to_device_of(p)
-        if dev is not None:
-            with dev:
-                return self.to_g4_layout_()
         if self.format != "nvfp4" or p is None or p.device.type == "meta":
             return self
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
@@ -201,14 +195,10 @@ class NVFP4Linear(nn.Module):
         if g4 and (new_dev == dev or self.g4_wanted(new_dev)):
             self.to_g4_layout_()
 
+    @on_device_of(lambda self, *a, **k: self._buffers.get("weight_g4", self._buffers.get("weight_packed")))
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """The weight as a dense [out, in] tensor."""
         b = self._buffers
-        codes = b.get("weight_g4", b.get("weight_packed"))
-        dev = None if codes is None else switch_to_device_of(codes)
-        if dev is not None:
-            with dev:
-                return self.dequantize(dtype)
         if "weight_g4" in b:
             return torch.ops.hfq.nvfp4_g4_dequantize(b["weight_g4"], b["weight_g4_scale"], self.weight_global_scale,
                                                      self.out_features, self.in_features, dtype)
@@ -216,14 +206,11 @@ class NVFP4Linear(nn.Module):
             return torch.ops.hfq.nvfp4_dequantize(self.weight_packed, self.weight_scale, self.weight_global_scale, dtype)
         return fp4.mxfp4_dequantize(self.weight_packed, self.weight_scale, dtype)
 
+    @on_device_of(lambda self, x: x)  # a layer on a GPU that is not the current one (device_map over several)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Plain eager NVFP4 calls run this layer's kept plan (_plan: hfq::nvfp4_linear's values and gradients);
         torch.compile, fake/subclass tensors, dispatch modes, functorch and CPU go through the registered op, whose
         CUDA kernel makes the same plan per call; MXFP4 dequantizes for F.linear."""
-        dev = switch_to_device_of(x)  # a layer on a GPU that is not the current one (device_map over several)
-        if dev is not None:
-            with dev:
-                return self.forward(x)
         if self.format == "nvfp4" and _K.plain_eager(x):
             plan, x2, b, in_dtype = self._plan(x)
             y = _K.plan_apply(plan, x2, b)
@@ -242,16 +229,13 @@ class NVFP4Linear(nn.Module):
             y = F.linear(x, self.dequantize(x.dtype), bias)
         return y.to(in_dtype)
 
+    @on_device_of(lambda self, x, *a, **k: x)
     def forward_lora(self, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
                      dropout=None) -> torch.Tensor | None:
         """forward(x) + scale * (dropout(x) lora_a^T) lora_b^T in three products (NVFP4LoraLinear's short route).
         None, with nothing computed, where this layer cannot take it: not a plain eager NVFP4 call, a compute-dtype
         cast, or adapter weights of another dtype than x outside an autocast region to x's dtype (inside one, the
         products run in x's dtype, as PEFT's do there)."""
-        on = switch_to_device_of(x)
-        if on is not None:
-            with on:
-                return self.forward_lora(x, lora_a, lora_b, scale, dropout)
         dev = x.device.type
         same = (torch.get_autocast_dtype(dev) == x.dtype if torch.is_autocast_enabled(dev)
                 else lora_a.dtype == x.dtype and lora_b.dtype == x.dtype)

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hfq_kernels._triton import checkpointing as _checkpointing
-from hfq_kernels._triton import switch_to_device_of
+from hfq_kernels._triton import on_device_of
 from . import formats as _formats
 from .formats import check_format, check_qtensors, empty_qtensors
 from .fsdp import (LIST_DTYPES, forget_outliers_, gather_whole, list_from_bytes, list_to_bytes, local, local_rows,
@@ -127,11 +127,8 @@ class QLinear(nn.Module):
         self.weight = nn.Parameter(QParam(data, self.weight_format, (self.out_features, self.in_features),
                                           self.weight_meta), requires_grad=True)
 
+    @on_device_of(lambda self, x: x)  # a layer on a GPU that is not the current one (device_map over several)
     def forward(self, x):
-        dev = switch_to_device_of(x)  # a layer on a GPU that is not the current one (device_map over several)
-        if dev is not None:
-            with dev:
-                return qlinear(x, self.weight, self.bias)
         return qlinear(x, self.weight, self.bias)
 
     def __getattr__(self, name):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import hfq_kernels.hadamard  # noqa: F401  registers hfq::hadamard
 import hfq_kernels.quest as _qk  # registers hfq::quest_quantize / hfq::quest_masked_ht
-from hfq_kernels._triton import switch_to_device_of
+from hfq_kernels._triton import on_device_of
 from hfq_kernels.reference import gaussian
 from hfq_kernels.reference.fp4 import check_finite
 
@@ -272,11 +272,8 @@ class QuESTLinear(nn.Module):
             codes = gaussian.levels_to_codes(level, self.config.weight_bits, self.config.grid)
         return pack_codes(codes, self.config.weight_bits), unit.contiguous()
 
+    @on_device_of(lambda self, x: x)  # a layer on a GPU that is not the current one (device_map over several)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dev = switch_to_device_of(x)  # a layer on a GPU that is not the current one (device_map over several)
-        if dev is not None:
-            with dev:
-                return self.forward(x)
         shape = x.shape
         if shape[-1] != self.in_features:
             raise ValueError(f"QuESTLinear: input last dim {shape[-1]} != in_features {self.in_features}")

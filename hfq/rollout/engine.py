@@ -13,14 +13,13 @@ engine notices and re-captures. On CUDA a decode step uses the fused Triton kern
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from hfq_kernels._triton import pdl_launches
+from hfq_kernels._triton import on_device_of, pdl_launches
 from .decoder import DecodeFusions, DecoderAdapter
 from .sampling import SamplerFlags, row_keys, sample
 
@@ -76,21 +75,6 @@ def _check_engine_args(max_batch, max_seq_len, graph_mode, batch_buckets, kv_blo
     if fused_kernels not in ("auto", True, False):
         raise ValueError(f"fused_kernels: must be 'auto', True or False, got {fused_kernels!r}")
     return buckets
-
-
-def _on_engine_device(fn):
-    """Run an engine method with the engine's GPU current: Triton kernels, streams and graphs use the current
-    device, and the model may sit on another one (cuda:1 beside a reference model on cuda:0)."""
-
-    @functools.wraps(fn)
-    def wrapper(self, *args, **kwargs):
-        dev = self.device
-        if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
-            with torch.cuda.device(dev):
-                return fn(self, *args, **kwargs)
-        return fn(self, *args, **kwargs)
-
-    return wrapper
 
 
 _RETRY = object()  # _capture's answer after an out-of-memory: no graph for this call, try again on the next
@@ -366,7 +350,7 @@ class RolloutEngine:
             return RolloutEngine._left_pad(rows, None, pad)
         return input_ids.long(), m
 
-    @_on_engine_device
+    @on_device_of(lambda self, *a, **k: self.device)  # the model may sit on a GPU that is not the current one
     @torch.no_grad()
     def warmup(self, batch: int, prompt_len: int, max_new_tokens: int, temperature: float | None = 1.0,
                top_p: float | None = 1.0, top_k: int | None = 0, min_p: float | None = None,
@@ -392,7 +376,7 @@ class RolloutEngine:
             self.model.train(was_training)
         return len(self._graphs)
 
-    @_on_engine_device
+    @on_device_of(lambda self, *a, **k: self.device)  # the model may sit on a GPU that is not the current one
     @torch.no_grad()
     def generate(self, input_ids, attention_mask=None, max_new_tokens: int = 256, temperature: float | None = 1.0,
                  top_p: float | None = 1.0, top_k: int | None = 0, min_p: float | None = None,
