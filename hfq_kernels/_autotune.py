@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -119,6 +120,7 @@ class Tuner:
         self.log: list[dict] = []  # every tuning run's timings, for reports
         self._memo: dict = {}  # (m bucket, n, k, dtype, device type, index) -> (key, cache entry); see cached()
         self.cards: dict = {}  # tuned card name -> {"capability": [major, minor], "sms": n}
+        self._unpersisted: set = set()  # keys whose every candidate failed: kept here, not in the cache file
         shipped = _HERE / f"{op}_tuned.json"
         for path in (shipped, SETTINGS.autotune_cache):
             if path and Path(path).is_file():
@@ -169,10 +171,13 @@ class Tuner:
         return cfg
 
     def choose(self, key: str, candidates: Sequence[dict], runner: Callable[[dict], Callable[[], Any]],
-               default: dict, bench: Callable[[Callable[[], Any]], float] = bench_ms, margin: float = 1.0) -> dict:
+               default: dict, bench: Callable[[Callable[[], Any]], float] = bench_ms, margin: float = 1.0,
+               fallback: dict | None = None) -> dict:
         """Return the cached choice for key, else time `runner(c)()` for each candidate (with `bench`, in ms) and
         keep the fastest; with margin < 1, candidates[0] (a baseline) is kept unless another takes < margin of its
-        time. A runner that raises (fails to build, or computes wrongly) is never chosen."""
+        time. A runner that raises (fails to build, or computes wrongly) is never chosen. When every candidate
+        fails, `fallback` (default: `default`) is used with a warning and kept for this process only (not written
+        to the autotune cache file: a later process tries again)."""
         hit = self.cache.get(key)
         if hit is not None:
             return hit
@@ -186,12 +191,20 @@ class Tuner:
             except Exception as e:  # a config that fails to compile/launch is simply not chosen
                 timings.append((float("inf"), {**cand, "error": f"{type(e).__name__}: {str(e)[:200]}"}))
         ok = [t for t in timings if t[0] != float("inf")]
-        best = min(ok, key=lambda t: t[0])[1] if ok else default
-        if ok and timings[0][0] != float("inf") and not min(t[0] for t in ok) < margin * timings[0][0]:
-            best = timings[0][1]
+        if not ok:
+            best = default if fallback is None else fallback
+            first = timings[0][1].get("error", "no candidates") if timings else "no candidates"
+            warnings.warn(f"{self.op}: every candidate config failed for {key} (first: {first}); using {best} "
+                          f"for this process", RuntimeWarning, stacklevel=2)
+        else:
+            best = min(ok, key=lambda t: t[0])[1]
+            if timings[0][0] != float("inf") and not min(t[0] for t in ok) < margin * timings[0][0]:
+                best = timings[0][1]
         with _LOCK:
             self.cache[key] = best
             self.log.append({"key": key, "timings": [(t, c) for t, c in timings], "best": best})
+            if not ok:
+                self._unpersisted.add(key)
         self._persist()
         return best
 
@@ -202,7 +215,7 @@ class Tuner:
         p = Path(path)
         try:
             data = json.loads(p.read_text()) if p.is_file() else {}
-            data.setdefault(self.op, {}).update(self.cache)
+            data.setdefault(self.op, {}).update({k: v for k, v in self.cache.items() if k not in self._unpersisted})
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(json.dumps(data, indent=1, sort_keys=True))
         except (OSError, ValueError):

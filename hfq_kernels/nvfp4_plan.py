@@ -10,6 +10,8 @@ plan_linear_g4.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -125,6 +127,9 @@ def _launch(kernel, grid, use_asm: bool, *args, **kw):
         if not use_asm:
             raise
         _ASM_FAILED[key] = f"{type(e).__name__}: {str(e)[-1500:]}"
+        warnings.warn(f"{key[0]}: the inline-PTX decode of config {dict(key[1])} failed to build "
+                      f"({type(e).__name__}: {str(e)[-300:]}); this process uses the plain decode for it",
+                      RuntimeWarning, stacklevel=2)
         kernel[grid](*args, USE_ASM=False, **kw)
 
 
@@ -215,7 +220,8 @@ def _pick(x2, packed, scale, global_scale, bias, m, n, k) -> tuple[dict, bool]:
     key = Tuner.key(m, n, k, x2.dtype, x2.device)
     config = LINEAR_TUNER.choose(key, candidates(m, n, k, sm_count(x2.device)),
                                  checked_runner(x2, packed, scale, global_scale, bias),
-                                 default_config(m, n, k, sm_count(x2.device)))
+                                 default_config(m, n, k, sm_count(x2.device)),
+                                 fallback=dict(kind="dequant"))  # dequantize + cuBLAS: needs no tuned kernel
     return config, not _autotune_capturing() or LINEAR_TUNER.cache.get(key) is config
 
 

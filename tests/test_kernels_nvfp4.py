@@ -3,7 +3,10 @@
 On CPU the kernels run under TRITON_INTERPRET=1 at small shapes (odd multiples of 16 included); with CUDA the
 same tests run on the GPU, plus full-shape checks. Outputs are poisoned with NaN before each run.
 """
+import json
 import math
+import types
+import warnings
 
 import pytest
 import torch
@@ -336,6 +339,55 @@ def test_tuner_margin_keeps_the_baseline_and_skips_failures():
     assert pick("b", ["base", "close", "fast", "bad"]) == "fast"
     assert pick("a", ["base", "fast"]) == "base"  # cached
     assert t.log[1]["timings"][-1][1]["error"].startswith("ValueError")
+
+
+def test_tuner_with_every_candidate_failing_warns_and_does_not_store_the_fallback(tmp_path, monkeypatch):
+    """A shape whose every candidate raises gets the fallback with a warning, for this process only: the cache
+    file keeps the shapes that were really tuned, so a later process tries again."""
+    from hfq_kernels._settings import SETTINGS
+
+    path = tmp_path / "tuned.json"
+    monkeypatch.setattr(SETTINGS, "autotune_cache", str(path))
+    t = K.Tuner("hfq_test_all_fail")
+
+    def runner(c):
+        if c["name"] != "good":
+            raise RuntimeError(f"{c['name']} does not build")
+        return c["name"]
+
+    with pytest.warns(RuntimeWarning, match="every candidate config failed.*bad does not build"):
+        got = t.choose("k_fail", [{"name": "bad"}, {"name": "worse"}], runner, {"name": "default"},
+                       bench=lambda fn: 1.0, fallback={"name": "safe"})
+    assert got == {"name": "safe"} and t.cache["k_fail"] == got
+    assert t.choose("k_fail", [], None, {"name": "default"}) == got  # kept in this process: no retuning per call
+    t.choose("k_ok", [{"name": "bad"}, {"name": "good"}], runner, {"name": "default"}, bench=lambda fn: 1.0)
+    stored = json.loads(path.read_text())["hfq_test_all_fail"]
+    assert stored == {"k_ok": {"name": "good"}}
+    with pytest.warns(RuntimeWarning, match="using {'name': 'default'}"):  # no fallback given: the default
+        t.choose("k_fail2", [{"name": "bad"}], runner, {"name": "default"}, bench=lambda fn: 1.0)
+
+
+def test_inline_ptx_build_failure_is_announced_once_and_the_plain_decode_runs():
+    """_launch: a config whose inline-PTX decode fails to build runs the plain decode, with one warning."""
+    calls = []
+
+    class Kernel:  # stands in for a Triton kernel whose USE_ASM=True variant fails to compile
+        fn = types.SimpleNamespace(__name__="_fake_mm_kernel")
+
+        def __getitem__(self, grid):
+            def launch(*args, USE_ASM, **kw):
+                if USE_ASM:
+                    raise RuntimeError("ptxas: unknown instruction")
+                calls.append(kw["BN"])
+            return launch
+
+    with pytest.warns(RuntimeWarning, match="_fake_mm_kernel.*inline-PTX.*ptxas"):
+        P._launch(Kernel(), (1,), True, BN=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        P._launch(Kernel(), (1,), True, BN=64)  # remembered: plain decode at once, no second warning
+    assert calls == [64, 64]
+    P._ASM_FAILED.pop(("_fake_mm_kernel", (("BN", 64),)))
 
 
 def test_torch_compile_fullgraph_tiny_model():
