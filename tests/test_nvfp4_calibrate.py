@@ -193,6 +193,82 @@ def test_calibrate_bad_input_errors(tiny):
         NVFP4Config(scales="percentile")
 
 
+def test_calibrate_refuses_models_it_cannot_quantize_whole(tiny):
+    """A model holding PEFT adapters (their own linears would become frozen NVFP4) and a model quantized by another
+    method (it would be relabelled hfq_nvfp4 with nothing converted) are refused before anything changes."""
+    tok = char_tokenizer()
+    pm = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny), peft.LoraConfig(r=16, target_modules=["q_proj"]))
+    for target in (pm, pm.base_model.model):
+        with pytest.raises(ValueError, match="holds PEFT adapters.*calibrate the dense model first"):
+            calibrate_(target, TEXTS, tok, progress=False, device="cpu")
+    assert not any(isinstance(m, NVFP4Linear) for m in pm.modules())
+    qm = hfq.quest.quantize_model(AutoModelForCausalLM.from_pretrained(tiny), hfq.QuESTConfig(weight_bits=4, activation_bits=None))
+    with pytest.raises(ValueError, match="already quantized \\(quant_method 'hfq_quest'\\)"):
+        calibrate_(qm, TEXTS, tok, progress=False, device="cpu")
+    assert qm.config.quantization_config.quant_method == "hfq_quest"
+
+
+def test_calibrate_that_fails_part_way_leaves_the_model_as_it_was(tiny, tmp_path):
+    """An error in block 1 (after block 0 was quantized) restores every replaced linear, bit for bit, so that fixing
+    the cause and calling again works and nothing half-quantized can be saved."""
+    tok = char_tokenizer()
+    m = AutoModelForCausalLM.from_pretrained(tiny)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    m.model.layers[1].mlp.unused = torch.nn.Linear(64, 64)  # in the block, never called by its forward
+    with pytest.raises(ValueError, match="no calibration token reached"):
+        calibrate_(m, TEXTS, tok, progress=False, device="cpu")
+    del m.model.layers[1].mlp.unused
+    assert not any(isinstance(x, NVFP4Linear) for x in m.modules())
+    assert getattr(m.config, "quantization_config", None) is None
+    after = m.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    m.model.layers[1].mlp.up_proj.weight.data[0, 0] = float("nan")  # a later block's weight: named, undone
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight: 1 NaN/Inf"):
+        calibrate_(m, TEXTS, tok, progress=False, device="cpu")
+    assert not any(isinstance(x, NVFP4Linear) for x in m.modules())
+    m.model.layers[1].mlp.up_proj.weight.data[0, 0] = before["model.layers.1.mlp.up_proj.weight"][0, 0]
+    calibrate_(m, TEXTS, tok, progress=False, device="cpu")
+    assert sum(isinstance(x, NVFP4Linear) for x in m.modules()) == 14
+
+
+def test_calibrate_takes_a_tokenizer_output_and_text_rows(tiny):
+    """tok(texts, padding=True, return_tensors="pt") is one batch of rows (not two texts named by its keys), and
+    datasets-style {"text": ...} rows are tokenized: both calibrate on the same tokens as the list of texts."""
+    tok = char_tokenizer()
+    ref = calibrate_(AutoModelForCausalLM.from_pretrained(tiny), TEXTS, tok, progress=False, device="cpu")
+    enc = tok(TEXTS, padding=True, return_tensors="pt")
+    a = calibrate_(AutoModelForCausalLM.from_pretrained(tiny), enc, progress=False, device="cpu", batch_size=5)
+    b = calibrate_(AutoModelForCausalLM.from_pretrained(tiny), [{"text": t} for t in TEXTS], tok, progress=False,
+                   device="cpu")
+    assert a.tokens == b.tokens == ref.tokens and a.sequences == b.sequences == len(TEXTS)
+    for x, y in zip(ref.rows, a.rows):
+        assert x["calibrated"] == pytest.approx(y["calibrated"], rel=1e-3)
+    m = AutoModelForCausalLM.from_pretrained(tiny)
+    with pytest.raises(ValueError, match="needs 'input_ids'.*got keys \\['ids'\\]"):
+        calibrate_(m, {"ids": enc["input_ids"]}, progress=False, device="cpu")
+    with pytest.raises(ValueError, match="rows need 'input_ids' or 'text'; got keys \\['content'\\]"):
+        calibrate_(m, [{"content": t} for t in TEXTS], tok, progress=False, device="cpu")
+
+
+def test_calibrate_numeric_arguments_context_and_little_data(tiny):
+    tok = char_tokenizer()
+    m = AutoModelForCausalLM.from_pretrained(tiny)
+    for kw, msg in ((dict(damp=-1.0), "damp=-1.0; allowed"), (dict(damp=float("nan")), "damp=nan"),
+                    (dict(block=0), "block=0; allowed: a positive multiple of 16"), (dict(block=24), "block=24")):
+        with pytest.raises(ValueError, match=msg):
+            calibrate_(m, TEXTS, tok, progress=False, device="cpu", **kw)
+    m.model.embed_tokens.weight.data[tok(TEXTS[0])["input_ids"][-1]] = float("inf")  # overflowing activations
+    with pytest.raises(ValueError, match=r"non-finite activations \(NaN/Inf\) enter \['model\.layers\.0\.self_attn"):
+        calibrate_(m, TEXTS, tok, progress=False, device="cpu")
+    m = AutoModelForCausalLM.from_pretrained(tiny)
+    m.config.max_position_embeddings = 32  # samples are cut to the model's context, not max_length=512
+    r = calibrate_(m, TEXTS, tok, progress=False, device="cpu", damp=0.0)  # damp 0 factors (its retries grow)
+    assert r.tokens == sum(min(len(tok(t)["input_ids"]), 32) for t in TEXTS)
+    m = AutoModelForCausalLM.from_pretrained(tiny)
+    with pytest.warns(UserWarning, match="fewer calibration tokens than twice their input width"):
+        calibrate_(m, TEXTS[:1], tok, progress=False, device="cpu", min_tokens=16)
+
+
 def test_calibrate_refuses_blocks_of_mixed_attention_types(tmp_path):
     """Gemma 2/3 alternate sliding and full attention (config.layer_types; their blocks have no attention_type
     in transformers 5): every block would be calibrated with the first block's mask and RoPE."""

@@ -9,14 +9,17 @@ Hessians of one block and the calibration activations.
 """
 from __future__ import annotations
 
+import math
 import time
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 import hfq_kernels.nvfp4_calib  # noqa: F401  (registers torch.ops.hfq.nvfp4_gptq / nvfp4_quantize_search)
-from hfq_kernels.reference import fp4_calib
+from hfq_kernels.reference import fp4, fp4_calib
 
 from .._base.surgery import mark_quantized, modules_to_skip, set_submodule, should_convert
 from .config import NVFP4Config
@@ -36,6 +39,7 @@ class CalibrationReport:
 
     def table(self) -> str:
         L = [f"calibration: {self.sequences} sequences, {self.tokens} tokens", "",
+             "errors on the calibration inputs (the data GPTQ was fitted to)", "",
              "| layer | RTN error | calibrated error | change | kept |", "|---|---|---|---|---|"]
         for r in self.rows:
             L.append(f"| {r['name']} | {r['rtn']:.4f} | {r['calibrated']:.4f} | "
@@ -53,17 +57,33 @@ def calibration_batches(data, tokenizer=None, max_length: int = 512, batch_size:
     """Calibration data as a list of {"input_ids", "attention_mask"} CPU batches (right-padded).
 
     `data`: a list of strings (needs `tokenizer`; each truncated to `max_length` tokens), a list of token-id
-    lists / 1-D tensors, a 2-D tensor of ids, or an iterable of dicts with "input_ids" (+ "attention_mask"), e.g.
-    a DataLoader. Raises ValueError for no data, an empty sequence, or fewer than `min_tokens` tokens in all."""
+    lists / 1-D tensors, a 2-D tensor of ids, a tokenizer's output (a mapping with "input_ids" and optionally
+    "attention_mask": split into batches of `batch_size` rows), or an iterable of dicts with "input_ids"
+    (+ "attention_mask"), e.g. a DataLoader, or with "text" (datasets rows; needs `tokenizer`). Raises ValueError
+    for no data, an empty sequence, or fewer than `min_tokens` tokens in all."""
     if isinstance(data, torch.Tensor):
         data = list(data) if data.dim() == 2 else [data]
     if isinstance(data, str):
         raise ValueError("calibration data: got one string; pass a list of texts")
+    if isinstance(data, Mapping):  # e.g. tokenizer(texts, padding=True, return_tensors="pt"): one batch of rows
+        if "input_ids" not in data:
+            raise ValueError(f"calibration data: a mapping needs 'input_ids' (a tokenizer's output); got keys "
+                             f"{sorted(map(str, data))}")
+        ids = torch.as_tensor(data["input_ids"])
+        ids = ids[None] if ids.dim() == 1 else ids
+        mask = torch.as_tensor(data["attention_mask"]) if "attention_mask" in data else torch.ones_like(ids)
+        mask = mask[None] if mask.dim() == 1 else mask
+        data = [{"input_ids": ids[i:i + batch_size], "attention_mask": mask[i:i + batch_size]}
+                for i in range(0, ids.shape[0], batch_size)]
     items = list(data)
     if not items:
         raise ValueError("calibration data is empty: pass a non-empty list of texts (or token ids / batches)")
+    if isinstance(items[0], Mapping) and "input_ids" not in items[0]:
+        if "text" not in items[0]:
+            raise ValueError(f"calibration data: rows need 'input_ids' or 'text'; got keys {sorted(map(str, items[0]))}")
+        items = [r["text"] for r in items]
     batches = []
-    if isinstance(items[0], dict):
+    if isinstance(items[0], Mapping):
         for i, b in enumerate(items):
             ids = torch.as_tensor(b["input_ids"])
             ids = ids[None] if ids.dim() == 1 else ids
@@ -164,12 +184,22 @@ def _global_recip(w: torch.Tensor, search: bool) -> torch.Tensor:
     return torch.ops.hfq.nvfp4_quantize(w)[2]
 
 
-def _quantize_group(names, weights, h, n, config: NVFP4Config, damp: float, block: int):
+def _quantize_group(names, weights, h, n, config: NVFP4Config, damp: float, block: int, where: str = ""):
     """GPTQ for the linears `names` sharing Hessian sum `h` over `n` tokens; per linear, the kept codes (GPTQ's or
-    the data-free quantizer's, whichever has the smaller output error on the calibration inputs) and report rows."""
+    the data-free quantizer's, whichever has the smaller output error on the calibration inputs) and report rows.
+    `where`: the block's name, for errors."""
     search = config.scales == "mse"
+    full = [f"{where}.{nm}" if where else nm for nm in names]
+    for nm, w in zip(full, weights):
+        fp4.check_finite(w, f"{nm}.weight")
+    if not bool(torch.isfinite(h).all()):
+        raise ValueError(f"calibrate_: non-finite activations (NaN/Inf) enter {full}: the calibration Hessian "
+                         "cannot be formed (an overflow in the blocks before, e.g. fp16/bf16 activations?)")
     h = h / n
-    u = fp4_calib.hessian_inverse_factor(h, damp)
+    try:
+        u = fp4_calib.hessian_inverse_factor(h, damp)
+    except ValueError as e:
+        raise ValueError(f"calibrate_: {full}: {e}") from None
     recips = [_global_recip(w, search) for w in weights]
     rows = torch.cat([r.expand(w.shape[0]) for r, w in zip(recips, weights)])
     packed, scale = torch.ops.hfq.nvfp4_gptq(torch.cat(weights).float(), u, rows, block, search)
@@ -300,21 +330,76 @@ def calibrate_(model: nn.Module, data, tokenizer=None, config: NVFP4Config | Non
     """Quantize the dense causal LM `model` to NVFP4 in place with GPTQ on calibration `data` (see
     calibration_batches), decoder block by decoder block on `device` (default: CUDA if available, else CPU; a
     model held on the CPU is moved there one block at a time). Linears follow `config` (NVFP4Config: its
-    modules_to_not_convert, compute_dtype, and `scales`: "mse" also searches the global and block scales). Per
-    layer the result with the smaller output error on the calibration inputs is kept between GPTQ and the
-    data-free quantizer, so no layer is worse than round-to-nearest there. Afterwards the model is an ordinary
-    hfq_nvfp4 model (save_pretrained writes the hfq checkpoint). Returns the per-layer report."""
-    from .quantizer import NVFP4HfQuantizer
-
+    modules_to_not_convert, compute_dtype, and `scales`: "mse" also searches the block scales within GPTQ; the
+    global scale stays amax's). Per layer the result with the smaller output error on the calibration inputs is
+    kept between GPTQ and the data-free quantizer, so no layer is worse than round-to-nearest there (on held-out
+    inputs that holds only with enough data: a warning names groups with fewer tokens than twice their input
+    width). `max_length` is cut to the model's max_position_embeddings. If the pass fails, the model is put back
+    as it was (every replaced linear restored). Afterwards the model is an ordinary hfq_nvfp4 model
+    (save_pretrained writes the hfq checkpoint). Returns the per-layer report."""
     config = (config or NVFP4Config()).checked_copy()
     if config.format != "nvfp4":
         raise ValueError(f"calibrate_: format={config.format!r} is not supported; GPTQ calibration writes 'nvfp4'")
+    if not (isinstance(damp, (int, float)) and math.isfinite(damp) and damp >= 0):
+        raise ValueError(f"calibrate_: damp={damp!r}; allowed: a finite number >= 0 (a fraction of mean(diag H))")
+    if not (isinstance(block, int) and block > 0 and block % fp4.NVFP4_BLOCK == 0):
+        raise ValueError(f"calibrate_: block={block!r}; allowed: a positive multiple of {fp4.NVFP4_BLOCK}")
+    _check_dense(model)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    max_length = _within_context(model, max_length)
+    batches = calibration_batches(data, tokenizer, max_length, batch_size, min_tokens)
+    layers = _decoder_layers(model)
+    replaced: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, name, original linear): undone on failure
+    try:
+        return _calibrate(model, layers, batches, config, device, damp, block, progress, replaced)
+    except BaseException:
+        for parent, name, lin in reversed(replaced):
+            dev = next((t.device for t in parent.parameters()), None)
+            set_submodule(parent, name, lin if dev is None else lin.to(dev))
+        raise
+
+
+def _check_dense(model) -> None:
+    """Refuse what calibrate_ cannot quantize as a whole: an hfq/other quantized model, or one holding PEFT adapters
+    (whose own linears would be quantized and frozen)."""
     if any(isinstance(m, NVFP4Linear) for m in model.modules()):
         raise ValueError("calibrate_: the model is already quantized; load the dense checkpoint (without "
                          "quantization_config) and calibrate that")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    batches = calibration_batches(data, tokenizer, max_length, batch_size, min_tokens)
-    layers = _decoder_layers(model)
+    qc = getattr(getattr(model, "config", None), "quantization_config", None)
+    if qc is not None or getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
+        method = getattr(qc, "quant_method", None) or (qc.get("quant_method") if isinstance(qc, dict) else None)
+        raise ValueError(f"calibrate_: the model is already quantized (quant_method {method!r}); load the dense "
+                         "checkpoint (without quantization_config) and calibrate that")
+    if getattr(model, "peft_config", None) or any(hasattr(m, "lora_A") or type(m).__module__.startswith("peft.")
+                                                  for m in model.modules()):
+        raise ValueError("calibrate_: the model holds PEFT adapters, whose own linears would be quantized and "
+                         "frozen; calibrate the dense model first, then attach LoRA (peft.get_peft_model)")
+
+
+def _to_host(lin: nn.Module) -> nn.Module:
+    """A replaced block linear kept for calibrate_'s undo, its tensors rebound to host copies so that device memory
+    holds no dense weight of a block already quantized."""
+    for group in (lin._parameters, lin._buffers):
+        for k, t in group.items():
+            if t is not None and t.device.type != "cpu":
+                c = t.detach().cpu()
+                group[k] = nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else c
+    return lin
+
+
+def _within_context(model, max_length: int) -> int:
+    """max_length, cut to the model's max_position_embeddings (longer calibration samples would index past learned
+    position tables or run RoPE at positions the model never saw)."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    limit = getattr(cfg, "max_position_embeddings", None)
+    return min(max_length, limit) if isinstance(limit, int) and limit > 0 else max_length
+
+
+def _calibrate(model, layers, batches, config, device, damp, block, progress, replaced) -> CalibrationReport:
+    """calibrate_'s pass (its arguments checked); every replaced linear is listed in `replaced` as it goes."""
+    from .quantizer import NVFP4HfQuantizer
+
     skip = modules_to_skip(model, config, config.ADD_DEFAULT_SKIPS)
     prefix = {id(layer): n for n, layer in model.named_modules() if any(layer is x for x in layers)}
     model.eval()
@@ -327,7 +412,7 @@ def calibrate_(model: nn.Module, data, tokenizer=None, config: NVFP4Config | Non
     states = None
     report = CalibrationReport(tokens=sum(int(b["attention_mask"].sum()) for b in batches),
                                sequences=sum(b["input_ids"].shape[0] for b in batches))
-    converted, skipped = [], {}
+    converted, skipped, few = [], {}, []
     clock = _Clock(device, report.seconds)
     for i, layer in _progress(enumerate(layers), len(layers), "NVFP4 GPTQ", progress):
         layer.to(device)
@@ -355,14 +440,20 @@ def calibrate_(model: nn.Module, data, tokenizer=None, config: NVFP4Config | Non
         finally:
             hess.close()
         clock("hessians")
-        for owner, names in hess.groups().items():
+        groups = hess.groups()
+        for owner, names in groups.items():
             if hess.n.get(owner, 0) == 0:
                 raise ValueError(f"calibrate_: no calibration token reached {pre}.{owner} (and {names}); every "
                                  "quantized linear needs calibration inputs (e.g. MoE experts need more data, "
                                  "or list the layer in modules_to_not_convert)")
+            if hess.n[owner] < 2 * linears[owner].in_features:
+                few.append(f"{pre}.{owner} ({hess.n[owner]} tokens, {linears[owner].in_features} inputs)")
+        for owner, names in groups.items():
             weights = [linears[n].weight.detach() for n in names]
-            for n, q, row in _quantize_group(names, weights, hess.h.pop(owner), hess.n[owner], config, damp, block):
+            for n, q, row in _quantize_group(names, weights, hess.h.pop(owner), hess.n[owner], config, damp, block,
+                                             pre):
                 set_submodule(layer, n, _nvfp4_from(linears[n], q, config))
+                replaced.append((layer, n, _to_host(linears[n])))
                 row["name"] = f"{pre}.{n}"
                 report.rows.append(row)
                 converted.append(row["name"])
@@ -378,10 +469,21 @@ def calibrate_(model: nn.Module, data, tokenizer=None, config: NVFP4Config | Non
             skipped[name] = ("modules_to_not_convert" if not should_convert(name, skip) else
                              f"in_features={m.in_features} not a multiple of block size {config.block_size}")
             continue
+        fp4.check_finite(m.weight, f"{name}.weight")
         q = (torch.ops.hfq.nvfp4_quantize_search if config.scales == "mse" else torch.ops.hfq.nvfp4_quantize)(
             m.weight.detach())
+        parent, _, leaf = name.rpartition(".")
         set_submodule(model, name, _nvfp4_from(m, q, config))
+        replaced.append((model.get_submodule(parent), leaf, m))
         converted.append(name)
+    if not converted:
+        raise ValueError(f"calibrate_: no linear of {type(model).__name__} was converted (skipped: {skipped}); "
+                         "nothing to calibrate")
+    if few:
+        warnings.warn(f"calibrate_: {len(few)} linear group(s) saw fewer calibration tokens than twice their input "
+                      f"width, e.g. {few[0]}: their Hessians are (near) rank-deficient and GPTQ fits the calibration "
+                      "tokens, so held-out error may exceed round-to-nearest's; pass more data (a few hundred "
+                      "sequences of a few hundred tokens)", UserWarning, stacklevel=3)
     model.to(device)
     rel = {r["name"]: r["weight_rel_error"] for r in report.rows}
     _mark_quantized(model, config, converted, skipped, rel, NVFP4HfQuantizer)

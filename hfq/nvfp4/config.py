@@ -24,8 +24,10 @@ class NVFP4Config(HfqConfig):
     compute_dtype: activation dtype for the matmul ("bfloat16" | "float16" | "float32"; None = input dtype).
     strict: raise instead of skipping a linear whose in_features is not a multiple of the block size (or that
         is not an nn.Linear); without it such layers stay dense with a warning naming them.
-    scales: NVFP4 scale rule: "amax" (global 448*6/amax, block amax/6: round-to-nearest) or "mse" (global and
-        block scales searched for the least reconstruction error; same format, slower load).
+    scales: NVFP4 scale rule: "amax" (global 448*6/amax, block amax/6: round-to-nearest) or "mse" (block scales
+        searched for the least weight reconstruction error, the global scale staying amax's; same format, slower
+        load). A smaller weight error is not a better model: "mse" alone measured no better than "amax" on SmolLM2
+        (examples/results/nvfp4_quality.md); inside GPTQ calibration (calibrate_) it helps.
     """
 
     modules_to_not_convert: list[str] | None = field(default_factory=lambda: ["lm_head", "embed_tokens"])

@@ -131,8 +131,9 @@ def hessian_inverse_factor(h: torch.Tensor, damp: float = 0.01) -> torch.Tensor:
     """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1 (float32 [in, in]): what the GPTQ pass reads."""
     h = h.float().clone()
     d = h.diagonal()
-    lam = damp * d.mean().clamp_min(1e-12)
-    d.add_(lam)
+    mean = d.mean().clamp_min(1e-12)
+    d.add_(damp * mean)
+    lam = max(damp, 1e-4) * mean  # the retries' step: grows even from damp = 0
     for _ in range(6):  # a near-singular H (few tokens): more damping until it factors
         L, info = torch.linalg.cholesky_ex(h)
         if int(info) == 0:
