@@ -293,3 +293,13 @@ def test_trainer_callback_refuses_clipping_and_accumulation(tmp_path):
     _, _, t = _trainer(str(tmp_path / "b"), [StepInBackward()], gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be 1"):
         t.train()
+
+
+def test_trainer_callback_refuses_fp16_loss_scaling(tmp_path):
+    """fp16 loss scaling cannot unscale or skip a step already applied in backward (and GradScaler then finds no
+    gradient to unscale): refused at train begin, before any weight moves."""
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), fp16=True, use_cpu=True, max_grad_norm=0, report_to=[])
+    with pytest.raises(ValueError, match="fp16 loss scaling.*bf16=True"):
+        StepInBackward().on_train_begin(args, None, None, model=torch.nn.Linear(2, 2), optimizer=None)

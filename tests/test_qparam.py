@@ -152,3 +152,33 @@ def test_copy_of_own_value_keeps_codes(fmt):
     ref = QParam.from_float(_w(), fmt, **META.get(fmt, {}))
     ref.requantize_(target, "rtn")  # (int8_dense_sparse keeps its outlier thresholds)
     assert torch.equal(q.dequantize(), ref.dequantize())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast and GradScaler")
+def test_fp16_autocast_training_on_cuda_announces_the_bf16_gradient(monkeypatch):
+    """A QParam's gradient is bf16, which GradScaler cannot unscale on CUDA (torch's kernel has no bf16 variant):
+    a training forward under fp16 autocast says so once, naming what works; bf16 autocast and no_grad stay quiet."""
+    import warnings
+
+    from hfq.qparam import linear as QL
+
+    monkeypatch.setattr(QL, "_FP16_WARNED", [])
+    lin = QLinear.from_linear(torch.nn.Linear(64, 32).cuda())
+    x = torch.randn(4, 64, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lin(x).float().sum().backward()
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            lin(x)
+    assert lin.weight.grad.dtype == torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda")
+    with pytest.raises(NotImplementedError, match="BFloat16"):  # what the warning foretells
+        scaler.unscale_(torch.optim.SGD(lin.parameters(), lr=0.1))
+    with pytest.warns(UserWarning, match="bf16 gradients.*fp16 loss scaling.*gradient_bits=8"):
+        with torch.autocast("cuda", dtype=torch.float16):
+            lin(x).float().sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cuda", dtype=torch.float16):
+            lin(x)  # once per process

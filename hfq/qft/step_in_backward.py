@@ -192,6 +192,11 @@ class StepInBackward(TrainerCallback):
         if args.gradient_accumulation_steps != 1:
             raise ValueError(f"StepInBackward: gradient_accumulation_steps must be 1 (the step is applied during "
                              f"each backward), got {args.gradient_accumulation_steps}")
+        if getattr(args, "fp16", False):
+            raise ValueError("StepInBackward: fp16 loss scaling (fp16=True) cannot work when the step is applied "
+                             "during backward: each weight is updated from the scaled gradient before the scaler can "
+                             "unscale it or skip an overflowing step (and GradScaler then finds no gradient); train "
+                             "with bf16=True")
         if args.max_grad_norm is not None and args.max_grad_norm > 0:
             raise ValueError(f"StepInBackward: gradient clipping cannot work when the step is applied during "
                              f"backward (the norm is known only after every update); set max_grad_norm=0, got "

@@ -4,6 +4,8 @@ stores the codes and scales as such (`<prefix>weight_codes`, `<prefix>weight_sca
 `save_pretrained`, `load_state_dict` and Trainer checkpoints work unchanged."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -68,9 +70,28 @@ class _QLinearFn(torch.autograd.Function):
         return gx, gw, gb, None, None
 
 
+_FP16_WARNED: list = []
+
+
+def _warn_fp16_loss_scaling(name: str) -> None:
+    """Once per process: a quantized weight trained under fp16 autocast on CUDA (where fp16 loss scaling is the rule)
+    gets a bf16 gradient, which GradScaler cannot unscale there: torch's CUDA unscale kernel has no bf16 variant and
+    raises NotImplementedError at the first unscale_/step. INT8 gradients (their own unscale) are not affected."""
+    if _FP16_WARNED or torch.get_autocast_dtype("cuda") != torch.float16:
+        return
+    _FP16_WARNED.append(name)
+    warnings.warn(f"{name or 'a quantized weight'}: QFT/ECO quantized weights have bf16 gradients, which fp16 loss "
+                  "scaling (GradScaler: Trainer fp16=True, accelerate mixed_precision='fp16') cannot unscale on CUDA "
+                  "(torch raises NotImplementedError ... 'BFloat16' at the first step); train with bf16 (bf16=True) "
+                  "or with QFT's INT8 gradients (QFTConfig(gradient_bits=8))", UserWarning, stacklevel=3)
+
+
 def qlinear(x: torch.Tensor, w: QParam, b: torch.Tensor | None = None, *, store_int8: bool = False,
             name: str | None = None) -> torch.Tensor:
     """F.linear for a QParam weight; `store_int8` keeps dL/dW as INT8 (named `name` in errors) instead of .grad."""
+    if (not store_int8 and x.is_cuda and w.requires_grad and torch.is_grad_enabled()
+            and torch.is_autocast_enabled("cuda")):
+        _warn_fp16_loss_scaling(name or w.place.name)
     return _QLinearFn.apply(x, w, b, store_int8, name)
 
 
