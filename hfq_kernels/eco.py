@@ -96,13 +96,14 @@ def _to_state(x, p, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _uniform(seed, rows, jg, stream):
+def _uniform(seed, rows, jg, stream, lane):
     """[ROWS, W, 8] uniforms in (0, 1) for the SR step: one Philox call per row and column group of 8 (4 words x 2
-    halves: 16-bit uniforms). Counter = (group, row, tensor stream, 1), key = seed."""
+    halves: 16-bit uniforms). Counter = (group, row, tensor stream, lane), key = seed; lane 1 rounds the weight,
+    lane 2 the second moment."""
     c0 = (jg[None, :] + rows[:, None] * 0).to(tl.uint32)
     c1 = (rows[:, None] + jg[None, :] * 0).to(tl.uint32)
     c2 = c1 * 0 + stream.to(tl.uint32)
-    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c2 * 0 + 1)
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c2 * 0 + lane)
     kk = tl.arange(0, 8)[None, None, :]
     sel = kk & 3
     r = tl.where(sel == 0, r0[:, :, None], tl.where(sel == 1, r1[:, :, None],
@@ -135,11 +136,16 @@ def _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, o
 
 @triton.jit
 def _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, rows, jg, stream,
-                   SR: tl.constexpr, INTERP: tl.constexpr):
-    """Requantize tmp with the new row scale s3 (RTN or SR), inject the error into m, store codes and moments."""
+                   SR: tl.constexpr, SR_V: tl.constexpr, INTERP: tl.constexpr):
+    """Requantize tmp with the new row scale s3 (RTN or SR), inject the error into m, store codes and moments
+    (SR_V: the bf16 second moment rounded stochastically, its 16 dropped bits against a 16-bit uniform)."""
     x = tl.minimum(tl.maximum(tl.div_rn(tmp, s3), -448.0), 448.0)
+    if SR_V:
+        h = (_uniform(seed, rows, jg, stream, 2) * 65536.0).to(tl.int32)  # (h + 1/2) / 2^16 -> h
+        vb = v.to(tl.int32, bitcast=True) + tl.where((v - v) == 0.0, h, 0)  # NaN/Inf bits kept
+        v = (vb & -65536).to(tl.float32, bitcast=True)  # on the bf16 grid: the store's cast is exact
     if SR:
-        u = _uniform(seed, rows, jg, stream)
+        u = _uniform(seed, rows, jg, stream, 1)
     else:
         u = x
     q = _e4m3_round(x, u, SR)
@@ -161,7 +167,7 @@ def _block_offs(b, cols0, rmask, base, n_cols, BLOCK: tl.constexpr):
 @triton.jit(do_not_specialize=["seed"])
 def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, eps, step_size, inv_sqrt_bc2,
                           inj, seed, G_DT: tl.constexpr, M_DT: tl.constexpr, V_DT: tl.constexpr,
-                          SR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                          SR: tl.constexpr, SR_V: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                           TWO_PASS: tl.constexpr,
                           ALIGNED: tl.constexpr, INTERP: tl.constexpr):
     W: tl.constexpr = BLOCK // 8
@@ -196,7 +202,7 @@ def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, ep
         s_new = tl.where(amax > 0, tl.maximum(tl.div_rn(amax, 448.0), _MIN_SCALE), 1.0)
         s3 = s_new[:, None, None]
         _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, grows, jj,
-                       stream, SR, INTERP)
+                       stream, SR, SR_V, INTERP)
     else:
         nb = tl.cdiv(n_cols, BLOCK)
         amax = tl.zeros([ROWS], dtype=tl.float32)
@@ -212,7 +218,7 @@ def _eco_adamw_fp8_kernel(tab_ptr, work_ptr, decay, beta1, omb1, beta2, omb2, ep
             tmp, m, v, denom = _load_tmp(codes_ptr, g_ptr, m_ptr, v_ptr, offs, mask, s_old, decay, beta1, omb1,
                                          beta2, omb2, eps, step_size, inv_sqrt_bc2)
             _requant_store(tmp, m, v, denom, s3, inj, codes_ptr, m_ptr, v_ptr, offs, mask, seed, grows,
-                           b * W + jj, stream, SR, INTERP)
+                           b * W + jj, stream, SR, SR_V, INTERP)
     tl.store(scales_ptr + rows, s_new, mask=rmask)
 
 
@@ -306,8 +312,10 @@ def eco_adamw_fp8_prepare(codes, scales, grads, exp_avgs, exp_avg_sqs, *, stream
     return _Plan(device, out, (list(exp_avgs), list(exp_avg_sqs), list(grads)))
 
 
-def eco_adamw_fp8_launch(plan: _Plan, *, lr, beta1, beta2, eps, weight_decay, step, rounding="rtn", seed=0) -> None:
-    """Device half: one kernel launch per bucket of `plan`."""
+def eco_adamw_fp8_launch(plan: _Plan, *, lr, beta1, beta2, eps, weight_decay, step, rounding="rtn", seed=0,
+                         state_sr: bool = False) -> None:
+    """Device half: one kernel launch per bucket of `plan`. `state_sr`: bf16 second moments are stored with
+    stochastic rounding (lane 2 of `seed`'s Philox stream; pass a new seed every step)."""
     _fp8.check_rounding(rounding)
     if plan.device is None:
         return
@@ -319,20 +327,21 @@ def eco_adamw_fp8_launch(plan: _Plan, *, lr, beta1, beta2, eps, weight_decay, st
     for tab, work, block, two_pass, (gd, md, vd), aligned, rows_per_prog, warps in plan.buckets:
         _eco_adamw_fp8_kernel[(work.shape[0],)](
             tab, work, k["decay"], beta1, k["omb1"], beta2, k["omb2"], eps, k["step_size"], k["inv_sqrt_bc2"],
-            k["inj"], int(seed), G_DT=gd, M_DT=md, V_DT=vd, SR=(rounding == "sr"), BLOCK=block, ROWS=rows_per_prog,
+            k["inj"], int(seed), G_DT=gd, M_DT=md, V_DT=vd, SR=(rounding == "sr"),
+            SR_V=bool(state_sr) and vd == _S_CODES[torch.bfloat16], BLOCK=block, ROWS=rows_per_prog,
             TWO_PASS=two_pass, ALIGNED=aligned, INTERP=plan.device.type == "cpu", num_warps=warps,
             enable_fp_fusion=False)  # no FMA contraction: the fp32 arithmetic equals the reference's op for op
 
 
 def eco_adamw_fp8_multi_step_(codes, scales, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay,
-                              step, rounding="rtn", seed=0, streams=None, first_rows=None) -> None:
+                              step, rounding="rtn", seed=0, streams=None, first_rows=None, state_sr=False) -> None:
     """In-place fused ECO-AdamW step (memory-free rule) over lists of fp8_e4m3_row weights that share the
     hyper-parameters and step count; the i-th tensor draws its SR noise from stream streams[i] (default i) of
     `seed`, its rows counted from first_rows[i] (default 0). CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
     _fp8.check_rounding(rounding)
     plan = eco_adamw_fp8_prepare(codes, scales, grads, exp_avgs, exp_avg_sqs, streams=streams, first_rows=first_rows)
     eco_adamw_fp8_launch(plan, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
-                         rounding=rounding, seed=seed)
+                         rounding=rounding, seed=seed, state_sr=state_sr)
 
 
 def eco_adamw_fp8_step_triton(codes, scales, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay,

@@ -204,3 +204,27 @@ def test_fused_optimizer_refuses_nonfinite_grad_untouched(first):
     for k, st in sd["state"].items():
         for name, t in st.items():
             assert torch.equal(sd2["state"][k][name], t), (k, name)
+
+
+@pytest.mark.parametrize("one_pass", [8192, 64])
+def test_bf16_second_moment_decays_with_state_sr(one_pass, monkeypatch):
+    """A bf16 second moment under beta2 = 0.999 with no gradient: nearest rounding gives the old value back every
+    step (0.1% decay < half a bf16 step), stochastic rounding (state_sr) follows 0.999^n on average; a fresh seed
+    per step, as ECOAdamW draws it."""
+    monkeypatch.setattr(K, "MAX_ONE_PASS", one_pass)
+    s = _state(8, 128, seed=6, state_dtype=torch.bfloat16)
+    s[2].zero_()
+    s[4].fill_(1.0)
+    kw = dict(KW, beta2=0.999)
+    rtn, sr = _clone(s), _clone(s)
+    n = 30
+    for i in range(n):
+        kw["step"] = 1000 + i  # bias corrections ~1: the weight barely moves
+        K.eco_adamw_fp8_step_triton(*rtn, rounding="rtn", **kw)
+        K.eco_adamw_fp8_multi_step_(*[[t] for t in sr], rounding="rtn", seed=100 + i, state_sr=True, **kw)
+    assert torch.equal(rtn[4], torch.ones_like(rtn[4]))  # stuck
+    target = 0.999 ** n
+    mean = float(sr[4].float().mean())
+    assert abs(mean - target) < 0.002, (mean, target)
+    vals = sr[4].float().unique()
+    assert len(vals) >= 2 and float(vals.max()) <= 1.0  # neighbours on the bf16 grid, never above the start

@@ -169,10 +169,10 @@ class ECOAdamW(_ECOBase):
                 seed = 0
                 if keyed:  # the same on every rank and world size: a function of (seed, step) only
                     seed = (self._seed * 1_000_003 + step) % (2 ** 31 - 1)
-                elif self.rounding == "sr":
+                elif self.rounding == "sr" or self._store.stochastic_bf16:
                     seed = int(torch.randint(0, 2 ** 31 - 1, (1,), generator=self._generator("cpu")))
                 eco_adamw_fp8_launch(plan, lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, step=step,
-                                     rounding=self.rounding, seed=seed)
+                                     rounding=self.rounding, seed=seed, state_sr=self._store.stochastic_bf16)
                 for p, state in ps:  # the GPU is busy meanwhile
                     state["step"] += 1
         st = self._store
@@ -194,7 +194,7 @@ class ECOAdamW(_ECOBase):
                 self._plain_update_(p, lambda w, r: Fn.adamw_(w, m[r], v[r], g[r], step=step, lr=lr, beta1=b1,
                                                               beta2=b2, eps=eps, weight_decay=wd))
             st.store(state, "exp_avg", m, True, self._carrier_rng(lp, m))
-            st.store(state, "exp_avg_sq", v, False)
+            st.store(state, "exp_avg_sq", v, False, self._generator(v.device) if st.stochastic_bf16 else None)
         return loss
 
     def _init_state(self, p, state):

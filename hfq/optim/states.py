@@ -8,10 +8,15 @@ A first moment may instead be rounded stochastically between its two neighbourin
 memory-free rule puts the quantization error into the momentum, entries ~1/lr times the gradient increments,
 which round-to-nearest would drop step after step.
 Bytes per element: 1 + 4/BLOCK.
+bf16: a store given a generator rounds stochastically. ECOAdamW's second moment needs it: its per-step decay at
+beta2 = 0.999 (0.1%) is below half a bf16 step (0.2-0.4%), so round-to-nearest gives the old value back and the
+moment could only grow (updates too small once gradients shrink).
 """
 from __future__ import annotations
 
 import torch
+
+from hfq_kernels.reference.intq import round_bf16
 
 BLOCK = 2048
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -64,6 +69,7 @@ class StateStore:
         if bits is None and dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {dtype!r}")
         self.dtype, self.bits = dtype, bits
+        self.stochastic_bf16 = bits is None and dtype == torch.bfloat16  # callers pass a generator where it matters
 
     def init(self, state: dict, name: str, like: torch.Tensor, signed: bool) -> None:
         if self.bits == 8:
@@ -81,11 +87,13 @@ class StateStore:
 
     def store(self, state: dict, name: str, value: torch.Tensor, signed: bool,
               generator: torch.Generator | None = None) -> None:
-        """Write `value` back; with 8 bits, a signed moment given a `generator` is rounded stochastically."""
+        """Write `value` back; given a `generator`, a bf16 moment or a signed 8-bit one is rounded stochastically."""
         if self.bits == 8:
             codes, absmax = encode8(value, signed, generator)
             state[name + "_q8"].copy_(codes)
             state[name + "_absmax"].copy_(absmax)
+        elif generator is not None and state[name].dtype == torch.bfloat16:
+            state[name].copy_(round_bf16(value, "sr", generator))
         elif state[name] is not value:
             state[name].copy_(value)
 
