@@ -756,3 +756,26 @@ def test_compile_with_int8_gradients_matches_eager_without_recompiling_per_layer
     assert out[0][1].keys() == out[1][1].keys() and len(out[0][1]) > 0
     for n in out[0][1]:
         assert torch.allclose(out[0][1][n], out[1][1][n], atol=1e-6), n
+
+
+@pytest.mark.parametrize("gradient_bits,grad", [(None, True), (8, False)], ids=["eco_training", "int8_eval"])
+def test_regional_compile_compiles_one_graph_for_every_identical_layer(gradient_bits, grad):
+    """Decoder layers compiled one by one (model.layers[i].compile()): quantized layers of the same shapes share one
+    graph. A traced read of each weight's own name guarded every layer on it, so past Dynamo's recompile limit (8)
+    the remaining layers ran eagerly with one log line as the only sign."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _tiny(gradient_bits=gradient_bits, layers=10)
+    model.config.use_cache = False
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    x = torch.randint(4, 100, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.set_grad_enabled(grad):
+        out = model(input_ids=x, labels=x)
+        if grad:
+            out.loss.backward()
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs == 1, graphs

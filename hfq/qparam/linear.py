@@ -32,7 +32,9 @@ class _QLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b, store_int8=False, name=None):
         ctx.w, ctx.store_int8 = w, store_int8
-        ctx.name = name or w.place.name  # not read in the caller: a per-layer constant there recompiles per layer
+        # the weight's own name is looked up in backward, where only the INT8 store (run eagerly) reads it: a traced
+        # read of a per-layer name here would guard every compiled layer on it and recompile per layer
+        ctx.name = name
         ctx.has_b = b is not None
         wd = w.dequantize(x.dtype)
         # Under activation checkpointing the decoded weight is a saved tensor too: checkpointing drops it after the
@@ -55,12 +57,13 @@ class _QLinearFn(torch.autograd.Function):
             shard = getattr(w, "fsdp_shard", None)
             if ctx.store_int8 and shard is not None:  # FSDP2: w is the gathered weight of a sharded parameter
                 if getattr(w, "grad_consumer", None) is not None:
-                    raise NotImplementedError(f"{ctx.name or 'a quantized weight'}: QLion's step in backward "
-                                              "(step_in_backward_) does not run under FSDP2; use the optimizer step")
-                accumulate_sharded_int8_grad_(*shard, gw, ctx.name)
+                    raise NotImplementedError(f"{ctx.name or w.place.name or 'a quantized weight'}: QLion's step in "
+                                              "backward (step_in_backward_) does not run under FSDP2; use the "
+                                              "optimizer step")
+                accumulate_sharded_int8_grad_(*shard, gw, ctx.name or w.place.name)
                 gw = None
             elif ctx.store_int8:
-                store, name = getattr(w, "grad_consumer", None) or accumulate_int8_grad_, ctx.name
+                store, name = getattr(w, "grad_consumer", None) or accumulate_int8_grad_, ctx.name or w.place.name
                 mean_over_ranks_then(gw, lambda g: store(w, g, name))
                 gw = None
             else:
@@ -77,7 +80,7 @@ def _warn_fp16_loss_scaling(name: str) -> None:
     """Once per process: a quantized weight trained under fp16 autocast on CUDA (where fp16 loss scaling is the rule)
     gets a bf16 gradient, which GradScaler cannot unscale there: torch's CUDA unscale kernel has no bf16 variant and
     raises NotImplementedError at the first unscale_/step. INT8 gradients (their own unscale) are not affected."""
-    if _FP16_WARNED or torch.get_autocast_dtype("cuda") != torch.float16:
+    if _FP16_WARNED:
         return
     _FP16_WARNED.append(name)
     warnings.warn(f"{name or 'a quantized weight'}: QFT/ECO quantized weights have bf16 gradients, which fp16 loss "
@@ -90,7 +93,7 @@ def qlinear(x: torch.Tensor, w: QParam, b: torch.Tensor | None = None, *, store_
             name: str | None = None) -> torch.Tensor:
     """F.linear for a QParam weight; `store_int8` keeps dL/dW as INT8 (named `name` in errors) instead of .grad."""
     if (not store_int8 and x.is_cuda and w.requires_grad and torch.is_grad_enabled()
-            and torch.is_autocast_enabled("cuda")):
+            and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.float16):
         _warn_fp16_loss_scaling(name or w.place.name)
     return _QLinearFn.apply(x, w, b, store_int8, name)
 
