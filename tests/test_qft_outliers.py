@@ -137,6 +137,33 @@ def test_never_by_default_and_qlion_override():
     assert not torch.equal(q.thresholds, thr)
 
 
+def test_outliers_grown_past_three_times_their_fraction_are_announced_once():
+    """Without re-selection, elements that cross the load-time thresholds stay bf16 outliers: an optimizer says so
+    once, naming the weight and both remedies; with a refresh schedule it stays quiet."""
+    import warnings
+
+    for make, quiet in ((lambda q: QLion([q], lr=0.05), False), (lambda q: ECOSGD([q], lr=0.5), False),
+                        (lambda q: QLion([q], lr=0.05, refresh_thresholds_every=100), True)):
+        q = _weight(seed=3)
+        q.place.name = "layer.weight"
+        opt = make(q)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            shares = []
+            for i in range(6):
+                q.grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+                opt.step()
+                shares.append(q.sparse_idx.numel() / q.numel())
+        hits = [w for w in seen if "bf16 outliers" in str(w.message)]
+        if quiet:
+            assert not hits
+            continue
+        assert max(shares) > 0.03, shares  # the setting grows the outliers past 3 x 1%
+        assert len(hits) == 1, [str(w.message) for w in seen]
+        msg = str(hits[0].message)
+        assert "layer.weight" in msg and "OutlierRefreshPerEpoch" in msg and "outlier_refresh_steps=N" in msg
+
+
 def test_state_bytes_counts_the_sparse_part_by_hand():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 16, bias=False), nn.Linear(32, 8, bias=False))

@@ -10,6 +10,7 @@ its rows back out), so a checkpoint loads on any world size. Stochastic rounding
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import torch
 
@@ -356,6 +357,7 @@ class QParamOptimizer(torch.optim.Optimizer):
             return False
         n = getattr(self, "refresh_thresholds_every", None) or q.meta.get("outlier_refresh_steps", 0)
         if not n:
+            self._warn_outlier_growth(q)
             return False
         state = self.state[p]
         if "step" in state:
@@ -368,6 +370,23 @@ class QParamOptimizer(torch.optim.Optimizer):
                              "whole weight's quantiles, which an FSDP2 shard does not hold; under FSDP2 use "
                              "outlier_refresh_steps=0 (QFTConfig) and no refresh_thresholds_every")
         return due
+
+    def _warn_outlier_growth(self, q: QParam) -> None:
+        """Once per optimizer: an int8_dense_sparse weight whose outliers are never re-selected has grown past three
+        times its outlier_fraction (at least 2%): elements that cross the load-time thresholds become 6-byte bf16
+        outliers for good, and past ~17% the weight takes more memory than bf16."""
+        if getattr(self, "_outlier_growth_warned", False):
+            return
+        frac = float(q.meta.get("outlier_fraction", 0.0))
+        n, total = q.sparse_idx.numel(), q.numel()
+        if n <= max(3 * frac, 0.02) * total:
+            return
+        self._outlier_growth_warned = True
+        warnings.warn(f"{q.place.name or 'an int8_dense_sparse weight'}: {n} of {total} elements ({n / total:.1%}) "
+                      f"are now bf16 outliers (outlier_fraction={frac}); with outlier_refresh_steps=0 the thresholds "
+                      "are never re-selected, and past ~17% the weight takes more memory than bf16. Re-select them "
+                      "once per epoch (Trainer(callbacks=[hfq.qft.OutlierRefreshPerEpoch()])) or every N steps "
+                      "(QFTConfig(outlier_refresh_steps=N))", UserWarning, stacklevel=4)
 
     def _generator(self, device) -> torch.Generator:
         key = str(torch.device(device))
