@@ -172,12 +172,14 @@ def test_fp16_autocast_training_on_cuda_announces_the_bf16_gradient(monkeypatch)
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
             lin(x)
     assert lin.weight.grad.dtype == torch.bfloat16
+    lin.zero_grad()
     scaler = torch.amp.GradScaler("cuda")
-    with pytest.raises(NotImplementedError, match="BFloat16"):  # what the warning foretells
-        scaler.unscale_(torch.optim.SGD(lin.parameters(), lr=0.1))
     with pytest.warns(UserWarning, match="bf16 gradients.*fp16 loss scaling.*gradient_bits=8"):
         with torch.autocast("cuda", dtype=torch.float16):
-            lin(x).float().sum().backward()
+            loss = lin(x).float().sum()
+    scaler.scale(loss).backward()
+    with pytest.raises(NotImplementedError, match="BFloat16"):  # what the warning foretells
+        scaler.unscale_(torch.optim.SGD(lin.parameters(), lr=0.1))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with torch.autocast("cuda", dtype=torch.float16):
