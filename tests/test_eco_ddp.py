@@ -30,7 +30,8 @@ def _model(seed=0, fmt="fp8_e4m3_row"):
 def _opt(params):
     from hfq.eco import ECOAdamW
 
-    return ECOAdamW(params, lr=1e-2, weight_decay=0.1, rounding="sr", seed=3)
+    # bf16 states: their stochastically rounded second moments must draw alike on every rank
+    return ECOAdamW(params, lr=1e-2, weight_decay=0.1, rounding="sr", seed=3, state_dtype=torch.bfloat16)
 
 
 def _shard(step, rank):
