@@ -184,3 +184,29 @@ def test_fp16_autocast_training_on_cuda_announces_the_bf16_gradient(monkeypatch)
         warnings.simplefilter("error")
         with torch.autocast("cuda", dtype=torch.float16):
             lin(x)  # once per process
+
+
+@pytest.mark.parametrize("fmt", ["int8_dense_sparse", "fp8_e4m3_row"])
+def test_meta_then_to_empty_then_load_state_dict_rebuilds_the_model(fmt):
+    """model.to("meta"); model.to_empty(device=...); load_state_dict(sd): the route that rebuilds a model without
+    allocating it twice. Quantized weights stay quantized through empty_like (they became plain bf16 parameters
+    of garbage, and the load then failed with an AttributeError)."""
+    from hfq.qft import QFTConfig, quantize_model_
+    from hfq.tiny import tiny_model
+
+    model = tiny_model("llama", seed=0, hidden=64, intermediate=128, kv_heads=4).eval()
+    quantize_model_(model, QFTConfig(weight_format=fmt))
+    ids = torch.tensor([[4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        ref = model(ids).logits
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    rebuilt = copy.deepcopy(model).to("meta")
+    rebuilt.to_empty(device="cpu")
+    w = rebuilt.model.layers[0].self_attn.q_proj.weight
+    assert isinstance(w, QParam) and w.fmt == fmt and w.device.type == "cpu"
+    rebuilt.load_state_dict(sd)
+    for (n, b), (_, b0) in zip(rebuilt.named_buffers(), model.named_buffers()):
+        if n.endswith("inv_freq"):  # not persistent: transformers recomputes it at init
+            b.copy_(b0)
+    with torch.no_grad():
+        assert torch.equal(rebuilt(ids).logits, ref)

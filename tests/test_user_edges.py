@@ -484,3 +484,24 @@ def test_resize_token_embeddings_with_a_quantized_head_is_refused_untouched(tiny
     kept = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QFTConfig())  # lm_head kept out
     kept.resize_token_embeddings(120)
     assert kept.lm_head.weight.shape[0] == 120 and kept(torch.tensor([[5, 119]])).logits.shape[-1] == 120
+
+
+def test_quest_masters_cast_to_bf16_after_loading_are_announced_at_training(tiny_dir, monkeypatch):
+    """fp32 masters loaded quietly, then model.to(torch.bfloat16): the first training forward says what the
+    bf16 load would have said (once); evaluation forwards stay quiet."""
+    from hfq.quest import linear as QL
+
+    monkeypatch.setattr(QL, "_LOW_MASTERS_WARNED", [])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*master weights.*")
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QuESTConfig(),
+                                                     dtype=torch.float32).to(torch.bfloat16)
+        ids = torch.tensor([[4, 5, 6, 7]])
+        with torch.no_grad():
+            model.eval()(ids)
+    model.train()
+    with pytest.warns(UserWarning, match=r"QuEST master weights are bfloat16.*keep them fp32"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*master weights.*")
+        model(input_ids=ids, labels=ids).loss.backward()

@@ -209,6 +209,11 @@ class QParam(torch.Tensor):
             return src._replace(lambda t: t.to(dev, non_blocking=nb), same_place=False)
         if func is aten.clone.default:
             return args[0]._replace(lambda t: t.clone(), same_place=False)
+        if func is aten.empty_like.default and kwargs.get("dtype") in (None, args[0].dtype):
+            # Module.to_empty (a model rebuilt from the meta device): uninitialised inner tensors, still quantized,
+            # for load_state_dict to fill
+            dev = kwargs.get("device") or args[0].device
+            return args[0]._replace(lambda t: torch.empty_like(t, device=dev), same_place=False)
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             if isinstance(src, QParam):

@@ -10,6 +10,7 @@ level * unit, computed with the same fp32 arithmetic as the QAT forward, so logi
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -205,6 +206,24 @@ def weight_from_hadamard(wq32: torch.Tensor, block: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- module
+_LOW = (torch.bfloat16, torch.float16)
+_LOW_MASTERS_WARNED: list = []  # the first training forward's warning: not after this or a load-time one
+
+
+def warn_low_precision_master(dtype: torch.dtype, stacklevel: int = 2, once: bool = True) -> None:
+    """Warn that QuEST master weights are bf16/fp16: QAT steps below half their ulp are lost. `once`: only if no
+    such warning was given yet in this process (the training forward's check; a load warns each time)."""
+    if once and _LOW_MASTERS_WARNED:
+        return
+    _LOW_MASTERS_WARNED.append(dtype)
+    low = str(dtype).removeprefix("torch.")
+    warnings.warn(f"hfq_quest: the QuEST master weights are {low} (the model's dtype): for QAT load with "
+                  "dtype=torch.float32 and keep them fp32 (Trainer's bf16=True then computes in bf16), since a "
+                  f"{low} master weight loses every optimizer step below half its ulp (AdamW at lr 1e-4 leaves most "
+                  "weights of a pretrained model unchanged); for inference this does not matter",
+                  UserWarning, stacklevel=stacklevel + 1)
+
+
 class QuESTLinear(nn.Module):
     """Drop-in nn.Linear trained with QuEST; `packed=True` builds the inference form (codes + scales).
     share_input_quantization: layers called on the very same input tensor (q/k/v, gate/up) quantize it
@@ -286,6 +305,8 @@ class QuESTLinear(nn.Module):
                     "reaches its codes, bias or input through the activation quantizer). Continue QAT from a "
                     "save_format='master' checkpoint; for inference call model.eval() or run under torch.no_grad()")
             return self._forward_packed(x)
+        if self.training and self.weight.dtype in _LOW and self.weight.requires_grad and torch.is_grad_enabled():
+            warn_low_precision_master(self.weight.dtype, stacklevel=3)  # e.g. model.to(torch.bfloat16) after load
         dev = x.device.type
         # under autocast the matmuls run in the autocast dtype; the weight is still quantized in fp32
         cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.weight.dtype

@@ -12,7 +12,7 @@ from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, m
                              modules_to_skip, refuse_nonfinite, refuse_quantized, replace_linears,
                              unguard_weight)
 from .config import QuESTConfig
-from .linear import QuESTLinear, check_weight, layer_maker
+from .linear import QuESTLinear, check_weight, layer_maker, warn_low_precision_master
 
 
 class QuESTHfQuantizer(HfqQuantizer):
@@ -88,14 +88,10 @@ class QuESTHfQuantizer(HfqQuantizer):
 
 def warn_low_precision_masters(model: torch.nn.Module, stacklevel: int = 2) -> None:
     """Warn when QuEST master weights are bf16/fp16: QAT steps below half their ulp are lost."""
-    low = sorted({str(m.weight.dtype).removeprefix("torch.") for m in model.modules() if isinstance(m, QuESTLinear)
-                  and not m.packed and m.weight.dtype in (torch.bfloat16, torch.float16)})
+    low = [m.weight.dtype for m in model.modules() if isinstance(m, QuESTLinear) and not m.packed
+           and m.weight.dtype in (torch.bfloat16, torch.float16)]
     if low:
-        warnings.warn(f"hfq_quest: the QuEST master weights are {'/'.join(low)} (the model's dtype): for QAT "
-                      "load with dtype=torch.float32 (Trainer's bf16=True then computes in bf16), since a "
-                      f"{low[0]} master weight loses every optimizer step below half its ulp (AdamW at lr 1e-4 "
-                      "leaves most weights of a pretrained model unchanged); for inference this does not matter",
-                      UserWarning, stacklevel=stacklevel + 1)
+        warn_low_precision_master(low[0], stacklevel=stacklevel + 1, once=False)
 
 
 def quantize_model(model: torch.nn.Module, config: QuESTConfig | None = None) -> torch.nn.Module:
