@@ -620,9 +620,46 @@ def test_trainer_ddp_two_gpus_accelerate_launch(tmp_path):
     assert ref[0]["grad_norm"] > 0.5  # the clip was active
 
 
+def _branch_worker(rank, port, out):
+    """One gloo rank whose backward reaches another quantized weight of the same shape than the other rank's (a
+    data-dependent branch): up_proj on rank 0, gate_proj on rank 1. Writes what backward raised."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    mlp = _tiny().model.layers[0].mlp
+    layer = mlp.up_proj if rank == 0 else mlp.gate_proj
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(rank))
+    try:
+        layer(x).sum().backward()
+        msg = f"no error; stored: {layer.weight.grad is not None}"
+    except RuntimeError as e:
+        msg = f"{str(e)}; stored: {layer.weight.grad is not None}"
+    with open(os.path.join(out, f"branch{rank}.txt"), "w") as f:
+        f.write(msg)
+    os._exit(0)
+
+
+def test_ddp_ranks_reaching_different_quantized_weights_raise_instead_of_mixing_them(tmp_path):
+    """INT8 gradients are averaged by hfq's own all-reduce, one bucket of weights at a time, element by element: a
+    rank that sent other weights of the same sizes had rank 0's up_proj summed with rank 1's gate_proj, silently.
+    The bucket's fingerprint of names and shapes makes both ranks raise before storing anything."""
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "branch", str(tmp_path)], env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    for rank, mine in ((0, "up_proj"), (1, "gate_proj")):
+        msg = (tmp_path / f"branch{rank}.txt").read_text()
+        assert "ranks averaged different weights" in msg and mine in msg and msg.endswith("stored: False"), msg
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "trainer":
         _trainer_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "branch":
+        import torch.multiprocessing as mp
+
+        mp.spawn(_branch_worker, args=(_free_port(), sys.argv[2]), nprocs=WORLD)
     else:
         import torch.multiprocessing as mp
 

@@ -247,6 +247,26 @@ def test_refusals():
     assert not any(hasattr(p, "grad_consumer") for p in model.parameters())  # the failed install left nothing
 
 
+def test_accelerate_gradient_accumulation_refused_at_install():
+    """An Accelerator with gradient_accumulation_steps=2: refused when the step is installed, before the first
+    micro-step would update every weight from half the loss (it raised only at the second micro-step)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    model = _llama()
+    try:
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        pmodel, popt = acc.prepare(model, _opt(model))
+        before = {n: p.detach().clone() for n, p in model.named_parameters() if not isinstance(p, QParam)}
+        with pytest.raises(ValueError, match="gradient accumulation \\(2 steps"):
+            step_in_backward_(pmodel, popt)
+        assert not any(hasattr(p, "grad_consumer") for p in model.parameters())
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
 def _data(n=16):
     return [{k: v[0] for k, v in _batch(1000 + i, 1).items()} for i in range(n)]
 

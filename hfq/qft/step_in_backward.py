@@ -157,6 +157,11 @@ def step_in_backward_(model: nn.Module, optimizer, quantize_grad: bool = True) -
                            "all-reduced after the hook that would step them); use backward + optimizer.step()")
     if getattr(opt, _KEY, None) is not None:
         raise RuntimeError("step_in_backward_: already installed on this optimizer; call handle.remove() first")
+    accum = getattr(getattr(optimizer, "gradient_state", None), "num_steps", 1)  # accelerate's AcceleratedOptimizer
+    if accum != 1:
+        raise ValueError(f"step_in_backward_: gradient accumulation ({accum} steps, Accelerator's "
+                         "gradient_accumulation_steps) cannot work when the step is applied during each backward: "
+                         "the first micro-step would update every weight from its share of the loss; use 1")
     params = [p for g in opt.param_groups for p in g["params"]]
     model_params = {id(p) for p in model.parameters()}
     for p in params:

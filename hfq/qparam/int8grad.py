@@ -4,6 +4,7 @@ DDP attribute that keeps DistributedDataParallel away from those weights."""
 from __future__ import annotations
 
 import math
+import zlib
 from collections import deque
 
 import torch
@@ -266,7 +267,7 @@ def _wire(g: torch.Tensor) -> torch.Tensor:
     return (g if g.dtype == torch.bfloat16 and g.is_cuda else g.float()).contiguous()
 
 
-def mean_over_ranks_then(g: torch.Tensor, then) -> None:
+def mean_over_ranks_then(g: torch.Tensor, then, name: str | None = None) -> None:
     """`then(mean of g over ranks, fp32)`: under torch.distributed (world > 1, default group) the mean, as DDP
     averages a .grad, from an all-reduce (BUCKET: several weights per collective) that overlaps the rest of backward
     (IN_FLIGHT); else then(g) now.
@@ -280,7 +281,7 @@ def mean_over_ranks_then(g: torch.Tensor, then) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         then(g)
         return
-    BUCKET.add("all_reduce", None, _wire(g), then)
+    BUCKET.add("all_reduce", None, _wire(g), then, name)
 
 
 def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | None = None) -> None:
@@ -291,29 +292,34 @@ def accumulate_sharded_int8_grad_(param, group, g: torch.Tensor, name: str | Non
     rounding per shard. Not FSDP2's own reduce-scatter with a hook storing the shard: FSDP2 keeps each layer's bf16
     reduce-scatter output alive until backward ends, the 2 bytes per parameter and rank that INT8 gradients exist to
     avoid; a bucket's are released as soon as its shards are stored."""
-    BUCKET.add("reduce_scatter", group, _wire(g), lambda mine: _store_shard(param, mine, name))
+    BUCKET.add("reduce_scatter", group, _wire(g), lambda mine: _store_shard(param, mine, name), name)
 
 
 class _Bucket:
     """Weight gradients waiting for one collective, the mean over ranks: an all-reduce (each weight's mean) or a
     reduce-scatter over an FSDP2 shard group (this rank's rows of each). Sent once they hold MAX_BYTES, when a
     gradient for another collective, group or dtype arrives, or when IN_FLIGHT drains (the end of backward, an
-    optimizer reading a store); each weight's `then` gets its part of the result as fp32. Every rank runs the same
-    backward, so the ranks' buckets hold the same weights in the same order."""
+    optimizer reading a store); each weight's `then` gets its part of the result as fp32. The sums are taken element
+    by element, so every rank must send the same weights in the same order: each collective carries a fingerprint
+    of its weights' names and shapes (FP_LEN small integers, summed with the gradients), and a rank whose sum is not
+    world x its own raises before storing anything (ranks whose backward passes reached different quantized
+    weights, e.g. a data-dependent branch; buckets of different sizes fail in the collective itself)."""
+
+    FP_LEN = 16  # 2-bit pieces of a CRC-32: their sums stay exact in bf16 up to 85 ranks
 
     MAX_BYTES = 1 << 28
 
     def __init__(self):
-        self.items: list = []  # (gradient on the wire, then)
+        self.items: list = []  # (gradient on the wire, then, weight name)
         self.bytes = 0
         self.key = None  # (collective, group, dtype)
 
-    def add(self, op: str, group, g: torch.Tensor, then) -> None:
+    def add(self, op: str, group, g: torch.Tensor, then, name: str | None = None) -> None:
         key = (op, group, g.dtype)
         if self.items and key != self.key:
             self.flush()
         self.key = key
-        self.items.append((g, then))
+        self.items.append((g, then, name))
         self.bytes += g.nbytes
         if self.bytes >= self.MAX_BYTES:
             self.flush()
@@ -330,27 +336,42 @@ class _Bucket:
         (op, group, _), items = self.key, self.items
         self.items, self.bytes = [], 0
         world = dist.get_world_size(group)
+        fp = self._fingerprint(items, items[0][0])
         if op == "all_reduce":
-            sent = torch.cat([g.reshape(-1) for g, _ in items]) if len(items) > 1 else items[0][0].reshape(-1)
-            out, shapes = sent, [g.shape for g, _ in items]
+            sent = torch.cat([g.reshape(-1) for g, _, _ in items] + [fp])
+            out, shapes = sent, [g.shape for g, _, _ in items]
             work = dist.all_reduce(sent, group=group, async_op=True)
         else:
-            rows = [g.reshape(world, -1) for g, _ in items]
-            sent = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0]
+            rows = [g.reshape(world, -1) for g, _, _ in items] + [fp.expand(world, -1)]
+            sent = torch.cat(rows, dim=1)
             out = sent.new_empty((sent.shape[1],))
-            shapes = [(g.shape[0] // world,) + tuple(g.shape[1:]) for g, _ in items]
+            shapes = [(g.shape[0] // world,) + tuple(g.shape[1:]) for g, _, _ in items]
             # reduce_scatter_tensor's new name where torch has it (the old one warns there)
             rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             work = rs(out, sent.reshape(-1), group=group, async_op=True)
 
         def finish(_sent=sent):  # the collective's input is held until it is finished
+            got = out[-self.FP_LEN:].float()
+            if not torch.equal(got, fp.float() * world):
+                names = [nm or "?" for _, _, nm in items]
+                raise RuntimeError(
+                    f"INT8 gradients (QFTConfig(gradient_bits=8)): the ranks averaged different weights in one "
+                    f"collective (this rank sent {len(names)}: {names[:4]}{' ...' if len(names) > 4 else ''}); "
+                    "every rank's backward must reach the same quantized linears in the same order (a "
+                    "data-dependent branch or an unused layer breaks that): their gradients were not stored")
             at = 0
-            for shape, (_, then) in zip(shapes, items):
+            for shape, (_, then, _) in zip(shapes, items):
                 n = math.prod(shape)
                 then(out[at:at + n].view(shape).float().div_(world))
                 at += n
 
         IN_FLIGHT.add(work, finish)
+
+
+    def _fingerprint(self, items, like: torch.Tensor) -> torch.Tensor:
+        """FP_LEN 2-bit pieces of a CRC-32 of the items' names and shapes, in the wire's dtype and device."""
+        h = zlib.crc32(";".join(f"{nm}:{tuple(g.shape)}" for g, _, nm in items).encode())
+        return torch.tensor([(h >> (2 * j)) & 3 for j in range(self.FP_LEN)], dtype=like.dtype, device=like.device)
 
 
 BUCKET = _Bucket()

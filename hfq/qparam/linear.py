@@ -64,7 +64,7 @@ class _QLinearFn(torch.autograd.Function):
                 gw = None
             elif ctx.store_int8:
                 store, name = getattr(w, "grad_consumer", None) or accumulate_int8_grad_, ctx.name or w.place.name
-                mean_over_ranks_then(gw, lambda g: store(w, g, name))
+                mean_over_ranks_then(gw, lambda g: store(w, g, name), name)
                 gw = None
             else:
                 gw = gw.to(w.dtype)
