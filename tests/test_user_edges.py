@@ -505,3 +505,43 @@ def test_quest_masters_cast_to_bf16_after_loading_are_announced_at_training(tiny
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*master weights.*")
         model(input_ids=ids, labels=ids).loss.backward()
+
+
+def _offload_map(layers: int, disk=(1,)) -> dict:
+    """A device_map with decoder blocks `disk` offloaded to disk (accelerate's dispatch hooks), the rest on the CPU."""
+    d = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    d.update({f"model.layers.{i}": "disk" if i in disk else "cpu" for i in range(layers)})
+    return d
+
+
+def test_quest_refuses_offloading_device_maps(tiny_dir, tmp_path):
+    """Offloaded QuEST layers are rebuilt at each forward, so QAT's gradients reached temporary copies: the offloaded
+    layers silently never trained (and a master checkpoint's load guard crashed there). Refused, as QFT/ECO do."""
+    layers = AutoModelForCausalLM.from_pretrained(tiny_dir).config.num_hidden_layers
+    with pytest.raises(ValueError, match=r"QuEST \(hfq_quest\): device_map places modules on \['cpu', 'disk'\]"):
+        AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QuESTConfig(), dtype=torch.float32,
+                                             device_map=_offload_map(layers), offload_folder=str(tmp_path / "off"))
+
+
+def test_nvfp4_checkpoint_with_offloaded_buffers_loads_and_matches(tiny_dir, tmp_path):
+    """offload_buffers=True (what takes NVFP4's codes and scales off the device): the load's scale check read meta
+    tensors (Tensor.item() on meta); now the offloaded model's logits equal the plain load's."""
+    q = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32)
+    q.save_pretrained(tmp_path / "q")
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32, offload_buffers=True,
+                                             device_map=_offload_map(q.config.num_hidden_layers),
+                                             offload_folder=str(tmp_path / "off"))
+    ids = torch.tensor([[5, 17, 30, 41, 8, 60]])
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, q(ids).logits)
+
+
+def test_nvfp4_layout_switch_leaves_no_stale_buffer_names():
+    """Entering and leaving the g4 layout drops buffers; their names must leave the non-persistent set too (accelerate's
+    dispatch looks every name in it up: 'does not have a parameter or a buffer named weight_g4')."""
+    lin = NVFP4Linear.from_linear(torch.nn.Linear(64, 32))
+    lin.to_g4_layout_()
+    assert {"weight_g4", "weight_g4_scale"} <= lin._non_persistent_buffers_set
+    lin.to_canonical_layout_()
+    assert not lin._non_persistent_buffers_set & {"weight_g4", "weight_g4_scale"}
+    assert all(n in lin._buffers for n in lin._non_persistent_buffers_set)

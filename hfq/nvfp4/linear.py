@@ -124,6 +124,7 @@ class NVFP4Linear(nn.Module):
     def _drop(self, names) -> None:
         for nm in names:
             self._buffers.pop(nm, None)
+            self._non_persistent_buffers_set.discard(nm)  # a stale name here breaks accelerate's dispatch
         self.__dict__.pop("_hfq_plans", None)
 
     @torch.no_grad()

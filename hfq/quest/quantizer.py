@@ -33,6 +33,18 @@ class QuESTHfQuantizer(HfqQuantizer):
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         return self.shape_may_differ(param_name)
 
+    def validate_environment(self, *args, device_map=None, **kwargs):
+        """A device_map that offloads (to "disk", or "cpu" beside accelerators) is refused: accelerate rebuilds an
+        offloaded layer's weights at each forward, so QAT's gradients reach temporary copies (the offloaded layers
+        would silently never train), and a master checkpoint's load guard is read from the file there."""
+        super().validate_environment(*args, device_map=device_map, **kwargs)
+        places = {str(v) for v in device_map.values()} if isinstance(device_map, dict) else set()
+        if "disk" in places or ("cpu" in places and len(places) > 1):
+            raise ValueError(f"QuEST (hfq_quest): device_map places modules on {sorted(places)}; offloading to the "
+                             "CPU or disk is not supported (QAT cannot update offloaded layers). Load onto one "
+                             "device (device_map={'': 'cuda:0'} or 'cpu') or spread over accelerators only "
+                             "(max_memory without 'cpu')")
+
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         cfg = self.quantization_config
         if self.pre_quantized and checkpoint_files:
