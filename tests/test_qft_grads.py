@@ -633,9 +633,9 @@ def _branch_worker(rank, port, out):
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(rank))
     try:
         layer(x).sum().backward()
-        msg = f"no error; stored: {layer.weight.grad is not None}"
+        msg = "no error"
     except RuntimeError as e:
-        msg = f"{str(e)}; stored: {layer.weight.grad is not None}"
+        msg = str(e)
     with open(os.path.join(out, f"branch{rank}.txt"), "w") as f:
         f.write(msg)
     os._exit(0)
@@ -644,13 +644,13 @@ def _branch_worker(rank, port, out):
 def test_ddp_ranks_reaching_different_quantized_weights_raise_instead_of_mixing_them(tmp_path):
     """INT8 gradients are averaged by hfq's own all-reduce, one bucket of weights at a time, element by element: a
     rank that sent other weights of the same sizes had rank 0's up_proj summed with rank 1's gate_proj, silently.
-    The bucket's fingerprint of names and shapes makes both ranks raise before storing anything."""
+    The bucket's fingerprint of names and shapes makes both ranks' backward raise, before any optimizer step."""
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "branch", str(tmp_path)], env=_env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     for rank, mine in ((0, "up_proj"), (1, "gate_proj")):
         msg = (tmp_path / f"branch{rank}.txt").read_text()
-        assert "ranks averaged different weights" in msg and mine in msg and msg.endswith("stored: False"), msg
+        assert "ranks averaged different weights" in msg and mine in msg and "zero them" in msg, msg
 
 
 if __name__ == "__main__":

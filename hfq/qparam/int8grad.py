@@ -252,6 +252,7 @@ class _InFlight:
         BUCKET.flush()
         while self.queue:
             self._finish_one()
+        BUCKET.verify()
 
     def _end(self) -> None:
         self.task = None
@@ -301,9 +302,10 @@ class _Bucket:
     gradient for another collective, group or dtype arrives, or when IN_FLIGHT drains (the end of backward, an
     optimizer reading a store); each weight's `then` gets its part of the result as fp32. The sums are taken element
     by element, so every rank must send the same weights in the same order: each collective carries a fingerprint
-    of its weights' names and shapes (FP_LEN small integers, summed with the gradients), and a rank whose sum is not
-    world x its own raises before storing anything (ranks whose backward passes reached different quantized
-    weights, e.g. a data-dependent branch; buckets of different sizes fail in the collective itself)."""
+    of its weights' names and shapes (FP_LEN small integers, summed with the gradients), and when the queue drains
+    (the end of backward) a rank whose sums were not world x its own raises, before any optimizer step (ranks whose
+    backward passes reached different quantized weights, e.g. a data-dependent branch; buckets of different sizes
+    fail in the collective itself)."""
 
     FP_LEN = 16  # 2-bit pieces of a CRC-32: their sums stay exact in bf16 up to 85 ranks
 
@@ -311,6 +313,7 @@ class _Bucket:
 
     def __init__(self):
         self.items: list = []  # (gradient on the wire, then, weight name)
+        self.checks: list = []  # (device bool: fingerprints differed, names) per finished collective
         self.bytes = 0
         self.key = None  # (collective, group, dtype)
 
@@ -351,14 +354,9 @@ class _Bucket:
             work = rs(out, sent.reshape(-1), group=group, async_op=True)
 
         def finish(_sent=sent):  # the collective's input is held until it is finished
-            got = out[-self.FP_LEN:].float()
-            if not torch.equal(got, fp.float() * world):
-                names = [nm or "?" for _, _, nm in items]
-                raise RuntimeError(
-                    f"INT8 gradients (QFTConfig(gradient_bits=8)): the ranks averaged different weights in one "
-                    f"collective (this rank sent {len(names)}: {names[:4]}{' ...' if len(names) > 4 else ''}); "
-                    "every rank's backward must reach the same quantized linears in the same order (a "
-                    "data-dependent branch or an unused layer breaks that): their gradients were not stored")
+            # compared on the device, read once when the queue drains (no host sync per collective)
+            self.checks.append(((out[-self.FP_LEN:].float() != fp.float() * world).any(),
+                                [nm or "?" for _, _, nm in items]))
             at = 0
             for shape, (_, then, _) in zip(shapes, items):
                 n = math.prod(shape)
@@ -367,6 +365,19 @@ class _Bucket:
 
         IN_FLIGHT.add(work, finish)
 
+
+    def verify(self) -> None:
+        """Raise if any finished collective's fingerprints differed between ranks (one host read for all of them)."""
+        checks, self.checks = self.checks, []
+        if not checks or not bool(torch.stack([bad for bad, _ in checks]).any()):
+            return
+        names = next(nm for bad, nm in checks if bool(bad))
+        raise RuntimeError(
+            f"INT8 gradients (QFTConfig(gradient_bits=8)): the ranks averaged different weights in one collective "
+            f"(this rank sent {len(names)}: {names[:4]}{' ...' if len(names) > 4 else ''}); every rank's backward "
+            "must reach the same quantized linears in the same order (a data-dependent branch or an unused layer "
+            "breaks that). The INT8 gradients stored by this backward are wrong: zero them (optimizer.zero_grad()) "
+            "rather than step")
 
     def _fingerprint(self, items, like: torch.Tensor) -> torch.Tensor:
         """FP_LEN 2-bit pieces of a CRC-32 of the items' names and shapes, in the wire's dtype and device."""
