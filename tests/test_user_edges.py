@@ -545,3 +545,22 @@ def test_nvfp4_layout_switch_leaves_no_stale_buffer_names():
     lin.to_canonical_layout_()
     assert not lin._non_persistent_buffers_set & {"weight_g4", "weight_g4_scale"}
     assert all(n in lin._buffers for n in lin._non_persistent_buffers_set)
+
+
+def test_nvfp4_offloaded_layers_keep_no_launch_plan(tiny_dir, tmp_path, monkeypatch):
+    """With offload_buffers=True an offloaded layer's codes come in for each forward and go back to meta after it:
+    a kept per-shape plan would hold them (the whole offloaded weight, never reused). Offloaded layers keep none;
+    the others still do, and the outputs equal a plain load's (the planned CUDA route, run on CPU)."""
+    from hfq_kernels._settings import SETTINGS
+
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32)
+    off = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32,
+                                               device_map=_offload_map(ref.config.num_hidden_layers, disk=(1,)),
+                                               offload_buffers=True, offload_folder=str(tmp_path / "off"))
+    ids = torch.tensor([[5, 17, 30, 41, 8, 60]])
+    with torch.no_grad():
+        assert torch.equal(off(ids).logits, ref(ids).logits)
+    kept = lambda m: len(m.__dict__.get("_hfq_plans", (None, {}))[1])  # noqa: E731
+    assert off.model.layers[1].self_attn.q_proj.weight_packed.device.type == "meta"
+    assert kept(off.model.layers[1].self_attn.q_proj) == 0 and kept(off.model.layers[0].self_attn.q_proj) == 1

@@ -274,13 +274,19 @@ class NVFP4Linear(nn.Module):
                 plan = _K.plan_linear_g4(x, p, s, g, b, self.out_features, self.in_features)
             else:
                 plan = _K.plan_linear(x, p, s, g, b)
-            if plan.final:
+            if plan.final and not self._offloaded():
                 if len(plans) >= _MAX_PLANS:  # e.g. many sequence lengths: start over rather than grow
                     plans.clear()
                 plans[key] = plan
         if b is not None and b.dtype != x.dtype:
             b = b.to(x.dtype)
         return plan, x, b, in_dtype
+
+    def _offloaded(self) -> bool:
+        """Whether accelerate's dispatch offloads this layer (an AlignDevicesHook with offload on it): its tensors come
+        in for each forward and leave after it, so a kept plan would hold them (and is never reused)."""
+        hook = self.__dict__.get("_hf_hook")
+        return hook is not None and any(getattr(h, "offload", False) for h in getattr(hook, "hooks", None) or (hook,))
 
     def decode_operands(self, x2: torch.Tensor) -> G4Operands | None:
         """This layer's weight as the fused decode kernels read it (hfq_kernels.lora_nvfp4: grouped q/k/v and
