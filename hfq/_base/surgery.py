@@ -183,6 +183,16 @@ def apply_keeping_buffer_dtypes(module: nn.Module, module_apply, fn, recurse: bo
     return out
 
 
+def refuse_offloading(device_map, method: str, why: str) -> None:
+    """Raise ValueError (naming `method` and `why`) for a device_map that offloads: "disk", or "cpu" beside
+    accelerators. accelerate then rebuilds the offloaded layers' weights at each forward."""
+    places = {str(v) for v in device_map.values()} if isinstance(device_map, dict) else set()
+    if "disk" in places or ("cpu" in places and len(places) > 1):
+        raise ValueError(f"{method}: device_map places modules on {sorted(places)}; offloading to the CPU or disk is "
+                         f"not supported ({why}). Load onto one device (device_map={{'': 'cuda:0'}} or 'cpu') or "
+                         "spread over accelerators only (max_memory without 'cpu')")
+
+
 def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)

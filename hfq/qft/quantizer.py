@@ -16,7 +16,7 @@ from torch import nn
 
 from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, checkpoint_index,
                              mark_quantized, modules_to_skip, raise_load_errors, refuse_nonfinite, refuse_quantized,
-                             replace_linears, set_submodule, should_convert)
+                             refuse_offloading, replace_linears, set_submodule, should_convert)
 from ..qparam import QLinear, ddp_ignore_int8_grad_weights_, name_qparams_
 from .config import QFTConfig
 from .linear import convert_linears_, finalize_, layer_maker
@@ -62,11 +62,7 @@ class QFTHfQuantizer(HfqQuantizer):
     def validate_environment(self, *args, device_map=None, **kwargs):
         """A device_map that offloads (to "disk", or "cpu" beside accelerators) is refused: accelerate's offload
         rebuilds each weight as a plain tensor, which a QParam is not."""
-        places = {str(v) for v in device_map.values()} if isinstance(device_map, dict) else set()
-        if "disk" in places or ("cpu" in places and len(places) > 1):
-            raise ValueError(f"QFT/ECO (hfq_qft): device_map places modules on {sorted(places)}; offloading to the "
-                             "CPU or disk is not supported for QParam weights. Load onto one device (device_map="
-                             "{'': 'cuda:0'} or 'cpu') or spread over accelerators only (max_memory without 'cpu')")
+        refuse_offloading(device_map, "QFT/ECO (hfq_qft)", "for QParam weights")
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         cfg = self.quantization_config

@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, mark_quantized,
                              modules_to_skip, refuse_nonfinite, refuse_quantized, replace_linears,
-                             unguard_weight)
+                             refuse_offloading, unguard_weight)
 from .config import QuESTConfig
 from .linear import QuESTLinear, check_weight, layer_maker, warn_low_precision_master
 
@@ -38,12 +38,7 @@ class QuESTHfQuantizer(HfqQuantizer):
         offloaded layer's weights at each forward, so QAT's gradients reach temporary copies (the offloaded layers
         would silently never train), and a master checkpoint's load guard is read from the file there."""
         super().validate_environment(*args, device_map=device_map, **kwargs)
-        places = {str(v) for v in device_map.values()} if isinstance(device_map, dict) else set()
-        if "disk" in places or ("cpu" in places and len(places) > 1):
-            raise ValueError(f"QuEST (hfq_quest): device_map places modules on {sorted(places)}; offloading to the "
-                             "CPU or disk is not supported (QAT cannot update offloaded layers). Load onto one "
-                             "device (device_map={'': 'cuda:0'} or 'cpu') or spread over accelerators only "
-                             "(max_memory without 'cpu')")
+        refuse_offloading(device_map, "QuEST (hfq_quest)", "QAT cannot update offloaded layers")
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         cfg = self.quantization_config
