@@ -401,6 +401,17 @@ def _opt(params):
     return QLion(params, lr=3e-3, weight_decay=0.01, seed=1)
 
 
+def _write_what_raised(run, error, path) -> None:
+    """A worker's result for its parent test: the message of the `error` that run() raised, or "no error"."""
+    try:
+        run()
+        msg = "no error"
+    except error as e:
+        msg = str(e)
+    with open(path, "w") as f:
+        f.write(msg)
+
+
 def _ddp_worker(rank, port, out, device):
     """One DDP rank, `device` "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r): STEPS QLion steps on its own shards,
     results saved as CPU tensors to OUT/rank{r}.pt."""
@@ -441,13 +452,8 @@ def _ddp_worker(rank, port, out, device):
     del bare._ddp_params_and_buffers_to_ignore
     ddp = DDP(bare)
     x = _shard(0, rank)
-    try:
-        ddp(input_ids=x, labels=x).loss.backward()
-        msg = "no error"
-    except QuantizedWriteError as e:
-        msg = str(e)
-    with open(os.path.join(out, f"rank{rank}_unignored.txt"), "w") as f:
-        f.write(msg)
+    _write_what_raised(lambda: ddp(input_ids=x, labels=x).loss.backward(), QuantizedWriteError,
+                       os.path.join(out, f"rank{rank}_unignored.txt"))
     # The reducer raised inside its finalize, leaving bucket works un-waited: PyTorch's teardown of such a process
     # group is order-sensitive (it can abort at exit), and nothing of it is under test, so the rank leaves here.
     os._exit(0)
@@ -631,13 +637,7 @@ def _branch_worker(rank, port, out):
     mlp = _tiny().model.layers[0].mlp
     layer = mlp.up_proj if rank == 0 else mlp.gate_proj
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(rank))
-    try:
-        layer(x).sum().backward()
-        msg = "no error"
-    except RuntimeError as e:
-        msg = str(e)
-    with open(os.path.join(out, f"branch{rank}.txt"), "w") as f:
-        f.write(msg)
+    _write_what_raised(lambda: layer(x).sum().backward(), RuntimeError, os.path.join(out, f"branch{rank}.txt"))
     os._exit(0)
 
 
