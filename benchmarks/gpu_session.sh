@@ -4,7 +4,8 @@
 # Usage (device tool): HFQ_COMMIT=<sha> bash benchmarks/gpu_session.sh tests qerl
 #
 #   tests         GPU correctness of the kernel and method test files
-#   alltests      the whole suite but the real-model tier (the device has no SmolLM2 checkpoint, no PyPI)
+#   alltests      the whole suite but the real-model tier (the device has no SmolLM2 checkpoint, no PyPI),
+#                 its files dealt over the GPUs (one pytest each), failures listed at the end
 #   multi_gpu     2-GPU tests: DDP with INT8 gradients over NCCL, Trainer under accelerate launch, and
 #                 tests/test_scaleout.py (DDP on the GPUs, FSDP2 under torchrun)                         (2 GPUs)
 #   scaleout      the scaling table: qerl/eco/qft/quest, DDP and FSDP2, world 1 and 2, 32B FSDP2 row (2 GPUs)
@@ -36,7 +37,13 @@ for part in "$@"; do
              tests/test_kernels_imports.py tests/test_peft_routes.py tests/test_optim_guard.py \
              tests/test_qft_kernels.py tests/test_qft_grads.py tests/test_qft_outliers.py tests/test_qft.py \
              > "$OUT/tests.txt" 2>&1 ;;
-    alltests) timeout 560 $PYTEST -n 6 --dist loadfile -m "not real_model" --deselect tests/test_packaging.py tests > "$OUT/alltests.txt" 2>&1 ;;
+    alltests) ngpu=$(nvidia-smi -L | wc -l)  # the files dealt round-robin to one pytest per GPU
+              for g in $(seq 0 $((ngpu - 1))); do
+                files=$(ls tests/test_*.py | grep -v test_packaging.py | awk -v n="$ngpu" -v g="$g" 'NR % n == g')
+                CUDA_VISIBLE_DEVICES=$g timeout -s INT 560 $PYTEST -n $((12 / ngpu > 4 ? 12 / ngpu : 4)) --dist loadfile \
+                  -rfE -m "not real_model" $files > "$OUT/alltests_$g.txt" 2>&1 &
+              done
+              wait ;;
     multi_gpu) timeout 300 $PYTEST tests/test_qft_grads.py -k "two_gpus or ddp or accelerate" > "$OUT/multi_gpu.txt" 2>&1
                timeout 280 $PYTEST tests/test_scaleout.py >> "$OUT/multi_gpu.txt" 2>&1 ;;
     scaleout) timeout 580 python benchmarks/scaleout.py --out "$OUT" > "$OUT/scaleout.txt" 2>&1 ;;
@@ -66,6 +73,7 @@ for part in "$@"; do
   esac
   echo "$part rc=$? $(( $(date +%s) - start ))s" | tee -a "$OUT/parts.txt"
 done
-tail -3 "$OUT/tests.txt" "$OUT/alltests.txt" 2>/dev/null
+tail -3 "$OUT"/tests.txt "$OUT"/alltests_*.txt 2>/dev/null
+grep -h "^FAILED\|^ERROR" "$OUT"/alltests_*.txt 2>/dev/null
 # the device returns at most 8 files: pack everything into one archive
 cd "$OUT" && tar czf /tmp/gpu_session.tgz . && find . -mindepth 1 -delete && mv /tmp/gpu_session.tgz .
