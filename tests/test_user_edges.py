@@ -507,10 +507,10 @@ def test_quest_masters_cast_to_bf16_after_loading_are_announced_at_training(tiny
         model(input_ids=ids, labels=ids).loss.backward()
 
 
-def _offload_map(layers: int, disk=(1,)) -> dict:
-    """A device_map with decoder blocks `disk` offloaded to disk (accelerate's dispatch hooks), the rest on the CPU."""
-    d = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
-    d.update({f"model.layers.{i}": "disk" if i in disk else "cpu" for i in range(layers)})
+def _offload_map(layers: int, disk=(1,), rest="cpu") -> dict:
+    """A device_map with decoder blocks `disk` offloaded to disk (accelerate's dispatch hooks), the rest on `rest`."""
+    d = {"model.embed_tokens": rest, "model.norm": rest, "model.rotary_emb": rest, "lm_head": rest}
+    d.update({f"model.layers.{i}": "disk" if i in disk else rest for i in range(layers)})
     return d
 
 
@@ -550,15 +550,18 @@ def test_nvfp4_layout_switch_leaves_no_stale_buffer_names():
 def test_nvfp4_offloaded_layers_keep_no_launch_plan(tiny_dir, tmp_path, monkeypatch):
     """With offload_buffers=True an offloaded layer's codes come in for each forward and go back to meta after it:
     a kept per-shape plan would hold them (the whole offloaded weight, never reused). Offloaded layers keep none;
-    the others still do, and the outputs equal a plain load's (the planned CUDA route, run on CPU)."""
+    the others still do, and the outputs equal a plain load's (the planned route: on CUDA, or on CPU under the
+    interpreter)."""
     from hfq_kernels._settings import SETTINGS
 
     monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
-    ref = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32)
+    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32,
+                                               device_map=dev)
     off = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32,
-                                               device_map=_offload_map(ref.config.num_hidden_layers, disk=(1,)),
+                                               device_map=_offload_map(ref.config.num_hidden_layers, (1,), dev),
                                                offload_buffers=True, offload_folder=str(tmp_path / "off"))
-    ids = torch.tensor([[5, 17, 30, 41, 8, 60]])
+    ids = torch.tensor([[5, 17, 30, 41, 8, 60]], device=dev)
     with torch.no_grad():
         assert torch.equal(off(ids).logits, ref(ids).logits)
     kept = lambda m: len(m.__dict__.get("_hfq_plans", (None, {}))[1])  # noqa: E731
