@@ -55,15 +55,15 @@ class _QLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             gw = gy.reshape(-1, gy.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(gy.dtype)
             shard = getattr(w, "fsdp_shard", None)
+            name = (ctx.name or w.place.name) if ctx.store_int8 else None
             if ctx.store_int8 and shard is not None:  # FSDP2: w is the gathered weight of a sharded parameter
                 if getattr(w, "grad_consumer", None) is not None:
-                    raise NotImplementedError(f"{ctx.name or w.place.name or 'a quantized weight'}: QLion's step in "
-                                              "backward (step_in_backward_) does not run under FSDP2; use the "
-                                              "optimizer step")
-                accumulate_sharded_int8_grad_(*shard, gw, ctx.name or w.place.name)
+                    raise NotImplementedError(f"{name or 'a quantized weight'}: QLion's step in backward "
+                                              "(step_in_backward_) does not run under FSDP2; use the optimizer step")
+                accumulate_sharded_int8_grad_(*shard, gw, name)
                 gw = None
             elif ctx.store_int8:
-                store, name = getattr(w, "grad_consumer", None) or accumulate_int8_grad_, ctx.name or w.place.name
+                store = getattr(w, "grad_consumer", None) or accumulate_int8_grad_
                 mean_over_ranks_then(gw, lambda g: store(w, g, name), name)
                 gw = None
             else:
