@@ -549,13 +549,17 @@ def test_nvfp4_layout_switch_leaves_no_stale_buffer_names():
 
 def test_nvfp4_offloaded_layers_keep_no_launch_plan(tiny_dir, tmp_path, monkeypatch):
     """With offload_buffers=True an offloaded layer's codes come in for each forward and go back to meta after it:
-    a kept per-shape plan would hold them (the whole offloaded weight, never reused). Offloaded layers keep none;
-    the others still do, and the outputs equal a plain load's (the planned route: on CUDA, or on CPU under the
-    interpreter)."""
+    a kept per-shape plan would hold them (the whole offloaded weight, never reused), and converting them to the g4
+    layout (what a layer does on a GPU that runs the Gluon kernel) would leave g4 copies on the GPU and nothing for
+    the next forward to load. Offloaded layers keep neither; the others keep both, and every forward equals a plain
+    load's. On CPU the g4 device is emulated (the planned route under the interpreter)."""
+    import hfq_kernels.nvfp4_gluon as G4
     from hfq_kernels._settings import SETTINGS
 
     monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if dev == "cpu":
+        monkeypatch.setattr(G4, "device_ok", lambda d: d.type == "cpu")
     ref = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32,
                                                device_map=dev)
     off = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32,
@@ -563,7 +567,10 @@ def test_nvfp4_offloaded_layers_keep_no_launch_plan(tiny_dir, tmp_path, monkeypa
                                                offload_buffers=True, offload_folder=str(tmp_path / "off"))
     ids = torch.tensor([[5, 17, 30, 41, 8, 60]], device=dev)
     with torch.no_grad():
-        assert torch.equal(off(ids).logits, ref(ids).logits)
+        want = ref(ids).logits
+        for _ in range(2):
+            assert torch.equal(off(ids).logits, want)
     kept = lambda m: len(m.__dict__.get("_hfq_plans", (None, {}))[1])  # noqa: E731
-    assert off.model.layers[1].self_attn.q_proj.weight_packed.device.type == "meta"
+    q1, q0 = off.model.layers[1].self_attn.q_proj, off.model.layers[0].self_attn.q_proj
+    assert q1.layout == "canonical" and q1.weight_packed.device.type == "meta" and q0.layout == "g4"
     assert kept(off.model.layers[1].self_attn.q_proj) == 0 and kept(off.model.layers[0].self_attn.q_proj) == 1

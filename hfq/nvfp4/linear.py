@@ -111,8 +111,10 @@ class NVFP4Linear(nn.Module):
         return "g4" if "weight_g4" in self._buffers else "canonical"
 
     def g4_wanted(self, device: torch.device) -> bool:
-        """Whether this layer keeps the g4 layout on `device` (NVFP4, allow_g4, the Gluon kernel runs there)."""
-        return self.format == "nvfp4" and self.allow_g4 and _G4.device_ok(device)
+        """Whether this layer keeps the g4 layout on `device` (NVFP4, allow_g4, the Gluon kernel runs there, not
+        offloaded: accelerate loads an offloaded layer's canonical buffers for each forward and sends the ones it
+        finds back to meta after it)."""
+        return self.format == "nvfp4" and self.allow_g4 and _G4.device_ok(device) and not self._offloaded()
 
     def __getstate__(self):
         """Pickling and copy.deepcopy leave the kept plans behind: they are per-process caches of closures over this
