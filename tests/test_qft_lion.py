@@ -134,6 +134,38 @@ def test_qparam_step_is_requantized_lion_step_and_rtn_freezes_small_updates():
     assert 0.7 < moved["sr"][1] < 1.3, moved  # unbiased: about lr per step
 
 
+@pytest.mark.parametrize("fmt", ["int8_dense_sparse", "fp8_e4m3_row"])
+def test_rtn_lr_below_half_a_step_warns_once_lrs_stop_rising(fmt):
+    """rounding="rtn" with an lr below half the quantization step freezes the weights silently (above): once the lrs
+    stop rising (step 2 at a constant lr, the end of a warm-up) QLion checks what a step of the peak lr does and
+    warns when nearest rounding takes most of it back. Not during a warm-up, not for SR, not at a large lr."""
+    import warnings
+
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(0)) * 0.05
+    small = QParam.from_float(w, fmt).dequantize(torch.float32).abs().max().item() / 2000  # << half a step
+
+    def warned(rounding, lrs, first_lr):
+        p = nn.Parameter(QParam.from_float(w, fmt))
+        o = QLion([p], lr=first_lr, rounding=rounding)
+        got = []
+        for i, lr in enumerate(lrs):
+            o.param_groups[0]["lr"] = lr
+            p.grad = torch.randn(16, 64).to(torch.bfloat16)
+            with warnings.catch_warnings(record=True) as rec:
+                warnings.simplefilter("always")
+                o.step()
+            got += [(i, str(r.message)) for r in rec if "rounding='rtn'" in str(r.message)]
+        return got
+
+    got = warned("rtn", [small] * 4, small)
+    assert [i for i, _ in got] == [1] and "barely change" in got[0][1] and "rounding='sr'" in got[0][1], got
+    assert warned("sr", [small] * 4, small) == []
+    assert warned("rtn", [0.05] * 4, 0.05) == []  # lr far above half a step: the weights move
+    warm = [small / 8, small / 4, small / 2, small, small, small]  # warm-up to a small peak: warned after it
+    assert [i for i, _ in warned("rtn", warm, small)] == [4]
+    assert warned("rtn", [small / 4, small, 0.05, 0.05], small) == []  # warm-up to a peak that moves the weights
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_sr_moves_the_bf16_outliers_too(monkeypatch, fused):
     """An outlier kept in bf16 moves by lr per step on average under SR (nearest rounding would return it to

@@ -21,6 +21,8 @@ bit-exactly.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from hfq_kernels import int8 as _k
@@ -71,6 +73,7 @@ class QLion(QParamOptimizer):
             raise ValueError("fused=True: the fused QLion step keeps INT8 momentum; set momentum_bits=8")
         self.momentum_bits = momentum_bits
         self.fused = fused
+        self._rtn_lrs: list | None = []  # lrs of the last step while the nearest-rounding check is due; None: done
         self.refresh_thresholds_every = refresh_thresholds_every
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), rounding=rounding, seed=seed,
                          check_finite=check_finite, keyed_sr=keyed_sr)
@@ -137,6 +140,7 @@ class QLion(QParamOptimizer):
     def step(self, closure=None):
         loss, pending = self._begin_step(closure)
         self._finish_check(pending)
+        self._check_rtn_stall()
         begun = []
         for group in self.param_groups:
             dense: dict = {}
@@ -166,6 +170,28 @@ class QLion(QParamOptimizer):
                 at += n
         share_outliers_([p for group in self.param_groups for p in group["params"]])
         return loss
+
+    def _check_rtn_stall(self) -> None:
+        """rounding="rtn": once the lrs stop rising (step 2 at a constant lr, or the end of a warm-up), warn if nearest
+        rounding takes back most of a Lion step of that lr (every weight moves by exactly lr) on the quantized
+        weights: they would barely change. A few host syncs, once."""
+        if self.rounding != "rtn" or self._rtn_lrs is None:
+            return
+        prev, self._rtn_lrs = self._rtn_lrs, [float(g["lr"]) for g in self.param_groups]
+        if len(prev) != len(self._rtn_lrs) or any(a > b for a, b in zip(self._rtn_lrs, prev)):
+            return
+        self._rtn_lrs = None
+        kept = [(local(p).rtn_step_kept(lr), local(p).numel()) for g, lr in zip(self.param_groups, prev) if lr > 0
+                for p in g["params"] if isinstance(local(p), QParam)]
+        if not kept:
+            return
+        share = sum(float(k) * n for k, n in kept) / sum(n for _, n in kept)
+        if share < 0.5:
+            warnings.warn(f"QLion(rounding='rtn'): at lr={', '.join(f'{x:g}' for x in sorted(set(prev)))} nearest "
+                          f"rounding keeps {max(share, 0.0):.0%} of a step of the quantized weights (lr is below "
+                          "half their quantization step), so they barely change. Use rounding='sr' (the default: "
+                          "unbiased steps of any size) or a larger lr",
+                          stacklevel=3)
 
     def _use_fused(self, p, group) -> bool:
         """The fused Triton step applies: an int8_dense_sparse QParam, INT8 momentum, lr > 0, no outlier refresh

@@ -119,6 +119,20 @@ class QParam(torch.Tensor):
         return value - self.dequantize(torch.float32)
 
     @torch.no_grad()
+    def rtn_step_kept(self, step: float) -> torch.Tensor:
+        """The share of a move by +-step (signs alternating along rows) that survives nearest rounding, as a 0-d
+        tensor: the projection of Q(w + move) - w on the move over |move|^2 (about 1 where steps go through, about
+        0 where they round back; a changed row scale moves the rest but not along the step). The weight itself is
+        left as it is."""
+        w = self.dequantize(torch.float32)
+        move = torch.full_like(w, float(step))
+        move[..., 1::2] = -float(step)
+        thr = self.thresholds if self.fmt == "int8_dense_sparse" else None
+        moved = _formats._decode(self.fmt, _formats._encode(self.fmt, w + move, self.meta, "rtn", None, thr),
+                                 self.meta, torch.float32)
+        return ((moved - w) * move).sum() / (move * move).sum()
+
+    @torch.no_grad()
     def load_qtensors_(self, data: dict) -> None:
         """Overwrite the stored tensors: in place where shape and dtype match (aliases stay valid)."""
         for k in _formats._NAMES[self.fmt]:
