@@ -547,12 +547,14 @@ def test_nvfp4_layout_switch_leaves_no_stale_buffer_names():
     assert all(n in lin._buffers for n in lin._non_persistent_buffers_set)
 
 
-def test_nvfp4_offloaded_layers_keep_no_launch_plan(tiny_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("offload_buffers", [True, False])
+def test_nvfp4_offloaded_layers_keep_no_launch_plan(tiny_dir, tmp_path, monkeypatch, offload_buffers):
     """With offload_buffers=True an offloaded layer's codes come in for each forward and go back to meta after it:
     a kept per-shape plan would hold them (the whole offloaded weight, never reused), and converting them to the g4
     layout (what a layer does on a GPU that runs the Gluon kernel) would leave g4 copies on the GPU and nothing for
     the next forward to load. Offloaded layers keep neither; the others keep both, and every forward equals a plain
-    load's. On CPU the g4 device is emulated (the planned route under the interpreter)."""
+    load's. Without offload_buffers accelerate keeps buffers (the codes) on the execution device: such layers keep
+    both too. On CPU the g4 device is emulated (the planned route under the interpreter)."""
     import hfq_kernels.nvfp4_gluon as G4
     from hfq_kernels._settings import SETTINGS
 
@@ -564,7 +566,7 @@ def test_nvfp4_offloaded_layers_keep_no_launch_plan(tiny_dir, tmp_path, monkeypa
                                                device_map=dev)
     off = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32,
                                                device_map=_offload_map(ref.config.num_hidden_layers, (1,), dev),
-                                               offload_buffers=True, offload_folder=str(tmp_path / "off"))
+                                               offload_buffers=offload_buffers, offload_folder=str(tmp_path / "off"))
     ids = torch.tensor([[5, 17, 30, 41, 8, 60]], device=dev)
     with torch.no_grad():
         want = ref(ids).logits
@@ -572,5 +574,8 @@ def test_nvfp4_offloaded_layers_keep_no_launch_plan(tiny_dir, tmp_path, monkeypa
             assert torch.equal(off(ids).logits, want)
     kept = lambda m: len(m.__dict__.get("_hfq_plans", (None, {}))[1])  # noqa: E731
     q1, q0 = off.model.layers[1].self_attn.q_proj, off.model.layers[0].self_attn.q_proj
-    assert q1.layout == "canonical" and q1.weight_packed.device.type == "meta" and q0.layout == "g4"
-    assert kept(off.model.layers[1].self_attn.q_proj) == 0 and kept(off.model.layers[0].self_attn.q_proj) == 1
+    assert q0.layout == "g4" and kept(q0) == 1
+    if offload_buffers:
+        assert q1.layout == "canonical" and q1.weight_packed.device.type == "meta" and kept(q1) == 0
+    else:
+        assert q1.layout == "g4" and q1.weight_g4.device == q0.weight_g4.device and kept(q1) == 1

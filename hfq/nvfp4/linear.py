@@ -285,10 +285,12 @@ class NVFP4Linear(nn.Module):
         return plan, x, b, in_dtype
 
     def _offloaded(self) -> bool:
-        """Whether accelerate's dispatch offloads this layer (an AlignDevicesHook with offload on it): its tensors come
-        in for each forward and leave after it, so a kept plan would hold them (and is never reused)."""
+        """Whether accelerate's dispatch offloads this layer's codes (an AlignDevicesHook with offload and
+        offload_buffers on it): they come in for each forward and leave after it, so a kept plan would hold them (and
+        is never reused). Without offload_buffers accelerate keeps buffers on the execution device."""
         hook = self.__dict__.get("_hf_hook")
-        return hook is not None and any(getattr(h, "offload", False) for h in getattr(hook, "hooks", None) or (hook,))
+        return hook is not None and any(getattr(h, "offload", False) and getattr(h, "offload_buffers", False)
+                                        for h in getattr(hook, "hooks", None) or (hook,))
 
     def decode_operands(self, x2: torch.Tensor) -> G4Operands | None:
         """This layer's weight as the fused decode kernels read it (hfq_kernels.lora_nvfp4: grouped q/k/v and
