@@ -57,6 +57,12 @@ def register_all() -> None:
 
     if not hasattr(DistributedDataParallel.__init__, "hfq_wrapped"):  # DDP leaves NVFP4 codes alone, however wrapped
         DistributedDataParallel.__init__ = marking_codes_for_ddp(DistributedDataParallel.__init__)
+    from accelerate import Accelerator
+
+    from hfq.qparam.guard import refusing_deepspeed
+
+    if not hasattr(Accelerator.prepare, "hfq_wrapped"):  # QFT/ECO models under DeepSpeed: refused before its engine
+        Accelerator.prepare = refusing_deepspeed(Accelerator.prepare)
     importlib.import_module("hfq._base.peft_guard").install()  # adapters on QuEST/QFT/ECO layers: refused clearly
     importlib.import_module("hfq.nvfp4.peft_lora").register_peft_dispatch()  # LoRA on NVFP4Linear, process-wide
     _DONE = True

@@ -579,3 +579,29 @@ def test_nvfp4_offloaded_layers_keep_no_launch_plan(tiny_dir, tmp_path, monkeypa
         assert q1.layout == "canonical" and q1.weight_packed.device.type == "meta" and kept(q1) == 0
     else:
         assert q1.layout == "g4" and q1.weight_g4.device == q0.weight_g4.device and kept(q1) == 1
+
+
+def test_qft_eco_models_refused_under_deepspeed_before_its_engine(tiny_dir):
+    """DeepSpeed's engine moves, flattens and partitions parameters into its own buffers: a QFT/ECO model failed
+    inside it with errors naming neither (DeepSpeed >= 0.19.7: "Couldn't swap QLinear.weight"; before: a refused
+    .data write recommending the optimizer the user already had). accelerate's prepare (Trainer's route too) now
+    refuses such a model under DeepSpeed, naming the weight and DDP/FSDP2; elsewhere it prepares as before. (CI has
+    no DeepSpeed: the run sets the distributed type accelerate sets under a DeepSpeed plugin; checked with
+    DeepSpeed 0.19.8 on CPU through Trainer at ZeRO-2/3 and plain accelerate.)"""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QFTConfig())
+    opt = hfq.QLion(m.parameters(), lr=1e-3)
+    acc = Accelerator(cpu=True)
+    try:
+        acc.state.distributed_type = DistributedType.DEEPSPEED
+        with pytest.raises(ValueError, match=r"model\.layers\.0\.\S+ is a quantized weight \(QParam int8_dense_sparse"
+                                             r".*DeepSpeed cannot train it.*DDP or FSDP2"):
+            acc.prepare(m, opt)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(cpu=True)
+    pm, popt = acc.prepare(m, opt)
+    assert pm is m and popt.optimizer is opt

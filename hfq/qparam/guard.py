@@ -1,9 +1,13 @@
-"""The global optimizer step pre-hook that refuses torch optimizers other than hfq's on a trainable QParam."""
+"""The global optimizer step pre-hook that refuses torch optimizers other than hfq's on a trainable QParam, and
+accelerate's prepare under DeepSpeed refusing models that hold QParams."""
 from __future__ import annotations
 
+import functools
+
+from torch import nn
 from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
-from .tensor import USE_HFQ_OPTIMIZER, QParam
+from .tensor import NO_DEEPSPEED, USE_HFQ_OPTIMIZER, QParam
 
 
 def _refuse_plain_optimizer(optimizer, args, kwargs):
@@ -25,3 +29,24 @@ def _refuse_plain_optimizer(optimizer, args, kwargs):
 
 if not getattr(Optimizer, "_hfq_guard_hook", None):  # once per process, also across reloads of this module
     Optimizer._hfq_guard_hook = register_optimizer_step_pre_hook(_refuse_plain_optimizer)
+
+
+def refusing_deepspeed(prepare):
+    """Accelerator.prepare (Trainer's route too) refusing, under DeepSpeed, a model that holds quantized weights,
+    before the engine reaches them: inside it they fail with errors naming neither (DeepSpeed >= 0.19.7: "Couldn't
+    swap QLinear.weight"; before: a .data write refused by QParam)."""
+    @functools.wraps(prepare)
+    def wrapper(self, *args, **kwargs):
+        from accelerate.utils import DistributedType
+
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            for obj in (*args, *kwargs.values()):
+                if isinstance(obj, nn.Module):
+                    name, p = next(((n, p) for n, p in obj.named_parameters() if isinstance(p, QParam)), (None, None))
+                    if p is not None:
+                        raise ValueError(f"{name} is a quantized weight (QParam {p.fmt}, QFT/ECO): DeepSpeed cannot "
+                                         f"train it. {NO_DEEPSPEED}")
+        return prepare(self, *args, **kwargs)
+
+    wrapper.hfq_wrapped = True
+    return wrapper

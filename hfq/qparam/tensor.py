@@ -30,6 +30,10 @@ USE_HFQ_OPTIMIZER = (
     "Quantized weights are updated only through requantize_: train them with hfq.ECOAdamW or ECOSGD "
     "(any weight_format; with Trainer: optimizer_cls_and_kwargs=hfq.eco.optimizer_cls_and_kwargs(args)) or "
     "hfq.QLion, or freeze them (requires_grad_(False)).")
+NO_DEEPSPEED = (
+    "DeepSpeed's engine moves, flattens (ZeRO-1/2) and partitions (ZeRO-3) parameters into buffers of its own, which "
+    "a quantized weight cannot become: train QFT/ECO models with DDP or FSDP2 instead (accelerate launch with "
+    "examples/accelerate/ddp.yaml or fsdp2.yaml; docs/training.md).")
 
 
 _TENSOR_DATA = torch._C.TensorBase.data
@@ -66,7 +70,8 @@ class QParam(torch.Tensor):
             raise QuantizedWriteError(
                 f"assigning a {type(value).__name__} to .data of a quantized weight (QParam {self.fmt} "
                 f"{tuple(self.shape)}) would not change it: write it with `with torch.no_grad(): weight.copy_(t)` "
-                f"(requantizes) or load a state_dict. {USE_HFQ_OPTIMIZER}")
+                f"(requantizes) or load a state_dict. {USE_HFQ_OPTIMIZER} If DeepSpeed made this write: "
+                f"{NO_DEEPSPEED}")
         _TENSOR_DATA.__set__(self, value)
 
     # ---- construction / conversion -------------------------------------------------------------
