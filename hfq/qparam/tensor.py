@@ -124,12 +124,15 @@ class QParam(torch.Tensor):
         return value - self.dequantize(torch.float32)
 
     @torch.no_grad()
-    def rtn_step_kept(self, step: float) -> torch.Tensor:
+    def rtn_step_kept(self, step: float, rows: int = 256) -> torch.Tensor:
         """The share of a move by +-step (signs alternating along rows) that survives nearest rounding, as a 0-d
         tensor: the projection of Q(w + move) - w on the move over |move|^2 (about 1 where steps go through, about
-        0 where they round back; a changed row scale moves the rest but not along the step). The weight itself is
-        left as it is."""
+        0 where they round back; a changed row scale moves the rest but not along the step). Estimated on about
+        `rows` evenly spaced rows (row-wise scales and groups as stored; thresholds the weight's own); the weight
+        itself is left as it is."""
         w = self.dequantize(torch.float32)
+        if w.dim() == 2 and w.shape[0] > rows:
+            w = w[::-(-w.shape[0] // rows)].contiguous()
         move = torch.full_like(w, float(step))
         move[..., 1::2] = -float(step)
         thr = self.thresholds if self.fmt == "int8_dense_sparse" else None
