@@ -554,7 +554,9 @@ def test_nvfp4_offloaded_layers_keep_no_launch_plan(tiny_dir, tmp_path, monkeypa
     layout (what a layer does on a GPU that runs the Gluon kernel) would leave g4 copies on the GPU and nothing for
     the next forward to load. Offloaded layers keep neither; the others keep both, and every forward equals a plain
     load's. Without offload_buffers accelerate keeps buffers (the codes) on the execution device: such layers keep
-    both too. On CPU the g4 device is emulated (the planned route under the interpreter)."""
+    their plan, and stay canonical (the hook moves the names it recorded, also when it is removed, as PEFT's
+    from_pretrained does on offloaded models). On CPU the g4 device is emulated (the planned route under the
+    interpreter)."""
     import hfq_kernels.nvfp4_gluon as G4
     from hfq_kernels._settings import SETTINGS
 
@@ -578,7 +580,10 @@ def test_nvfp4_offloaded_layers_keep_no_launch_plan(tiny_dir, tmp_path, monkeypa
     if offload_buffers:
         assert q1.layout == "canonical" and q1.weight_packed.device.type == "meta" and kept(q1) == 0
     else:
-        assert q1.layout == "g4" and q1.weight_g4.device == q0.weight_g4.device and kept(q1) == 1
+        assert q1.layout == "canonical" and q1.weight_packed.device == q0.weight_g4.device and kept(q1) == 1
+    from accelerate.hooks import remove_hook_from_submodules
+
+    remove_hook_from_submodules(off)  # what PeftModel.from_pretrained does to a model with cpu/disk in its device_map
 
 
 def test_qft_eco_models_refused_under_deepspeed_before_its_engine(tiny_dir):
@@ -605,3 +610,36 @@ def test_qft_eco_models_refused_under_deepspeed_before_its_engine(tiny_dir):
     acc = Accelerator(cpu=True)
     pm, popt = acc.prepare(m, opt)
     assert pm is m and popt.optimizer is opt
+
+
+def test_lora_on_offloaded_nvfp4_layers_runs_through_accelerates_hook_or_is_refused(tiny_dir, tmp_path, monkeypatch):
+    """accelerate brings an offloaded layer's tensors in by replacing its forward. NVFP4LoraLinear's short route
+    called the base's forward_lora around it and read them on meta (every CUDA GPU: 'Tensor on device meta'), so a
+    layer under an accelerate hook takes PEFT's forward (equal to a model kept whole). With offload_buffers=True
+    PEFT would place the adapters on meta, beside the offloaded codes (no values, nothing trained, NaN logits):
+    refused, naming the remedy."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    from hfq_kernels._settings import SETTINGS
+
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)  # the eager planned route CUDA inputs take
+    cfg = lambda: LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)  # noqa: E731
+    torch.manual_seed(0)
+    ref = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(),
+                                                              dtype=torch.float32), cfg())
+    layers = ref.config.num_hidden_layers
+    ids = torch.tensor([[5, 17, 30, 41, 8, 60]])
+    for offload_buffers in (False, True):
+        base = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(),
+                                                    dtype=torch.float32, device_map=_offload_map(layers, (1,)),
+                                                    offload_buffers=offload_buffers,
+                                                    offload_folder=str(tmp_path / f"off{offload_buffers}"))
+        if offload_buffers:
+            with pytest.raises(ValueError, match=r"LoRA on an NVFP4 layer whose codes accelerate offloads.*"
+                                                 r"offload_buffers=False"):
+                get_peft_model(base, cfg())
+            continue
+        pm = get_peft_model(base, cfg())
+        set_peft_model_state_dict(pm, get_peft_model_state_dict(ref))
+        with torch.no_grad():
+            assert torch.equal(pm(input_ids=ids).logits, ref(input_ids=ids).logits)

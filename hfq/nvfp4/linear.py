@@ -111,10 +111,11 @@ class NVFP4Linear(nn.Module):
         return "g4" if "weight_g4" in self._buffers else "canonical"
 
     def g4_wanted(self, device: torch.device) -> bool:
-        """Whether this layer keeps the g4 layout on `device` (NVFP4, allow_g4, the Gluon kernel runs there, not
-        offloaded: accelerate loads an offloaded layer's canonical buffers for each forward and sends the ones it
-        finds back to meta after it)."""
-        return self.format == "nvfp4" and self.allow_g4 and _G4.device_ok(device) and not self._offloaded()
+        """Whether this layer keeps the g4 layout on `device` (NVFP4, allow_g4, the Gluon kernel runs there, no
+        accelerate offload hook: it moves the canonical buffers it recorded by name, for each forward and when it is
+        removed)."""
+        return (self.format == "nvfp4" and self.allow_g4 and _G4.device_ok(device)
+                and self._offload_hook() is None)
 
     def __getstate__(self):
         """Pickling and copy.deepcopy leave the kept plans behind: they are per-process caches of closures over this
@@ -284,13 +285,21 @@ class NVFP4Linear(nn.Module):
             b = b.to(x.dtype)
         return plan, x, b, in_dtype
 
-    def _offloaded(self) -> bool:
-        """Whether accelerate's dispatch offloads this layer's codes (an AlignDevicesHook with offload and
-        offload_buffers on it): they come in for each forward and leave after it, so a kept plan would hold them (and
-        is never reused). Without offload_buffers accelerate keeps buffers on the execution device."""
+    def _offload_hook(self):
+        """accelerate's AlignDevicesHook that offloads this layer (dispatch with 'cpu'/'disk' in the device_map), or
+        None. It records the layer's tensor names when attached and moves them by name, so the layer keeps its
+        layout (canonical) under it."""
         hook = self.__dict__.get("_hf_hook")
-        return hook is not None and any(getattr(h, "offload", False) and getattr(h, "offload_buffers", False)
-                                        for h in getattr(hook, "hooks", None) or (hook,))
+        for h in (getattr(hook, "hooks", None) or (hook,)) if hook is not None else ():
+            if getattr(h, "offload", False):
+                return h
+        return None
+
+    def _offloaded(self) -> bool:
+        """Whether accelerate offloads this layer's codes (its offload hook has offload_buffers): they come in for
+        each forward and leave after it, so a kept plan would hold them (and is never reused). Without
+        offload_buffers accelerate keeps buffers on the execution device."""
+        return getattr(self._offload_hook(), "offload_buffers", False)
 
     def decode_operands(self, x2: torch.Tensor) -> G4Operands | None:
         """This layer's weight as the fused decode kernels read it (hfq_kernels.lora_nvfp4: grouped q/k/v and

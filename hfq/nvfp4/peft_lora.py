@@ -46,6 +46,12 @@ class NVFP4LoraLinear(LoraLinear):
                              f"frozen NVFP4 codes here; use one of {_BASE_PRESERVING_INITS}")
         if config.fan_in_fan_out:
             raise ValueError("fan_in_fan_out=True: NVFP4Linear stores its weight as [out, in]; set it to False")
+        if isinstance(base_layer, NVFP4Linear) and base_layer._offloaded():
+            raise ValueError("LoRA on an NVFP4 layer whose codes accelerate offloads (device_map to 'cpu'/'disk' with "
+                             "offload_buffers=True): PEFT places adapters where the base weight is, here on 'meta', "
+                             "so they would hold no values and train nothing. Keep the layers you adapt on a device "
+                             "(device_map, max_memory), or load with offload_buffers=False, which keeps NVFP4 codes "
+                             "on the execution device")
         super().__init__(base_layer, adapter_name, config=config, r=r, lora_alpha=lora_alpha, **kwargs)
         self._nvfp4_base = None  # the quantized base while merged
 
@@ -145,7 +151,10 @@ class NVFP4LoraLinear(LoraLinear):
 
 
 def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+    """Torch hooks on m, or an accelerate hook (which replaces m.forward: an offloaded layer's tensors are brought in
+    there, so a call that goes around m.forward would read them on meta)."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+                or "_hf_hook" in m.__dict__)
 
 
 def _global_hooks() -> bool:
