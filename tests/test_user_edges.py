@@ -643,3 +643,40 @@ def test_lora_on_offloaded_nvfp4_layers_runs_through_accelerates_hook_or_is_refu
         set_peft_model_state_dict(pm, get_peft_model_state_dict(ref))
         with torch.no_grad():
             assert torch.equal(pm(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_adapter_saves_do_not_convert_a_g4_base(tiny_dir, tmp_path, monkeypatch):
+    """PeftModel.save_pretrained (every Trainer / TRL checkpoint of a LoRA run) read the model's whole state_dict(),
+    for which every g4 layer was converted back to the canonical layout and copied to host memory, then dropped.
+    Adapter saves now leave the codes out: no conversion, the same adapter file, and a fresh base with the adapter
+    gives the same logits. (A g4 device is emulated on CPU.)"""
+    import hfq_kernels.nvfp4_gluon as G4
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file as load_st
+
+    from hfq_kernels._settings import SETTINGS
+
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
+    cfg = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    saved, calls, unrepack = {}, [], G4.unrepack
+    monkeypatch.setattr(G4, "unrepack", lambda *a, **k: calls.append(1) or unrepack(*a, **k))
+    for g4 in (False, True):
+        if g4:
+            monkeypatch.setattr(G4, "device_ok", lambda d: d.type == "cpu")
+        torch.manual_seed(0)
+        pm = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(),
+                                                                 dtype=torch.float32), cfg)
+        assert pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.layout == ("g4" if g4 else "canonical")
+        calls.clear()
+        pm.save_pretrained(str(tmp_path / f"a{g4}"))
+        assert calls == []
+        saved[g4] = load_st(str(tmp_path / f"a{g4}" / "adapter_model.safetensors"))
+        full = pm.state_dict()  # outside an adapter save: the codes, canonical (converted from g4)
+        assert any(k.endswith("weight_packed") for k in full) and bool(calls) == g4
+    assert saved[False].keys() == saved[True].keys() and all(torch.equal(saved[False][k], saved[True][k])
+                                                               for k in saved[False])
+    ids = torch.tensor([[5, 17, 30, 41, 8, 60]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(PeftModel.from_pretrained(base, str(tmp_path / "aTrue"))(input_ids=ids).logits,
+                           pm(input_ids=ids).logits)

@@ -1,6 +1,8 @@
 """`NVFP4Linear`: a frozen FP4 linear layer holding compressed-tensors' buffers; the input gets a gradient."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import torch
@@ -22,6 +24,18 @@ _BLOCK = {"nvfp4": fp4.NVFP4_BLOCK, "mxfp4": fp4.MXFP4_BLOCK}
 _MAX_PLANS = 64  # per layer: distinct input shapes whose launch plans are kept
 _CANON = ("weight_packed", "weight_scale")
 _G4_BUFS = ("weight_g4", "weight_g4_scale")
+_CODES_LEFT_OUT = contextvars.ContextVar("hfq_nvfp4_codes_left_out", default=False)
+
+
+@contextlib.contextmanager
+def codes_left_out():
+    """state_dict() without NVFP4 codes and block scales (global scales and biases stay): for adapter saves, which
+    keep none of them, so that a g4 base is not converted back and copied to host memory for every save."""
+    token = _CODES_LEFT_OUT.set(True)
+    try:
+        yield
+    finally:
+        _CODES_LEFT_OUT.reset(token)
 
 
 class NVFP4Linear(nn.Module):
@@ -179,7 +193,10 @@ class NVFP4Linear(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.layout == "g4":
+        if _CODES_LEFT_OUT.get():
+            for name in _CANON:
+                destination.pop(prefix + name, None)
+        elif self.layout == "g4":
             # converted one layer at a time and kept in host memory: a state_dict() of the whole model (PEFT
             # calls it for every adapter save) must not put a second copy of the base model on the GPU
             packed, scale = self.canonical()

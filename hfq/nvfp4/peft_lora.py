@@ -16,6 +16,7 @@ leave out the NVFP4 weights (buffers), as bitsandbytes' 4-bit weights get their 
 """
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -25,7 +26,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 
 from .._base.lora import dense_linear, lora_delta, merge_lora
-from .linear import NVFP4Linear
+from .linear import NVFP4Linear, codes_left_out
 
 # init_lora_weights values that leave the base weight alone (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA rewrite it)
 _BASE_PRESERVING_INITS = (True, False, "gaussian", "orthogonal", "eva")
@@ -237,6 +238,20 @@ def _count_nvfp4_weights(get_nb):
     return get_nb_trainable_parameters
 
 
+def _adapter_save_without_codes(save_pretrained):
+    """PeftModel.save_pretrained (Trainer's and TRL's checkpoints of a LoRA run too) with the NVFP4 codes left out of
+    the model's state_dict(): the adapter file holds none of them (NVFP4 layers are refused in modules_to_save), and
+    a g4 base would otherwise be converted back and copied to host memory, whole, for every save."""
+
+    @functools.wraps(save_pretrained)
+    def wrapper(self, *args, **kwargs):
+        with codes_left_out():
+            return save_pretrained(self, *args, **kwargs)
+
+    wrapper.hfq_wrapped = True
+    return wrapper
+
+
 def check_peft() -> None:
     """ImportError unless PEFT has the entry points hfq wraps (checked before anything is patched)."""
     from peft.tuners import tuners_utils
@@ -268,6 +283,8 @@ def register_peft_dispatch() -> bool:
     for owner in (PeftModel, PeftMixedModel):
         if hasattr(owner, "get_nb_trainable_parameters"):
             owner.get_nb_trainable_parameters = _count_nvfp4_weights(owner.get_nb_trainable_parameters)
+    if not hasattr(PeftModel.save_pretrained, "hfq_wrapped"):
+        PeftModel.save_pretrained = _adapter_save_without_codes(PeftModel.save_pretrained)
     LoraModel._hfq_nvfp4_dispatch = True
     return True
 
