@@ -680,3 +680,50 @@ def test_adapter_saves_do_not_convert_a_g4_base(tiny_dir, tmp_path, monkeypatch)
     with torch.no_grad():
         assert torch.equal(PeftModel.from_pretrained(base, str(tmp_path / "aTrue"))(input_ids=ids).logits,
                            pm(input_ids=ids).logits)
+
+
+def test_adapter_loads_leave_g4_codes_as_they_are(tiny_dir, tmp_path, monkeypatch):
+    """Loading an adapter (PeftModel.from_pretrained, load_adapter: PEFT's set_peft_model_state_dict) holds no base
+    codes, yet every g4 layer went to canonical and back, with new code tensors (kept plans and rollout graphs then
+    rebuilt). Now the codes stay the same tensors, with no conversion; the codes are still reported missing (as a
+    canonical layer's are) and a strict load without them still fails. (A g4 device is emulated on CPU.)"""
+    import hfq_kernels.nvfp4_gluon as G4
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from hfq_kernels._settings import SETTINGS
+
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
+    monkeypatch.setattr(G4, "device_ok", lambda d: d.type == "cpu")
+    load = lambda: AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(),  # noqa
+                                                        dtype=torch.float32)
+    get_peft_model(load(), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).save_pretrained(
+        str(tmp_path / "a"))
+    base = load()
+    q = base.model.layers[0].self_attn.q_proj
+    codes = q.weight_g4
+    calls = []
+    for fn in ("repack", "unrepack"):
+        orig = getattr(G4, fn)
+        monkeypatch.setattr(G4, fn, lambda *a, _o=orig, **k: calls.append(1) or _o(*a, **k))
+    pm = PeftModel.from_pretrained(base, str(tmp_path / "a"))
+    pm.load_adapter(str(tmp_path / "a"), adapter_name="second")
+    assert calls == [] and q.layout == "g4" and q.weight_g4 is codes
+    sd = {k: v for k, v in load().state_dict().items() if not k.endswith(("weight_packed", "weight_scale"))}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*model\.layers\.0\.self_attn\.q_proj\.weight_packed"):
+        load().load_state_dict(sd)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a g4 layer's state_dict() holds host copies on a GPU only")
+def test_g4_load_state_dict_assign_keeps_the_codes_on_the_gpu(tiny_dir):
+    """A g4 layer's state_dict() holds host copies of its codes beside its device global scale; loading it back with
+    assign=True left canonical codes on the host under a CUDA global scale (the next forward repacked on the host
+    for a CUDA launch). The codes now follow the global scale's device, and the layer is g4 again."""
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.bfloat16,
+                                             device_map="cuda:0")
+    ids = torch.tensor([[5, 17, 30, 41, 8, 60]], device="cuda:0")
+    with torch.no_grad():
+        want = m(ids).logits
+        m.load_state_dict(m.state_dict(), assign=True)
+        got = m(ids).logits
+    q = m.model.layers[0].self_attn.q_proj
+    assert q.layout == "g4" and q.weight_g4.is_cuda and torch.equal(got, want)

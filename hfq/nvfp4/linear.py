@@ -203,15 +203,30 @@ class NVFP4Linear(nn.Module):
             destination[prefix + "weight_packed"] = packed.cpu()
             destination[prefix + "weight_scale"] = scale.cpu()
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         g4 = self.layout == "g4"
+        if g4 and not any(prefix + n in state_dict for n in _CANON):
+            # no codes here (an adapter load: PEFT's set_peft_model_state_dict): the g4 codes stay as they are, with
+            # no round trip through canonical (which made new tensors: plans and rollout graphs rebuilt); they are
+            # reported missing as a canonical layer's would be
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+            missing_keys.extend(prefix + n for n in _CANON)
+            return
         dev = self.qweight.device
         if g4:
             self.to_canonical_layout_()
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
         self.__dict__.pop("_hfq_plans", None)
         # load_state_dict(assign=True) puts the loaded tensors themselves here, possibly on another device: the
-        # layer follows them (as nn.Linear does) and keeps g4 where it had it or where the kernel runs
+        # layer follows them (as nn.Linear does) and keeps g4 where it had it or where the kernel runs. A g4 layer's
+        # own state_dict() holds host copies of the codes beside its device global scale: those follow the scale.
+        packed = self._buffers["weight_packed"]
+        gdev = self._buffers["weight_global_scale"].device
+        if g4 and packed.device.type == "cpu" and gdev == dev != packed.device:
+            self.weight_packed, self.weight_scale = packed.to(dev), self._buffers["weight_scale"].to(dev)
         new_dev = self.qweight.device
         if g4 and (new_dev == dev or self.g4_wanted(new_dev)):
             self.to_g4_layout_()

@@ -238,15 +238,16 @@ def _count_nvfp4_weights(get_nb):
     return get_nb_trainable_parameters
 
 
-def _adapter_save_without_codes(save_pretrained):
-    """PeftModel.save_pretrained (Trainer's and TRL's checkpoints of a LoRA run too) with the NVFP4 codes left out of
-    the model's state_dict(): the adapter file holds none of them (NVFP4 layers are refused in modules_to_save), and
-    a g4 base would otherwise be converted back and copied to host memory, whole, for every save."""
+def _codes_left_out_of_state_dict(fn):
+    """PeftModel.save_pretrained / load_adapter (Trainer's and TRL's checkpoints and resumes of a LoRA run too, and
+    PeftModel.from_pretrained) with the NVFP4 codes left out of the model's state_dict(), which PEFT reads whole to
+    save or to match adapter keys: adapters hold none of them (NVFP4 layers are refused in modules_to_save), and a g4
+    base would otherwise be converted back and copied to host memory, whole, each time."""
 
-    @functools.wraps(save_pretrained)
+    @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         with codes_left_out():
-            return save_pretrained(self, *args, **kwargs)
+            return fn(self, *args, **kwargs)
 
     wrapper.hfq_wrapped = True
     return wrapper
@@ -283,8 +284,9 @@ def register_peft_dispatch() -> bool:
     for owner in (PeftModel, PeftMixedModel):
         if hasattr(owner, "get_nb_trainable_parameters"):
             owner.get_nb_trainable_parameters = _count_nvfp4_weights(owner.get_nb_trainable_parameters)
-    if not hasattr(PeftModel.save_pretrained, "hfq_wrapped"):
-        PeftModel.save_pretrained = _adapter_save_without_codes(PeftModel.save_pretrained)
+    for name in ("save_pretrained", "load_adapter"):
+        if not hasattr(getattr(PeftModel, name), "hfq_wrapped"):
+            setattr(PeftModel, name, _codes_left_out_of_state_dict(getattr(PeftModel, name)))
     LoraModel._hfq_nvfp4_dispatch = True
     return True
 
