@@ -727,3 +727,28 @@ def test_g4_load_state_dict_assign_keeps_the_codes_on_the_gpu(tiny_dir):
         got = m(ids).logits
     q = m.model.layers[0].self_attn.q_proj
     assert q.layout == "g4" and q.weight_g4.is_cuda and torch.equal(got, want)
+
+
+def test_offloading_a_loaded_g4_model_says_the_codes_stay(tiny_dir, monkeypatch):
+    """accelerate's cpu_offload / disk_offload / dispatch_model on a model already loaded on a GPU: accelerate does
+    not offload non-persistent buffers, so g4 codes stayed on the GPU while the offload looked done (logits right,
+    memory not freed). The first forward says so and what to do. (A g4 device is emulated on CPU.)"""
+    import hfq.nvfp4.linear as L
+    import hfq_kernels.nvfp4_gluon as G4
+    from accelerate import cpu_offload
+
+    from hfq_kernels._settings import SETTINGS
+
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
+    monkeypatch.setattr(G4, "device_ok", lambda d: d.type == "cpu")
+    monkeypatch.setattr(L, "_WARNED_G4_OFFLOAD", [])
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 30, 41]])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*offload hook.*")
+        with torch.no_grad():
+            want = m(ids).logits  # no hook: no warning
+    cpu_offload(m, execution_device=torch.device("cpu"), offload_buffers=True)
+    with pytest.warns(UserWarning, match=r"g4 layout .* offload hook attached after loading.*offload_buffers=True"):
+        with torch.no_grad():
+            assert torch.equal(m(ids).logits, want)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ _MAX_PLANS = 64  # per layer: distinct input shapes whose launch plans are kept
 _CANON = ("weight_packed", "weight_scale")
 _G4_BUFS = ("weight_g4", "weight_g4_scale")
 _CODES_LEFT_OUT = contextvars.ContextVar("hfq_nvfp4_codes_left_out", default=False)
+_WARNED_G4_OFFLOAD: list = []
 
 
 @contextlib.contextmanager
@@ -288,6 +290,13 @@ class NVFP4Linear(nn.Module):
         its plan is made."""
         if "weight_packed" in self._buffers and self.g4_wanted(x.device):
             self.to_g4_layout_()  # e.g. a layer built on the GPU directly (no load, no move)
+        elif "_hf_hook" in self.__dict__ and not _WARNED_G4_OFFLOAD and self._offload_hook() is not None:
+            _WARNED_G4_OFFLOAD.append(True)
+            warnings.warn("an NVFP4 layer in the g4 layout (the GPU kernel's) is under an accelerate offload hook "
+                          "attached after loading (cpu_offload, disk_offload, dispatch_model): accelerate does not "
+                          "offload its non-persistent buffers, so the codes stay on the GPU and the offload saves "
+                          "nothing for NVFP4 layers. Offload while loading instead: from_pretrained(..., "
+                          "device_map=..., offload_buffers=True)", stacklevel=3)
         in_dtype = x.dtype
         cdt = self.compute_dtype
         if cdt is not None and cdt != in_dtype:
