@@ -96,3 +96,27 @@ def test_dense_stream_is_the_policy_weights(tiny_dir):
         assert "layout" in str(e)
     else:
         raise AssertionError("unknown layout accepted")
+
+
+def test_packed_stream_makes_no_layout_round_trip_on_g4(tiny_dir, monkeypatch):
+    """Each sync requantizes every LoRA layer for the stream. On a GPU that keeps the g4 layout the new layer was
+    repacked to g4 and unpacked again to be read (two conversions per layer per sync); it is now made canonical.
+    The stream equals the canonical base's. (A g4 device is emulated on CPU.)"""
+    import hfq_kernels.nvfp4_gluon as G4
+    from hfq.nvfp4 import NVFP4Linear
+    from hfq_kernels._settings import SETTINGS
+
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
+    torch.manual_seed(0)  # PEFT's init of lora_A
+    plain = {k: v.clone() for k, v in nvfp4_vllm_weights(_policy(tiny_dir))}
+    monkeypatch.setattr(G4, "device_ok", lambda d: d.type == "cpu")
+    torch.manual_seed(0)
+    pm = _policy(tiny_dir)
+    assert pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.layout == "g4"
+    calls = []  # (the CPU reference of the g4 dequantize unpacks; the GPU kernel reads g4 itself)
+    for owner, fn in ((G4, "repack"), (NVFP4Linear, "to_canonical_layout_")):
+        orig = getattr(owner, fn)
+        monkeypatch.setattr(owner, fn, lambda *a, _o=orig, _f=fn, **k: calls.append(_f) or _o(*a, **k))
+    stream = dict(nvfp4_vllm_weights(pm))
+    assert calls == [] and stream.keys() == plain.keys()
+    assert all(torch.equal(stream[k], plain[k]) for k in plain)

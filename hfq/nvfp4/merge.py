@@ -13,11 +13,15 @@ from .linear import NVFP4Linear
 from .peft_lora import NVFP4LoraLinear
 
 
-def requantized(base: NVFP4Linear, weight: torch.Tensor, bias: torch.Tensor | None, name: str) -> NVFP4Linear:
-    """A new NVFP4Linear like `base` (format, compute and weight dtype, device) holding Q(weight) and `bias`."""
+def requantized(base: NVFP4Linear, weight: torch.Tensor, bias: torch.Tensor | None, name: str,
+                canonical: bool = False) -> NVFP4Linear:
+    """A new NVFP4Linear like `base` (format, compute and weight dtype, device) holding Q(weight) and `bias`;
+    `canonical` keeps compressed-tensors' layout on any device (for callers that only read the codes out)."""
     new = NVFP4Linear(base.in_features, base.out_features, bias is not None, base.format, base.compute_dtype,
                       device=weight.device, dtype=base.weight_dtype)
     new.scale_rule = base.scale_rule  # NVFP4Config.scales of the loaded model
+    if canonical:
+        new.allow_g4 = False
     new.set_weight(weight, name=name)
     if bias is not None:
         new.bias.data.copy_(bias)

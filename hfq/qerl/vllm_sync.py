@@ -86,7 +86,7 @@ def vllm_weights(model: nn.Module, layout: str = "dense", include_frozen: tuple[
         w, b, _ = merge_lora(mod, w, base.bias, name=out)
         done.append(name + ".")
         if layout == "packed":
-            q = requantized(base, w, b, out)
+            q = requantized(base, w, b, out, canonical=True)  # streamed as compressed-tensors' layout
             yield f"{out}.weight_packed", q.weight_packed
             yield f"{out}.weight_scale", q.weight_scale
             yield f"{out}.weight_global_scale", q.weight_global_scale
