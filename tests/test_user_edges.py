@@ -507,6 +507,20 @@ def test_quest_masters_cast_to_bf16_after_loading_are_announced_at_training(tiny
         model(input_ids=ids, labels=ids).loss.backward()
 
 
+@pytest.fixture
+def g4_device(monkeypatch):
+    """Where NVFP4 layers keep the g4 layout: the GPU where there is one, else the CPU with the GPU's choice of
+    layout emulated (nvfp4_gluon.device_ok) and its planned eager route run under the interpreter."""
+    import hfq_kernels.nvfp4_gluon as G4
+    from hfq_kernels._settings import SETTINGS
+
+    if torch.cuda.is_available():
+        return "cuda:0"
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
+    monkeypatch.setattr(G4, "device_ok", lambda d: d.type == "cpu")
+    return "cpu"
+
+
 def _offload_map(layers: int, disk=(1,), rest="cpu") -> dict:
     """A device_map with decoder blocks `disk` offloaded to disk (accelerate's dispatch hooks), the rest on `rest`."""
     d = {"model.embed_tokens": rest, "model.norm": rest, "model.rotary_emb": rest, "lm_head": rest}
@@ -622,16 +636,17 @@ def test_lora_on_offloaded_nvfp4_layers_runs_through_accelerates_hook_or_is_refu
 
     from hfq_kernels._settings import SETTINGS
 
-    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)  # the eager planned route CUDA inputs take
+    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)  # on CPU: the eager planned route CUDA inputs take
+    dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     cfg = lambda: LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)  # noqa: E731
     torch.manual_seed(0)
     ref = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(),
-                                                              dtype=torch.float32), cfg())
+                                                              dtype=torch.float32, device_map=dev), cfg())
     layers = ref.config.num_hidden_layers
-    ids = torch.tensor([[5, 17, 30, 41, 8, 60]])
+    ids = torch.tensor([[5, 17, 30, 41, 8, 60]], device=dev)
     for offload_buffers in (False, True):
         base = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(),
-                                                    dtype=torch.float32, device_map=_offload_map(layers, (1,)),
+                                                    dtype=torch.float32, device_map=_offload_map(layers, (1,), dev),
                                                     offload_buffers=offload_buffers,
                                                     offload_folder=str(tmp_path / f"off{offload_buffers}"))
         if offload_buffers:
@@ -645,27 +660,27 @@ def test_lora_on_offloaded_nvfp4_layers_runs_through_accelerates_hook_or_is_refu
             assert torch.equal(pm(input_ids=ids).logits, ref(input_ids=ids).logits)
 
 
-def test_adapter_saves_do_not_convert_a_g4_base(tiny_dir, tmp_path, monkeypatch):
+def test_adapter_saves_do_not_convert_a_g4_base(tiny_dir, tmp_path, monkeypatch, g4_device):
     """PeftModel.save_pretrained (every Trainer / TRL checkpoint of a LoRA run) read the model's whole state_dict(),
     for which every g4 layer was converted back to the canonical layout and copied to host memory, then dropped.
-    Adapter saves now leave the codes out: no conversion, the same adapter file, and a fresh base with the adapter
-    gives the same logits. (A g4 device is emulated on CPU.)"""
+    Adapter saves now leave the codes out: no conversion, the same adapter file as a canonical base's, and a fresh
+    base with the adapter gives the same logits."""
     import hfq_kernels.nvfp4_gluon as G4
     from peft import LoraConfig, PeftModel, get_peft_model
     from safetensors.torch import load_file as load_st
 
-    from hfq_kernels._settings import SETTINGS
-
-    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
     cfg = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
     saved, calls, unrepack = {}, [], G4.unrepack
     monkeypatch.setattr(G4, "unrepack", lambda *a, **k: calls.append(1) or unrepack(*a, **k))
     for g4 in (False, True):
-        if g4:
-            monkeypatch.setattr(G4, "device_ok", lambda d: d.type == "cpu")
         torch.manual_seed(0)
         pm = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(),
-                                                                 dtype=torch.float32), cfg)
+                                                                 dtype=torch.float32, device_map=g4_device), cfg)
+        if not g4:  # the reference: a canonical base
+            for m in pm.modules():
+                if isinstance(m, NVFP4Linear):
+                    m.allow_g4 = False
+                    m.to_canonical_layout_()
         assert pm.base_model.model.model.layers[0].self_attn.q_proj.base_layer.layout == ("g4" if g4 else "canonical")
         calls.clear()
         pm.save_pretrained(str(tmp_path / f"a{g4}"))
@@ -675,27 +690,24 @@ def test_adapter_saves_do_not_convert_a_g4_base(tiny_dir, tmp_path, monkeypatch)
         assert any(k.endswith("weight_packed") for k in full) and bool(calls) == g4
     assert saved[False].keys() == saved[True].keys() and all(torch.equal(saved[False][k], saved[True][k])
                                                                for k in saved[False])
-    ids = torch.tensor([[5, 17, 30, 41, 8, 60]])
-    base = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32)
+    ids = torch.tensor([[5, 17, 30, 41, 8, 60]], device=g4_device)
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32,
+                                                device_map=g4_device)
     with torch.no_grad():
         assert torch.equal(PeftModel.from_pretrained(base, str(tmp_path / "aTrue"))(input_ids=ids).logits,
                            pm(input_ids=ids).logits)
 
 
-def test_adapter_loads_leave_g4_codes_as_they_are(tiny_dir, tmp_path, monkeypatch):
+def test_adapter_loads_leave_g4_codes_as_they_are(tiny_dir, tmp_path, monkeypatch, g4_device):
     """Loading an adapter (PeftModel.from_pretrained, load_adapter: PEFT's set_peft_model_state_dict) holds no base
     codes, yet every g4 layer went to canonical and back, with new code tensors (kept plans and rollout graphs then
     rebuilt). Now the codes stay the same tensors, with no conversion; the codes are still reported missing (as a
-    canonical layer's are) and a strict load without them still fails. (A g4 device is emulated on CPU.)"""
+    canonical layer's are) and a strict load without them still fails."""
     import hfq_kernels.nvfp4_gluon as G4
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from hfq_kernels._settings import SETTINGS
-
-    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
-    monkeypatch.setattr(G4, "device_ok", lambda d: d.type == "cpu")
     load = lambda: AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(),  # noqa
-                                                        dtype=torch.float32)
+                                                        dtype=torch.float32, device_map=g4_device)
     get_peft_model(load(), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)).save_pretrained(
         str(tmp_path / "a"))
     base = load()
@@ -729,26 +741,22 @@ def test_g4_load_state_dict_assign_keeps_the_codes_on_the_gpu(tiny_dir):
     assert q.layout == "g4" and q.weight_g4.is_cuda and torch.equal(got, want)
 
 
-def test_offloading_a_loaded_g4_model_says_the_codes_stay(tiny_dir, monkeypatch):
+def test_offloading_a_loaded_g4_model_says_the_codes_stay(tiny_dir, monkeypatch, g4_device):
     """accelerate's cpu_offload / disk_offload / dispatch_model on a model already loaded on a GPU: accelerate does
     not offload non-persistent buffers, so g4 codes stayed on the GPU while the offload looked done (logits right,
-    memory not freed). The first forward says so and what to do. (A g4 device is emulated on CPU.)"""
+    memory not freed). The first forward says so and what to do."""
     import hfq.nvfp4.linear as L
-    import hfq_kernels.nvfp4_gluon as G4
     from accelerate import cpu_offload
 
-    from hfq_kernels._settings import SETTINGS
-
-    monkeypatch.setattr(SETTINGS, "plan_on_cpu", True)
-    monkeypatch.setattr(G4, "device_ok", lambda d: d.type == "cpu")
     monkeypatch.setattr(L, "_WARNED_G4_OFFLOAD", [])
-    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32)
-    ids = torch.tensor([[5, 17, 30, 41]])
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32,
+                                             device_map=g4_device)
+    ids = torch.tensor([[5, 17, 30, 41]], device=g4_device)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*offload hook.*")
         with torch.no_grad():
             want = m(ids).logits  # no hook: no warning
-    cpu_offload(m, execution_device=torch.device("cpu"), offload_buffers=True)
+    cpu_offload(m, execution_device=torch.device(g4_device), offload_buffers=True)
     with pytest.warns(UserWarning, match=r"g4 layout .* offload hook attached after loading.*offload_buffers=True"):
         with torch.no_grad():
             assert torch.equal(m(ids).logits, want)
