@@ -290,7 +290,8 @@ class NVFP4Linear(nn.Module):
         its plan is made."""
         if "weight_packed" in self._buffers and self.g4_wanted(x.device):
             self.to_g4_layout_()  # e.g. a layer built on the GPU directly (no load, no move)
-        elif "_hf_hook" in self.__dict__ and not _WARNED_G4_OFFLOAD and self._offload_hook() is not None:
+        elif ("_hf_hook" in self.__dict__ and "weight_g4" in self._buffers and not _WARNED_G4_OFFLOAD
+              and self._offload_hook() is not None):
             _WARNED_G4_OFFLOAD.append(True)
             warnings.warn("an NVFP4 layer in the g4 layout (the GPU kernel's) is under an accelerate offload hook "
                           "attached after loading (cpu_offload, disk_offload, dispatch_model): accelerate does not "
