@@ -762,3 +762,18 @@ def test_offloading_a_loaded_g4_model_says_the_codes_stay(tiny_dir, monkeypatch,
     with pytest.warns(UserWarning, match=r"g4 layout .* offload hook attached after loading.*offload_buffers=True"):
         with torch.no_grad():
             assert torch.equal(m(ids).logits, want)
+
+
+def test_quantize_on_load_repacks_each_layer_once(tiny_dir, monkeypatch, g4_device):
+    """Quantizing a dense checkpoint while loading on a g4 device packed each layer to g4 in set_weight, unpacked it
+    to hand the loader its canonical buffers, and packed it again after loading: it stays canonical until the
+    post-load pass converts it, once."""
+    import hfq_kernels.nvfp4_gluon as G4
+
+    calls, repack = [], G4.repack
+    monkeypatch.setattr(G4, "repack", lambda *a, **k: calls.append(1) or repack(*a, **k))
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32,
+                                             device_map=g4_device)
+    layers = [x for x in m.modules() if isinstance(x, NVFP4Linear)]
+    assert len(calls) == len(layers) and all(x.layout == "g4" for x in layers)
+    assert all(0 < e < 0.2 for e in m.hfq_quantization_report["rel_error"].values())
