@@ -777,3 +777,12 @@ def test_quantize_on_load_repacks_each_layer_once(tiny_dir, monkeypatch, g4_devi
     layers = [x for x in m.modules() if isinstance(x, NVFP4Linear)]
     assert len(calls) == len(layers) and all(x.layout == "g4" for x in layers)
     assert all(0 < e < 0.2 for e in m.hfq_quantization_report["rel_error"].values())
+
+
+def test_mxfp4_layer_state_dict_round_trip():
+    """An MXFP4 layer has no global scale: its load_state_dict must not read one (the g4 checks are NVFP4's)."""
+    lin = torch.nn.Linear(64, 32)
+    lay = NVFP4Linear.from_linear(lin, format="mxfp4")
+    fresh = NVFP4Linear(64, 32, True, "mxfp4")
+    fresh.load_state_dict(lay.state_dict())
+    assert torch.equal(fresh.dequantize(torch.float32), lay.dequantize(torch.float32))

@@ -225,13 +225,13 @@ class NVFP4Linear(nn.Module):
         # load_state_dict(assign=True) puts the loaded tensors themselves here, possibly on another device: the
         # layer follows them (as nn.Linear does) and keeps g4 where it had it or where the kernel runs. A g4 layer's
         # own state_dict() holds host copies of the codes beside its device global scale: those follow the scale.
-        packed = self._buffers["weight_packed"]
-        gdev = self._buffers["weight_global_scale"].device
-        if g4 and packed.device.type == "cpu" and gdev == dev != packed.device:
-            self.weight_packed, self.weight_scale = packed.to(dev), self._buffers["weight_scale"].to(dev)
-        new_dev = self.qweight.device
-        if g4 and (new_dev == dev or self.g4_wanted(new_dev)):
-            self.to_g4_layout_()
+        if g4:
+            new_dev = self.qweight.device
+            if new_dev.type == "cpu" and self.weight_global_scale.device == dev != new_dev:
+                self.weight_packed, self.weight_scale = self.weight_packed.to(dev), self.weight_scale.to(dev)
+                new_dev = dev
+            if new_dev == dev or self.g4_wanted(new_dev):
+                self.to_g4_layout_()
 
     @on_device_of(lambda self, *a, **k: self._buffers.get("weight_g4", self._buffers.get("weight_packed")))
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
