@@ -100,8 +100,9 @@ class NVFP4Linear(nn.Module):
 
     @torch.no_grad()
     @on_device_of(lambda self, w, *a, **k: w)
-    def set_weight(self, w: torch.Tensor, name: str = "weight") -> None:
-        """Quantize `w` [out, in] into this layer's buffers (NaN/Inf refused, naming `name`)."""
+    def set_weight(self, w: torch.Tensor, name: str = "weight", canonical: bool = False) -> None:
+        """Quantize `w` [out, in] into this layer's buffers (NaN/Inf refused, naming `name`); `canonical` keeps
+        compressed-tensors' layout for a caller that reads the buffers out (a later forward converts as usual)."""
         if tuple(w.shape) != (self.out_features, self.in_features):
             raise ValueError(f"{name}: expected shape {(self.out_features, self.in_features)}, got {tuple(w.shape)}")
         fp4.check_finite(w, name)
@@ -117,7 +118,7 @@ class NVFP4Linear(nn.Module):
         self._drop(_G4_BUFS)  # also drops the plans
         self.register_buffer("weight_packed", packed)
         self.register_buffer("weight_scale", scale)
-        if was_g4 or self.g4_wanted(packed.device):  # e.g. from_linear on the GPU: no canonical copy kept
+        if not canonical and (was_g4 or self.g4_wanted(packed.device)):  # e.g. from_linear on the GPU
             self.to_g4_layout_()
 
     # ----------------------------------------------------------------------------------------- layouts

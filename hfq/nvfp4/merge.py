@@ -20,9 +20,7 @@ def requantized(base: NVFP4Linear, weight: torch.Tensor, bias: torch.Tensor | No
     new = NVFP4Linear(base.in_features, base.out_features, bias is not None, base.format, base.compute_dtype,
                       device=weight.device, dtype=base.weight_dtype)
     new.scale_rule = base.scale_rule  # NVFP4Config.scales of the loaded model
-    if canonical:
-        new.allow_g4 = False
-    new.set_weight(weight, name=name)
+    new.set_weight(weight, name=name, canonical=canonical)
     if bias is not None:
         new.bias.data.copy_(bias)
     return new

@@ -39,11 +39,7 @@ class NVFP4Quantize(QuantizeOnLoad):
     """Loader op: receives one layer's full-precision weight and returns its packed buffers."""
 
     def quantize(self, model, name, module, value):
-        allow, module.allow_g4 = module.allow_g4, False  # canonical while loading: the buffers are read out below,
-        try:                                              # and the post-load pass converts each layer once
-            module.set_weight(value, name=name)
-        finally:
-            module.allow_g4 = allow
+        module.set_weight(value, name=name, canonical=True)  # read out below; the post-load pass converts once
         w32 = value.float()
         deq = module.dequantize(torch.float32)
         self.hf_quantizer.rel_error[name] = float((deq - w32).norm() / w32.norm().clamp_min(1e-30))

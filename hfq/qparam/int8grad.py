@@ -365,7 +365,6 @@ class _Bucket:
 
         IN_FLIGHT.add(work, finish)
 
-
     def verify(self) -> None:
         """Raise if any finished collective's fingerprints differed between ranks (one host read for all of them)."""
         checks, self.checks = self.checks, []
