@@ -57,7 +57,14 @@ def register_all() -> None:
 
     if not hasattr(DistributedDataParallel.__init__, "hfq_wrapped"):  # DDP leaves NVFP4 codes alone, however wrapped
         DistributedDataParallel.__init__ = marking_codes_for_ddp(DistributedDataParallel.__init__)
-    from accelerate import Accelerator
+    from accelerate import Accelerator, utils as acc_utils
+    from accelerate.utils import modeling as acc_modeling
+
+    from hfq.nvfp4.linear import canonical_before_set
+
+    for owner in (acc_modeling, acc_utils):  # its loaders look NVFP4 tensors up by their canonical names
+        if not hasattr(owner.set_module_tensor_to_device, "hfq_wrapped"):
+            owner.set_module_tensor_to_device = canonical_before_set(owner.set_module_tensor_to_device)
 
     from hfq.qparam.guard import refusing_deepspeed
 

@@ -764,6 +764,35 @@ def test_offloading_a_loaded_g4_model_says_the_codes_stay(tiny_dir, monkeypatch,
             assert torch.equal(m(ids).logits, want)
 
 
+def test_load_checkpoint_and_dispatch_into_a_loaded_g4_model(tiny_dir, tmp_path, g4_device):
+    """accelerate's load_checkpoint_and_dispatch / load_checkpoint_in_model with a device_map into an NVFP4 model
+    already loaded on a GPU: accelerate looks each checkpoint name up in the layer's _parameters / _buffers, so every
+    g4 layer failed ("does not have a parameter or a buffer named weight_scale"). The layer goes canonical for the
+    load and back to g4 at its next forward, holding the checkpoint's codes."""
+    from accelerate import load_checkpoint_and_dispatch
+
+    ids = torch.tensor([[5, 17, 30, 41]], device=g4_device)
+    src = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32,
+                                               device_map=g4_device)
+    with torch.no_grad():
+        want = src(ids).logits
+    src.save_pretrained(str(tmp_path / "q"))
+    dst = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.float32,
+                                               device_map=g4_device)
+    layers = [m for m in dst.modules() if isinstance(m, NVFP4Linear)]
+    with torch.no_grad():
+        for m in layers:  # other codes and other dense weights than the checkpoint's
+            m.weight_packed.zero_()
+        for p in dst.parameters():
+            p.add_(0.25)
+        assert not torch.allclose(dst(ids).logits, want)
+    assert all(m.layout == "g4" for m in layers)
+    dst = load_checkpoint_and_dispatch(dst, str(tmp_path / "q"), device_map={"": g4_device})
+    with torch.no_grad():
+        assert torch.equal(dst(ids).logits, want)
+    assert all(m.layout == "g4" for m in layers)
+
+
 def test_quantize_on_load_repacks_each_layer_once(tiny_dir, monkeypatch, g4_device):
     """Quantizing a dense checkpoint while loading on a g4 device packed each layer to g4 in set_weight, unpacked it
     to hand the loader its canonical buffers, and packed it again after loading: it stays canonical until the

@@ -407,6 +407,28 @@ def marking_codes_for_ddp(init):
     return wrapped
 
 
+def canonical_before_set(set_tensor):
+    """accelerate's set_module_tensor_to_device (load_checkpoint_in_model, load_checkpoint_and_dispatch with a
+    device_map) finds a tensor by name in the module's _parameters / _buffers: an NVFP4 layer in the g4 layout, asked
+    for a canonical name, returns to the canonical layout first, as attribute access makes it (it goes back to g4 at
+    its next forward on a device that runs the kernel). Installed by `import hfq`."""
+    @functools.wraps(set_tensor)
+    def wrapped(module, tensor_name, *args, **kwargs):
+        owner, name = module, tensor_name
+        if isinstance(tensor_name, str) and "." in tensor_name:
+            path, name = tensor_name.rsplit(".", 1)
+            try:
+                owner = module.get_submodule(path)
+            except AttributeError:
+                owner = None  # accelerate reports the bad name itself
+        if isinstance(owner, NVFP4Linear) and name in _CANON and "weight_g4" in owner._buffers:
+            owner.to_canonical_layout_()
+        return set_tensor(module, tensor_name, *args, **kwargs)
+
+    wrapped.hfq_wrapped = True
+    return wrapped
+
+
 def mark_ddp_ignore(model: nn.Module) -> list[str]:
     """Tell DistributedDataParallel to leave the frozen NVFP4 codes/scales alone.
 
