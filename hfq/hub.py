@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 
 # In a checkout hfq/model_cards is a symlink to the top-level model_cards/; a built wheel holds copies.
@@ -271,7 +272,8 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
     """The `huggingface_hub.ModelCard` for an hfq model or PEFT adapter; the kind is picked from the model's layers.
 
     base_model: the Hub id it derives from (default: the adapter's base_model_name_or_path or the config's
-    _name_or_path); written to the metadata only when it is a Hub id. tokenizer: the repo will hold the tokenizer."""
+    _name_or_path); written to the metadata only when it is a Hub id; for an adapter on a GPTQ-calibrated base
+    (calibrate_), required: the repo of the saved calibrated base. tokenizer: the repo will hold the tokenizer."""
     from huggingface_hub import ModelCard, ModelCardData
     from huggingface_hub.utils import validate_repo_id
 
@@ -290,6 +292,16 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
         candidates = [cfg.base_model_name_or_path, _name_or_path(unwrapped)]
     else:
         candidates = [_name_or_path(model)]
+    quantizer = getattr(unwrapped, "hf_quantizer", None)
+    calibrated = (kind == "adapter" and getattr(quantizer, "calibrated", False)
+                  and not getattr(quantizer, "pre_quantized", False))
+    if calibrated and not base_model:
+        # the dense source is not the base: no quantization_config rebuilds GPTQ's codes from it
+        warnings.warn("model_card: the adapter's base is GPTQ-calibrated NVFP4 (hfq.nvfp4.calibrate_), which no "
+                      "quantization_config rebuilds from the dense model: the card names no base. Save the calibrated "
+                      "base (save_pretrained, or `hfq quantize --calibrate`), push it and pass base_model=<its repo "
+                      "id>", UserWarning, stacklevel=2)
+        candidates = []
     if base_model:
         candidates = [base_model]
     base = next((hub_id(c) for c in candidates if hub_id(c)), None)
@@ -320,8 +332,14 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
                   trainer_name=type(trainer).__name__ if trainer is not None else "",
                   aqn=hp.get("aqn", True) is not False)
     if kind == "adapter":
+        base_load, base_note = _config_expr(unwrapped), ""
+        if calibrated:
+            base_load = ""
+            base_note = ("the base is GPTQ-calibrated NVFP4 (hfq.nvfp4.calibrate_): load that saved checkpoint as it is"
+                         if base_model else "the base is GPTQ-calibrated NVFP4 (hfq.nvfp4.calibrate_): load the "
+                         "calibrated checkpoint it was saved as; re-quantizing the dense model gives other codes")
         fields.update(r=lora["r"], lora_alpha=lora["lora_alpha"], target_modules=", ".join(lora["target_modules"]),
-                      base_format=fmt.upper(), base_load=_config_expr(unwrapped))
+                      base_format=fmt.upper(), base_load=base_load, base_note=base_note)
     return ModelCard(render(TEMPLATES[kind], data, **fields))
 
 

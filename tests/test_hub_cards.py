@@ -128,6 +128,36 @@ def test_adapter_card_and_folder(nvfp4, tiny_dir, tmp_path):
     assert torch.allclose(_logits(scope["model"], IDS), _logits(pm, IDS), atol=1e-5)  # ... and came back
 
 
+def test_adapter_card_on_a_calibrated_base_loads_the_calibrated_codes(tiny_dir, tmp_path):
+    """An adapter trained on a GPTQ-calibrated base (calibrate_): its card loaded the dense base with NVFP4Config(),
+    i.e. round-to-nearest codes the adapter was not trained on (logits off, no warning). Given the saved calibrated
+    base's repo (base_model=) the card loads it as saved; without one it names no base and says why (a warning too:
+    TRL writes cards at every checkpoint, so this is no error)."""
+    from hfq.nvfp4 import calibrate_
+    from hfq.tiny import char_tokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    calibrate_(base, [f"sample {i}: the fox jumps over the dog {i * 7} times" for i in range(16)], char_tokenizer(),
+               progress=False, device="cpu")
+    base.save_pretrained(str(tmp_path / "calibrated"))
+    pm = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                   init_lora_weights=False))
+    pm.peft_config["default"].base_model_name_or_path = HUB_BASE  # the dense source: not what the adapter needs
+    with pytest.warns(UserWarning, match=r"GPTQ-calibrated .* pass base_model="):
+        card = hub.model_card(pm, "me/tiny-cal")
+    assert card.data.base_model is None and HUB_BASE not in _snippet(str(card))
+    assert 'from_pretrained("PATH/TO/BASE")' in _snippet(str(card)) and "calibrated checkpoint" in str(card)
+    out = hub.save_for_hub(pm, str(tmp_path / "push"), "me/tiny-cal", base_model="me/tiny-calibrated")
+    card = ModelCard.load(os.path.join(out, "README.md"))
+    assert card.data.base_model == "me/tiny-calibrated"
+    assert "quantization_config" not in _snippet(str(card))
+    scope = _run_snippet(str(card), {"me/tiny-calibrated": str(tmp_path / "calibrated"), "me/tiny-cal": out})
+    assert torch.equal(_logits(scope["model"], IDS), _logits(pm, IDS))
+    rtn = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+        tiny_dir, dtype=torch.float32, quantization_config=hfq.NVFP4Config()), out)
+    assert not torch.allclose(_logits(rtn, IDS), _logits(pm, IDS))  # what the old card loaded
+
+
 def test_folder_card_from_saved_adapter_and_model(nvfp4, tmp_path):
     nvfp4.save_pretrained(tmp_path / "model")  # the base, before PEFT puts its layers in (then only the adapter saves)
     pm = _adapter(nvfp4)

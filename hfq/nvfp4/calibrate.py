@@ -498,5 +498,6 @@ def _mark_quantized(model, config, converted, skipped, rel_error, quantizer_cls)
     """Make `model` what a quantize-on-load gives: config + quantizer for save_pretrained, report, DDP ignore."""
     q = quantizer_cls(config, pre_quantized=False)
     q.converted, q.skipped, q.rel_error = list(converted), dict(skipped), dict(rel_error)
+    q.calibrated = True
     mark_quantized(model, q, {"quantized": list(converted), "skipped": dict(skipped), "rel_error": dict(rel_error)})
     mark_ddp_ignore(model)

@@ -58,6 +58,7 @@ class NVFP4HfQuantizer(HfqQuantizer):
     signature = frozenset({"weight_packed"})
     layer_types = (NVFP4Linear,)
     compileable = True
+    calibrated = False  # the codes came from GPTQ (calibrate_): no quantization_config rebuilds them at load
 
     def __init__(self, quantization_config, **kwargs):
         super().__init__(quantization_config, **kwargs)
