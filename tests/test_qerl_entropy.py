@@ -80,3 +80,15 @@ def test_sampling_entropy_matches_hand_computation(padding_side):
     ref, ended_early = _entropies_one_by_one(model, tok, PROMPTS, max_new_tokens=12, seed=3)
     assert 1 <= ended_early < len(PROMPTS) and 0.05 < ref < math.log(model.config.vocab_size) - 0.5  # a non-trivial case
     assert h == pytest.approx(ref, abs=2e-4)
+
+
+def test_sampling_entropy_leaves_the_callers_random_stream():
+    """It samples under its own seed: a call (e.g. from a callback every N steps) reseeded torch's global generator,
+    so every later random stream of the run (dropout, sampling) restarted from manual_seed(seed)."""
+    model, tok = _model(), char_tokenizer()
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    h1 = sampling_entropy(model, tok, PROMPTS, max_new_tokens=4, seed=5)
+    assert torch.equal(torch.rand(4), want)
+    assert sampling_entropy(model, tok, PROMPTS, max_new_tokens=4, seed=5) == h1  # still follows its seed
