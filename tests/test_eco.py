@@ -333,6 +333,29 @@ def test_trainer_kwargs_refuse_a_weight_decay_trainer_would_override_and_read_bo
         optimizer_cls_and_kwargs(TrainingArguments("out", optim_args="check_finite=ture", report_to="none"))
 
 
+def test_trainer_kwargs_take_the_runs_seed():
+    """Stochastic rounding drew from the optimizer's seed=0 whatever TrainingArguments.seed said: a seed sweep repeated
+    the same rounding noise in every run. The run's seed is the default; optim_args and keyword overrides win."""
+    from transformers import TrainingArguments
+
+    from hfq.eco import optimizer_cls_and_kwargs
+
+    assert optimizer_cls_and_kwargs(TrainingArguments("out", seed=7, report_to="none"))[1]["seed"] == 7
+    assert optimizer_cls_and_kwargs(TrainingArguments("out", seed=7, optim_args="seed=3", report_to="none"),
+                                    "eco_sgd")[1]["seed"] == 3
+    assert optimizer_cls_and_kwargs(TrainingArguments("out", seed=7, report_to="none"), seed=4)[1]["seed"] == 4
+    steps = {}
+    for seed in (1, 2):
+        torch.manual_seed(0)
+        net = _net()
+        cls, kw = optimizer_cls_and_kwargs(TrainingArguments("out", seed=seed, learning_rate=1e-3, report_to="none"))
+        opt = cls(net.parameters(), **{**kw, "rounding": "sr"})
+        net(torch.ones(4, 32)).sum().backward()
+        opt.step()
+        steps[seed] = [p.detach().float().clone() for p in net.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(steps[1], steps[2]))
+
+
 def test_fused_requests_the_step_cannot_honour_are_said_and_a_nan_update_names_its_parameter():
     from hfq.qft import QLion
 

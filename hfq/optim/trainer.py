@@ -41,13 +41,14 @@ def _parse_optim_args(text: str | None) -> dict:
 def optimizer_cls_and_kwargs(args, name: str = "eco_adamw", **overrides) -> tuple[type, dict]:
     """`(ECOAdamW | ECOSGD, kwargs)` for `Trainer(optimizer_cls_and_kwargs=...)`, filled from TrainingArguments.
 
-    lr = args.learning_rate; ECOAdamW also betas = (args.adam_beta1, args.adam_beta2), eps = args.adam_epsilon.
+    lr = args.learning_rate, seed = args.seed (stochastic rounding's draws); ECOAdamW also betas = (args.adam_beta1,
+    args.adam_beta2), eps = args.adam_epsilon.
     Weight decay comes from Trainer's parameter groups (args.weight_decay; 0 for biases and norms). ECO options
     may be given in `args.optim_args` ("rounding=sr,state_dtype=bfloat16,rule=memory_free,state_bits=8,seed=0")
     and/or as keyword overrides (which win). `args.optim` is not read: it cannot hold an ECO name (see above)."""
     if name not in NAMES:
         raise ValueError(f"name: unknown {name!r}; allowed {tuple(NAMES)}")
-    kwargs = {"lr": args.learning_rate}
+    kwargs = {"lr": args.learning_rate, "seed": args.seed}  # SR draws follow the run's seed, as its other streams
     if name == "eco_adamw":
         kwargs.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
     kwargs.update(_parse_optim_args(getattr(args, "optim_args", None)))
