@@ -486,12 +486,9 @@ def test_resize_token_embeddings_with_a_quantized_head_is_refused_untouched(tiny
     assert kept.lm_head.weight.shape[0] == 120 and kept(torch.tensor([[5, 119]])).logits.shape[-1] == 120
 
 
-def test_quest_masters_cast_to_bf16_after_loading_are_announced_at_training(tiny_dir, monkeypatch):
+def test_quest_masters_cast_to_bf16_after_loading_are_announced_at_training(tiny_dir):
     """fp32 masters loaded quietly, then model.to(torch.bfloat16): the first training forward says what the
     bf16 load would have said (once); evaluation forwards stay quiet."""
-    from hfq.quest import linear as QL
-
-    monkeypatch.setattr(QL, "_LOW_MASTERS_WARNED", [])
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*master weights.*")
         model = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QuESTConfig(),
@@ -505,6 +502,18 @@ def test_quest_masters_cast_to_bf16_after_loading_are_announced_at_training(tiny
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*master weights.*")
         model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_quest_low_master_warning_is_per_model(tiny_dir):
+    """The training forward's warning was once per process: after another QuEST model had warned (a bf16 load),
+    a second model cast to bf16 trained with its small steps lost and nothing said. Now once per model."""
+    with pytest.warns(UserWarning, match="QuEST master weights are bfloat16"):
+        AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QuESTConfig(), dtype=torch.bfloat16)
+    b = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QuESTConfig(),
+                                             dtype=torch.float32).to(torch.bfloat16).train()
+    ids = torch.tensor([[4, 5, 6, 7]])
+    with pytest.warns(UserWarning, match=r"QuEST master weights are bfloat16.*keep them fp32"):
+        b(input_ids=ids, labels=ids).loss.backward()
 
 
 @pytest.fixture

@@ -207,15 +207,24 @@ def weight_from_hadamard(wq32: torch.Tensor, block: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- module
 _LOW = (torch.bfloat16, torch.float16)
-_LOW_MASTERS_WARNED: list = []  # the first training forward's warning: not after this or a load-time one
 
 
-def warn_low_precision_master(dtype: torch.dtype, stacklevel: int = 2, once: bool = True) -> None:
-    """Warn that QuEST master weights are bf16/fp16: QAT steps below half their ulp are lost. `once`: only if no
-    such warning was given yet in this process (the training forward's check; a load warns each time)."""
-    if once and _LOW_MASTERS_WARNED:
-        return
-    _LOW_MASTERS_WARNED.append(dtype)
+class WarnedOnce:
+    """The layers of one conversion (one model) share one: the low-precision master warning is given once per
+    model, by its load or its first training forward, whatever another model said."""
+    warned = False
+
+
+_UNOWNED = WarnedOnce()  # layers built by hand, outside a conversion: once per process
+
+
+def warn_low_precision_master(dtype: torch.dtype, stacklevel: int = 2, owner: WarnedOnce | None = None) -> None:
+    """Warn that QuEST master weights are bf16/fp16: QAT steps below half their ulp are lost. `owner`: warn only
+    if its layers were not warned about yet (the training forward's check); None: warn (a load)."""
+    if owner is not None:
+        if owner.warned:
+            return
+        owner.warned = True
     low = str(dtype).removeprefix("torch.")
     warnings.warn(f"hfq_quest: the QuEST master weights are {low} (the model's dtype): for QAT load with "
                   "dtype=torch.float32 and keep them fp32 (Trainer's bf16=True then computes in bf16), since a "
@@ -306,7 +315,8 @@ class QuESTLinear(nn.Module):
                     "save_format='master' checkpoint; for inference call model.eval() or run under torch.no_grad()")
             return self._forward_packed(x)
         if self.training and self.weight.dtype in _LOW and self.weight.requires_grad and torch.is_grad_enabled():
-            warn_low_precision_master(self.weight.dtype, stacklevel=3)  # e.g. model.to(torch.bfloat16) after load
+            # e.g. model.to(torch.bfloat16) after load
+            warn_low_precision_master(self.weight.dtype, stacklevel=3, owner=self.__dict__.get("_hfq_owner", _UNOWNED))
         dev = x.device.type
         # under autocast the matmuls run in the autocast dtype; the weight is still quantized in fp32
         cdt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else self.weight.dtype
@@ -369,11 +379,16 @@ def layer_maker(config: QuESTConfig, packed: bool = False, reuse: bool = False):
     an instantiated model; a weight check_weight refuses raises naming it); otherwise the layer is built on the
     linear's device (meta while from_pretrained loads). A width the HT cannot cover raises naming the layer."""
 
+    owner = WarnedOnce()  # this conversion's layers: one model
+
     def make(name: str, lin: nn.Linear) -> QuESTLinear:
         if reuse:
             config.block_for(lin.in_features, name)
-            return QuESTLinear.from_linear(lin, config, name)
-        return QuESTLinear(lin.in_features, lin.out_features, lin.bias is not None, config, packed=packed,
-                           name=name, device=lin.weight.device, dtype=lin.weight.dtype)
+            m = QuESTLinear.from_linear(lin, config, name)
+        else:
+            m = QuESTLinear(lin.in_features, lin.out_features, lin.bias is not None, config, packed=packed,
+                            name=name, device=lin.weight.device, dtype=lin.weight.dtype)
+        m._hfq_owner = owner
+        return m
 
     return make

@@ -95,10 +95,14 @@ class QuESTHfQuantizer(HfqQuantizer):
 
 def warn_low_precision_masters(model: torch.nn.Module, stacklevel: int = 2) -> None:
     """Warn when QuEST master weights are bf16/fp16: QAT steps below half their ulp are lost."""
-    low = [m.weight.dtype for m in model.modules() if isinstance(m, QuESTLinear) and not m.packed
-           and m.weight.dtype in (torch.bfloat16, torch.float16)]
+    layers = [m for m in model.modules() if isinstance(m, QuESTLinear) and not m.packed]
+    low = [m.weight.dtype for m in layers if m.weight.dtype in (torch.bfloat16, torch.float16)]
     if low:
-        warn_low_precision_master(low[0], stacklevel=stacklevel + 1, once=False)
+        warn_low_precision_master(low[0], stacklevel=stacklevel + 1)
+        for m in layers:  # said for these layers: their training forward stays quiet
+            owner = m.__dict__.get("_hfq_owner")
+            if owner is not None:
+                owner.warned = True
 
 
 def quantize_model(model: torch.nn.Module, config: QuESTConfig | None = None) -> torch.nn.Module:
