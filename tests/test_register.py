@@ -103,3 +103,14 @@ importlib.reload(importlib.import_module("hfq.qparam.guard"))
 print("same", before == (count(), len(O._global_optimizer_pre_hooks)))
 """)
     assert "same True" in out.stdout, out.stdout + out.stderr
+
+
+def test_other_methods_config_is_refused_without_a_false_name_clash(tmp_path):
+    """A QuEST checkpoint loaded with QFTConfig: refused, and the message no longer claims transformers has a class
+    of that name (only NVFP4Config is shared)."""
+    path = save_tiny(tmp_path / "tiny", arch="qwen2")
+    AutoModelForCausalLM.from_pretrained(path, quantization_config=hfq.QuESTConfig()).save_pretrained(tmp_path / "q")
+    with pytest.raises(ValueError, match=r"quant_method 'hfq_quest' .*hfq.qft.config.QFTConfig \(quant_method "
+                                         r"'hfq_qft'\)\. Load") as e:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "q", quantization_config=hfq.QFTConfig())
+    assert "class named" not in str(e.value)

@@ -154,12 +154,19 @@ def refusing_other_methods_of_one_name(merge):
             asked = getattr(quantization_config_from_args, "quant_method", None)
             saved, asked = (str(getattr(m, "value", m)) for m in (saved, asked))
             if saved != asked and "hfq_" in saved + asked:
-                name = type(quantization_config_from_args).__name__
+                kind = type(quantization_config_from_args)
+                name = kind.__name__
+                import transformers
+
+                import hfq
+
+                theirs, ours = getattr(transformers, name, None), getattr(hfq, name, None)
+                clash = (f"; transformers and hfq both have a class named {name}"
+                         if theirs is not None and ours is not None and theirs is not ours else "")
                 raise ValueError(
                     f"The model is quantized with quant_method {saved!r} but the quantization_config passed to "
-                    f"from_pretrained is {type(quantization_config_from_args).__module__}.{name} (quant_method "
-                    f"{asked!r}); transformers and hfq both have a class named {name}. Load the checkpoint without "
-                    "quantization_config (its own method is used), or pass that method's config")
+                    f"from_pretrained is {kind.__module__}.{name} (quant_method {asked!r}){clash}. Load the "
+                    "checkpoint without quantization_config (its own method is used), or pass that method's config")
         return merge(quantization_config, quantization_config_from_args, *args, **kwargs)
 
     wrapper.hfq_wrapped = merge
