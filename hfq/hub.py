@@ -390,8 +390,10 @@ def check_push(repo_id: str, token: str | None = None) -> None:
     build_hf_headers(token=token if token else True)
 
 
-def folder_card(folder: str, repo_id: str):
-    """A card for an already saved hfq model or adapter folder, built from its config files (no weights loaded)."""
+def folder_card(folder: str, repo_id: str, base_model: str | None = None):
+    """A card for an already saved hfq model or adapter folder, built from its config files (no weights loaded).
+    base_model: the Hub id it derives from (a saved model folder does not record it: transformers 5 writes no
+    _name_or_path into config.json)."""
     from huggingface_hub import ModelCard, ModelCardData
 
     folder = Path(folder)
@@ -434,7 +436,8 @@ def folder_card(folder: str, repo_id: str):
     fmt = str(quant.get("format") or ("unrecorded" if quant["quant_method"] == "unrecorded" else "dense"))
     method = {"adapter": "lora", "nvfp4": "nvfp4",  # an adapter folder does not say how it was trained
               "quest": "quest", "qft": "qft" if fmt == "int8_dense_sparse" else "eco"}[kind]
-    base = hub_id(source)
+    link = base_model or source
+    base = hub_id(link)
     has_tok = any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     training = {"method": method, **({"metrics": found} if found else {})} if (kind in ("adapter", "qft") or found) \
         else None
@@ -443,7 +446,7 @@ def folder_card(folder: str, repo_id: str):
                          tags=[t for t in ["hfq", method, quant["quant_method"], fmt] if t != "unrecorded"] +
                          (["lora", "peft"] if kind == "adapter" else []), hfq_repo_id=repo_id)
     fields = dict(model_name=repo_id.split("/")[-1], repo_id=repo_id, base_model=base or "",
-                  base_source=_base_source(source), method=method, quant=quant, format=fmt, format_upper=fmt.upper(),
+                  base_source=_base_source(link), method=method, quant=quant, format=fmt, format_upper=fmt.upper(),
                   hparams={}, metrics=found, training_summary="", tokenizer_repo=repo_id if has_tok else (base or ""),
                   dataset_name="", trainer_name="")
     if kind == "adapter":
@@ -482,9 +485,9 @@ def retarget_card(path: str, repo_id: str) -> bool:
 
 
 def upload_folder(folder: str, repo_id: str, private: bool = True, token: str | None = None,
-                  commit_message: str = "Upload with hfq") -> str:
+                  commit_message: str = "Upload with hfq", base_model: str | None = None) -> str:
     """Upload a saved model/adapter folder as is (weights, tokenizer, README.md; hfq's card is added when there is
-    none, or only PEFT's empty template)."""
+    none, or only PEFT's empty template; base_model: see folder_card)."""
     from huggingface_hub import HfApi
 
     check_push(repo_id, token)
@@ -493,7 +496,7 @@ def upload_folder(folder: str, repo_id: str, private: bool = True, token: str | 
         raise ValueError(f"{folder}: neither config.json nor adapter_config.json found: not a saved model/adapter")
     readme = os.path.join(folder, "README.md")
     if not os.path.isfile(readme) or is_placeholder_card(readme):
-        folder_card(folder, repo_id).save(readme)
+        folder_card(folder, repo_id, base_model).save(readme)
     else:
         retarget_card(readme, repo_id)
     api = HfApi(token=token)

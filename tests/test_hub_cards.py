@@ -361,6 +361,22 @@ def test_cli_push_adds_the_card_then_reports_the_upload_error(nvfp4, tiny_dir, t
     assert "mine" in (tmp_path / "m" / "README.md").read_text()
 
 
+def test_cli_push_base_model_reaches_the_folder_card(nvfp4, tmp_path, monkeypatch):
+    """A saved model folder does not record its source (transformers 5 writes no _name_or_path into config.json), so
+    every pushed folder's card said "an unrecorded checkpoint" with no base_model; `--base-model` supplies it."""
+    import huggingface_hub.constants as c
+
+    from hfq.cli import main
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    nvfp4.save_pretrained(tmp_path / "m")
+    assert hub.folder_card(str(tmp_path / "m"), "me/ok").data.base_model is None
+    with pytest.raises(SystemExit, match="upload to 'me/ok' failed"):
+        main(["push", str(tmp_path / "m"), "me/ok", "--token", "hf_not_a_real_token", "--base-model", HUB_BASE])
+    card = ModelCard.load(tmp_path / "m" / "README.md")
+    assert card.data.base_model == HUB_BASE and HUB_BASE in card.text
+
+
 def test_cli_push_as_a_command(tmp_path):
     r = subprocess.run([sys.executable, "-m", "hfq.cli", "push", str(tmp_path), "not a repo"], capture_output=True,
                        text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -9,6 +9,8 @@ def add_arguments(p) -> None:
     p.add_argument("repo", metavar="REPO", help="Hub repository id, e.g. me/qwen-nvfp4")
     p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the `hf auth login` token)")
+    p.add_argument("--base-model", default=None, metavar="ID",
+                   help="the Hub id the model derives from, for the card hfq adds (a saved folder does not record it)")
 
 
 def _http_error(hub_error) -> type:
@@ -37,7 +39,8 @@ def main(args) -> int:
         raise SystemExit(f"hfq push: no Hub token: {e}") from None
     had_card = os.path.isfile(os.path.join(args.folder, "README.md"))
     try:
-        url = hub.upload_folder(args.folder, args.repo, private=args.private, token=args.token)
+        url = hub.upload_folder(args.folder, args.repo, private=args.private, token=args.token,
+                                base_model=args.base_model)
     except ValueError as e:
         raise SystemExit(f"hfq push: DIR: {e}") from None
     except (OSError, _http_error(HfHubHTTPError)) as e:  # offline mode, connection and HTTP errors
