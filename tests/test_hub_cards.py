@@ -197,6 +197,12 @@ def test_quest_card_and_folder(tiny_dir, tmp_path):
     scope = _run_snippet(str(card), {"me/tiny-quest": out, HUB_BASE: tiny_dir})
     assert sum(isinstance(x, QuESTLinear) for x in scope["model"].modules()) == 14
     assert torch.equal(scope["model"].model.layers[0].mlp.up_proj.weight, m.model.layers[0].mlp.up_proj.weight)
+    assert "Hadamard transform" in card.text and "the trust estimator" in card.text
+    # the description follows the settings: it said "Hadamard transform ... the trust estimator" whatever they were
+    plain = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QuESTConfig(
+        weight_bits=2, activation_bits=None, hadamard=False, estimator="ste"))
+    text = str(hub.model_card(plain, "me/tiny-quest-ste"))
+    assert "Hadamard transform" not in text and "the straight-through estimator" in text and "trust" not in text
 
 
 def test_eco_fine_tune_card_has_hyperparameters_and_run_metrics(tiny_dir, tmp_path):
