@@ -166,3 +166,29 @@ def test_no_full_precision_weight_alive():
              and all(type(d) is int for d in o.shape) and tuple(o.shape) in qshapes and o.is_floating_point() and o.element_size() >= 2
              and id(o) not in states]
     assert not alive, [(tuple(t.shape), t.dtype) for t in alive]
+
+
+def _u8(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def test_sr_load_follows_the_seed_and_leaves_torchs_stream(llama_dir):
+    """QFTConfig(rounding="sr") drew its rounding from torch's global generator: a load advanced the user's random
+    stream, and the same checkpoint after the same seed gave other codes if anything had drawn before. Each layer
+    now draws from its own generator seeded by torch.initial_seed() and its name."""
+    def codes(pre_draws=0):
+        torch.manual_seed(5)
+        torch.rand(pre_draws)
+        m = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=QFTConfig(rounding="sr"))
+        after = torch.rand(3)
+        torch.manual_seed(5)
+        torch.rand(pre_draws)
+        assert torch.equal(after, torch.rand(3))  # the load drew nothing from torch's stream
+        return [_u8(next(iter(p.qtensors().values()))).clone() for p in m.parameters() if isinstance(p, QParam)]
+
+    a, b = codes(), codes(pre_draws=100)
+    assert len(a) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
+    torch.manual_seed(6)
+    m = AutoModelForCausalLM.from_pretrained(llama_dir, quantization_config=QFTConfig(rounding="sr"))
+    c = [_u8(next(iter(p.qtensors().values()))) for p in m.parameters() if isinstance(p, QParam)]
+    assert any(not torch.equal(x, y) for x, y in zip(a, c))  # another seed: other rounding draws

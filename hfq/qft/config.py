@@ -38,7 +38,8 @@ class QFTConfig(HfqConfig):
         hfq.qft.OutlierRefreshPerEpoch(), which counts them. 0 (default) = never: the thresholds from load are
         kept, as the paper does within an epoch (a config cannot know an epoch's length). Deterministic and a
         function of the weights and the optimizer's step count only, so DDP ranks and resumed runs agree.
-    rounding: rounding of the initial quantization ("rtn" | "sr").
+    rounding: rounding of the initial quantization ("rtn" | "sr"; "sr" draws per layer from torch.initial_seed(),
+        i.e. the seed set before loading, and leaves torch's random stream as it was).
     gradient_bits: None (default: weight gradients are ordinary bf16 `.grad`, all-reduced by DDP) or 8 (QFT's INT8
         gradients: each quantized linear's `.grad` is an hfq.qparam.Int8Grad, INT8 codes + per-row scale/zero point,
         read by hfq's QLion / ECO). Gradient accumulation dequantizes, adds and requantizes (1 byte/element between

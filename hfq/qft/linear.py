@@ -3,6 +3,8 @@ pre-quantized checkpoint fills); with `QFTConfig(gradient_bits=8)` for QFTLinear
 as INT8 (QFT Algorithm 1) instead of a bf16 `.grad`."""
 from __future__ import annotations
 
+import zlib
+
 import torch
 from torch import nn
 
@@ -48,9 +50,13 @@ def _int8_grad_linear(x, w, b):
 
 def layer_maker(config, placeholder: bool = False, generator=None):
     """The surgery's builder: a QLinear (QFTLinear with gradient_bits=8) quantized from the linear now, or with
-    `placeholder` one whose codes/scales buffers a pre-quantized checkpoint fills (then `finalize_`)."""
+    `placeholder` one whose codes/scales buffers a pre-quantized checkpoint fills (then `finalize_`). Stochastic
+    rounding draws from `generator`, else from one per layer seeded by torch.initial_seed() and the layer's name: the
+    codes follow the run's seed, not the order of loading or of other draws, and torch's random stream is left
+    where it was."""
     bits = config.gradient_bits
     cls, extra = (QLinear, {}) if bits is None else (QFTLinear, {"gradient_bits": bits})
+    seed = torch.initial_seed()
 
     def make(name: str, mod) -> QLinear:
         if placeholder:
@@ -59,8 +65,11 @@ def layer_maker(config, placeholder: bool = False, generator=None):
                       **extra, **config.format_options)
         else:
             check_finite(mod.weight.detach(), f"{name}.weight")
-            new = cls.from_linear(mod, config.weight_format, config.rounding, generator, **extra,
-                                  **config.format_options)
+            g = generator
+            if g is None and config.rounding == "sr":
+                g = torch.Generator(device=mod.weight.device)
+                g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63))
+            new = cls.from_linear(mod, config.weight_format, config.rounding, g, **extra, **config.format_options)
         return new
 
     return make
