@@ -128,7 +128,7 @@ def test_optimizer_cls_and_kwargs_validation():
 
     args = TrainingArguments("unused", learning_rate=3e-4, optim_args="momentum=0.8,rule=exact", report_to=[])
     cls, kw = optimizer_cls_and_kwargs(args, "eco_sgd", rounding="rtn")
-    assert cls is ECOSGD and kw == {"lr": 3e-4, "momentum": 0.8, "rule": "exact", "rounding": "rtn"}
+    assert cls is ECOSGD and kw == {"lr": 3e-4, "seed": args.seed, "momentum": 0.8, "rule": "exact", "rounding": "rtn"}
     with pytest.raises(ValueError, match="momentum"):
         optimizer_cls_and_kwargs(args)
     with pytest.raises(ValueError, match="unknown"):
