@@ -410,3 +410,23 @@ def test_from_pretrained_qat_with_trainer_lowers_loss(tiny_dir, tmp_path):
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0] - 0.5
     assert all(math.isfinite(v) for v in losses)
+
+
+def test_input_cache_lets_the_activation_go_with_its_input(tmp_path):
+    """The shared-input cache kept the last quantized activation (x_h^ and its mask) alive after the step, even after
+    the model was deleted: on a 7B step about 0.5 GB held until the next QuEST forward. It now drops the entry
+    when its input tensor is freed."""
+    from transformers import AutoModelForCausalLM
+
+    import hfq
+    from hfq.quest import linear as QL
+    from hfq.tiny import save_tiny
+
+    m = AutoModelForCausalLM.from_pretrained(str(save_tiny(tmp_path / "t", arch="qwen2")),
+                                             quantization_config=hfq.QuESTConfig())
+    ids = torch.randint(5, 60, (2, 16))
+    m(input_ids=ids, labels=ids).loss.backward()
+    assert QL._INPUT_CACHE.value is None
+    with torch.no_grad():
+        m(input_ids=ids)
+    assert QL._INPUT_CACHE.value is None

@@ -146,7 +146,12 @@ class _InputCache:
         if x.is_inference():
             self.clear()
             return
-        self.ref, self.version, self.key, self.value = weakref.ref(x), x._version, key, value
+        # dropped with x: the cache never keeps a quantized activation alive past its input's life
+        self.ref, self.version, self.key, self.value = weakref.ref(x, self._drop), x._version, key, value
+
+    def _drop(self, ref) -> None:
+        if self.ref is ref:
+            self.clear()
 
     def clear(self):
         self.ref, self.version, self.key, self.value = None, None, None, None
