@@ -134,12 +134,13 @@ def _launch(kernel, grid, use_asm: bool, *args, **kw):
 
 
 def _atomic_launch(x2, packed, scale, rcp, bias, cfg):
-    """"tile" and "gemv" kernels: split > 1 accumulates into an fp32 buffer with atomics."""
+    """"tile" and "gemv" kernels: split > 1 accumulates into an fp32 buffer with atomics, in no fixed order, so
+    under torch.use_deterministic_algorithms(True) they run unsplit."""
     m, k = x2.shape
     n = packed.shape[0]
     bn, bm, bk = cfg["BN"], cfg["BM"], cfg["BK"]
     chunks = cdiv(k, bk)
-    split, cps = splits(chunks, cfg.get("split", 1))
+    split, cps = splits(chunks, 1 if torch.are_deterministic_algorithms_enabled() else cfg.get("split", 1))
     atomic = split > 1
     if atomic:
         y = torch.zeros((m, n), dtype=torch.float32, device=x2.device)

@@ -123,6 +123,41 @@ def test_words_kernel_wide_x_range_and_fp16():
             assert _rel(y[i], ref[i]) <= 1e-2
 
 
+@pytest.mark.parametrize("kind", ["tile", "gemv"])
+def test_atomic_kinds_run_unsplit_under_deterministic_algorithms(monkeypatch, kind):
+    """tile / gemv split over K add their partial sums with float atomics in no fixed order (bits differ from run
+    to run on a GPU); under torch.use_deterministic_algorithms(True) they run one split, with the same values."""
+    p, s, r = K.quantize(_weight(40, 256, seed=2))
+    x = torch.randn(3, 256).to(torch.bfloat16).to(DEV)
+    cfg = dict(kind=kind, BN=16 if kind == "tile" else 8, BM=16 if kind == "tile" else 4, BK=64, split=4, warps=4,
+               stages=2)
+    seen, launch, gemv = [], P._launch, MM._gemv_kernel
+    monkeypatch.setattr(P, "_launch",
+                        lambda kern, grid, *a, **kw: seen.append(grid[-1]) or launch(kern, grid, *a, **kw))
+    monkeypatch.setattr(P, "_gemv_kernel", _GridSpy(gemv, seen))
+    split = _linear(x, p, s, r, config=cfg)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        one = _linear(x, p, s, r, config=cfg)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert seen == [4, 1]
+    ref = x.double() @ fp4.nvfp4_dequantize(p, s, r, torch.float32).double().T
+    assert _rel(one, ref) <= 1e-2 and _rel(one, split) <= 1e-2
+
+
+class _GridSpy:
+    """kernel[grid](...) that records the grid's last axis (the split) before launching."""
+
+    def __init__(self, kernel, seen):
+        self.kernel, self.seen = kernel, seen
+
+    def __getitem__(self, grid):
+        self.seen.append(grid[-1])
+        return self.kernel[grid]
+
+
 def test_linear_fp16_and_batch_dims():
     p, s, r = K.quantize(_weight(24, 64, seed=5))
     x = torch.randn(2, 3, 64).to(torch.float16).to(DEV)
