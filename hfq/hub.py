@@ -144,7 +144,9 @@ def _quant_facts(model) -> dict:
         errs = list((rep.get("rel_error") or {}).values())
         out = {"quant_method": "hfq_nvfp4", "format": fmt, "block_size": BLOCK_SIZE[fmt],
                "layers_quantized": _count(model, NVFP4Linear), "layers_kept_dense": len(rep.get("skipped") or {})}
-        if errs:
+        if getattr(getattr(model, "hf_quantizer", None), "merged_adapter", False):
+            out["merged_adapter"] = True  # merge_and_requantize: the load's weight errors describe older codes
+        elif errs:
             out["mean_relative_weight_error"] = round(sum(errs) / len(errs), 6)
         return out
     if method == "hfq_quest":
@@ -307,7 +309,9 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
     base = next((hub_id(c) for c in candidates if hub_id(c)), None)
     source = base or next((c for c in candidates if c), "")
     fmt = str(quant.get("format") or "dense")
+    merged = bool(quant.get("merged_adapter"))
     tags = ["hfq", method, quant["quant_method"], fmt] + (["lora", "peft"] if kind == "adapter" else []) + (
+        ["lora", "merged"] if merged else []) + (
         ["trl", "grpo"] if method in ("qerl", "grpo") and trainer is not None else [])
     training = {"method": method} if (kind in ("adapter", "qft") or trainer is not None or hp or found) else {}
     if trainer is not None:
@@ -318,7 +322,7 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
         training["metrics"] = found
     if lora:
         training["lora"] = lora
-    relation = {"adapter": "adapter", "nvfp4": "quantized", "qft": "finetune"}.get(
+    relation = {"adapter": "adapter", "nvfp4": "finetune" if merged else "quantized", "qft": "finetune"}.get(
         kind, "finetune" if (trainer is not None or found) else "quantized")
     data = ModelCardData(base_model=base, library_name="peft" if kind == "adapter" else "transformers",
                          pipeline_tag="text-generation", tags=tags, license=license,

@@ -93,6 +93,23 @@ def test_nvfp4_save_for_hub_folder_reloads_through_the_card_snippet(nvfp4, tiny_
     assert scope["tokenizer"]("12").input_ids == tok("12").input_ids
 
 
+def test_merged_nvfp4_card_says_it_holds_a_fine_tune(nvfp4, tiny_dir, tmp_path):
+    """merge_and_requantize folds a LoRA into the NVFP4 codes: the card called the result a plain quantization of
+    the base (relation 'quantized', no lora tag) with the load's weight error, which describes the older codes."""
+    nvfp4.config._name_or_path = HUB_BASE
+    before = hub.model_card(nvfp4, "me/tiny-nvfp4").data
+    assert before.base_model_relation == "quantized" and "mean_relative_weight_error" in before.quantization
+    merged, _ = hfq.nvfp4.merge_and_requantize(_adapter(nvfp4))
+    out = hub.save_for_hub(merged, str(tmp_path / "push"), "me/tiny-merged")
+    card = ModelCard.load(os.path.join(out, "README.md"))
+    d = card.data
+    assert d.base_model == HUB_BASE and d.base_model_relation == "finetune" and {"lora", "merged"} <= set(d.tags)
+    assert d.quantization["merged_adapter"] is True and "mean_relative_weight_error" not in d.quantization
+    assert "merge_and_requantize" in card.text and "n/a (a LoRA merged since the load)" in card.text
+    scope = _run_snippet(str(card), {"me/tiny-merged": out, HUB_BASE: tiny_dir})
+    assert torch.equal(_logits(scope["model"], IDS), _logits(merged, IDS))
+
+
 # --------------------------------------------------------------------------- QeRL LoRA adapter
 def _adapter(model):
     pm = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))

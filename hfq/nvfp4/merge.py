@@ -92,7 +92,11 @@ def merge_and_requantize(peft_model, warn_ratio: float = 0.5):
                       "lost most of the fine-tune. Serve the NVFP4 base with the adapter kept separate "
                       "(hfq.nvfp4.export_with_adapter) or merge to a dense model (merge_and_unload).",
                       UserWarning, stacklevel=2)
-    return peft_model.unload(), report
+    model = peft_model.unload()
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # its codes now hold a fine-tune: a card says so, and not the load's weight error
+        quantizer.merged_adapter = True
+    return model, report
 
 
 def _ratios(s: dict) -> dict:
