@@ -336,9 +336,11 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
                   trainer_name=type(trainer).__name__ if trainer is not None else "",
                   aqn=hp.get("aqn", True) is not False)
     if kind == "adapter":
-        base_load, base_note = _config_expr(unwrapped), ""
+        # the base's dtype as trained: a checkpoint stored in another dtype loads in that one otherwise
+        dtype = f', dtype="{str(unwrapped.dtype).removeprefix("torch.")}"' if hasattr(unwrapped, "dtype") else ""
+        base_load, base_note = dtype + _config_expr(unwrapped), ""
         if calibrated:
-            base_load = ""
+            base_load = dtype
             base_note = ("the base is GPTQ-calibrated NVFP4 (hfq.nvfp4.calibrate_): load that saved checkpoint as it is"
                          if base_model else "the base is GPTQ-calibrated NVFP4 (hfq.nvfp4.calibrate_): load the "
                          "calibrated checkpoint it was saved as; re-quantizing the dense model gives other codes")

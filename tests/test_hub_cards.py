@@ -163,7 +163,7 @@ def test_adapter_card_on_a_calibrated_base_loads_the_calibrated_codes(tiny_dir, 
     with pytest.warns(UserWarning, match=r"GPTQ-calibrated .* pass base_model="):
         card = hub.model_card(pm, "me/tiny-cal")
     assert card.data.base_model is None and HUB_BASE not in _snippet(str(card))
-    assert 'from_pretrained("PATH/TO/BASE")' in _snippet(str(card)) and "calibrated checkpoint" in str(card)
+    assert 'from_pretrained("PATH/TO/BASE", dtype="float32")' in _snippet(str(card)) and "calibrated checkpoint" in str(card)
     out = hub.save_for_hub(pm, str(tmp_path / "push"), "me/tiny-cal", base_model="me/tiny-calibrated")
     card = ModelCard.load(os.path.join(out, "README.md"))
     assert card.data.base_model == "me/tiny-calibrated"
@@ -173,6 +173,19 @@ def test_adapter_card_on_a_calibrated_base_loads_the_calibrated_codes(tiny_dir, 
     rtn = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
         tiny_dir, dtype=torch.float32, quantization_config=hfq.NVFP4Config()), out)
     assert not torch.allclose(_logits(rtn, IDS), _logits(pm, IDS))  # what the old card loaded
+
+
+def test_adapter_card_loads_the_base_in_the_dtype_it_was_trained_in(tiny_dir, tmp_path):
+    """An adapter trained on a bf16 base whose checkpoint is fp32: the card's snippet loaded the base in fp32 (the
+    checkpoint's dtype), so its outputs were not the trained model's. The snippet names the dtype."""
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config(), dtype=torch.bfloat16)
+    pm = _adapter(base)
+    pm.peft_config["default"].base_model_name_or_path = HUB_BASE
+    out = hub.save_for_hub(pm, str(tmp_path / "push"), "me/tiny-bf16")
+    card = ModelCard.load(os.path.join(out, "README.md"))
+    assert 'dtype="bfloat16"' in _snippet(str(card))
+    scope = _run_snippet(str(card), {HUB_BASE: tiny_dir, "me/tiny-bf16": out})
+    assert torch.equal(_logits(scope["model"], IDS), _logits(pm, IDS))
 
 
 def test_folder_card_from_saved_adapter_and_model(nvfp4, tmp_path):
