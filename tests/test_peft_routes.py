@@ -85,6 +85,30 @@ def test_adapter_save_and_plain_peft_from_pretrained(tiny, tmp_path):
     assert torch.equal(re(x).logits, y)
 
 
+def test_adapter_loaded_onto_a_dense_base_says_it_was_trained_on_nvfp4(tiny, tmp_path):
+    """An adapter folder records its base's path, not its quantization: AutoPeftModelForCausalLM loaded the base
+    dense and the policy's outputs were silently not the trained ones. An adapter saved on an NVFP4 base now
+    records it (hfq_base.json), and a load onto a base without NVFP4 layers says so; the NVFP4 load stays quiet."""
+    import json
+    import warnings
+
+    pm = peft.get_peft_model(_base(tiny), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    _randomize_lora(pm)
+    pm.save_pretrained(tmp_path / "adapter")
+    rec = json.loads((tmp_path / "adapter" / "hfq_base.json").read_text())["quantization_config"]
+    assert rec["quant_method"] == "hfq_nvfp4" and rec["format"] == "nvfp4"
+    with pytest.warns(UserWarning, match=r"trained on an NVFP4 base .* quantization_config=hfq.NVFP4Config\("):
+        peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*trained on an NVFP4 base.*")
+        re = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"), quantization_config=NVFP4Config())
+    x = _ids()
+    assert torch.equal(re(x).logits, pm(x).logits)
+    dense = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny), LoraConfig(r=4, target_modules=TARGETS))
+    dense.save_pretrained(tmp_path / "dense_adapter")
+    assert not (tmp_path / "dense_adapter" / "hfq_base.json").exists()  # nothing recorded for a dense base
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_merge_and_unload_keeps_model_dtype(tiny, dtype):
     pm = peft.get_peft_model(_base(tiny, dtype), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))

@@ -17,6 +17,7 @@ leave out the NVFP4 weights (buffers), as bitsandbytes' 4-bit weights get their 
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 
 import torch
@@ -242,15 +243,80 @@ def _codes_left_out_of_state_dict(fn):
     """PeftModel.save_pretrained / load_adapter (Trainer's and TRL's checkpoints and resumes of a LoRA run too, and
     PeftModel.from_pretrained) with the NVFP4 codes left out of the model's state_dict(), which PEFT reads whole to
     save or to match adapter keys: adapters hold none of them (NVFP4 layers are refused in modules_to_save), and a g4
-    base would otherwise be converted back and copied to host memory, whole, each time."""
+    base would otherwise be converted back and copied to host memory, whole, each time. A save on an NVFP4 base also
+    records the base's quantization (BASE_RECORD beside adapter_config.json), which a load onto a base without
+    NVFP4 layers then names in a warning."""
+
+    sig = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         with codes_left_out():
-            return fn(self, *args, **kwargs)
+            out = fn(self, *args, **kwargs)
+        a = sig.bind(self, *args, **kwargs).arguments
+        extra = a.get("kwargs") or {}
+        if fn.__name__ == "save_pretrained":
+            _record_base(self, a["save_directory"], a.get("selected_adapters"), a.get("is_main_process", True))
+        else:
+            _check_base(self, a["model_id"], a.get("adapter_name", "default"), extra.get("subfolder"))
+        return out
 
     wrapper.hfq_wrapped = True
     return wrapper
+
+
+BASE_RECORD = "hfq_base.json"  # an adapter's base quantization, written beside adapter_config.json
+
+
+def _nvfp4_config(model) -> dict | None:
+    """The quantization_config of a PEFT model's base when it holds NVFP4 layers, else None."""
+    base = model.get_base_model()
+    if not any(isinstance(m, NVFP4Linear) for m in base.modules()):
+        return None
+    qc = getattr(getattr(base, "config", None), "quantization_config", None)
+    qc = qc.to_dict() if hasattr(qc, "to_dict") else dict(qc or {})
+    return {k: v for k, v in qc.items() if k in ("quant_method", "format", "compute_dtype", "scales",
+                                                 "modules_to_not_convert")} or {"quant_method": "hfq_nvfp4"}
+
+
+def _record_base(model, save_directory, selected_adapters=None, is_main_process: bool = True) -> None:
+    qc = _nvfp4_config(model) if is_main_process else None
+    if qc is None:
+        return
+    import json
+    import os
+
+    for name in selected_adapters or list(model.peft_config):
+        folder = save_directory if name == "default" else os.path.join(save_directory, name)
+        if os.path.isfile(os.path.join(folder, "adapter_config.json")):
+            with open(os.path.join(folder, BASE_RECORD), "w") as f:
+                json.dump({"quantization_config": qc}, f, indent=1)
+
+
+def _check_base(model, model_id, adapter_name: str = "default", subfolder: str | None = None) -> None:
+    """Warn when the adapter at model_id (a local folder) was trained on an NVFP4 base and this base has none."""
+    import json
+    import os
+
+    if _nvfp4_config(model) is not None:
+        return
+    path = os.path.join(str(model_id), subfolder or "", BASE_RECORD)
+    if not os.path.isdir(str(model_id)):  # a Hub repo: the record was uploaded with the adapter, if hfq saved it
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(str(model_id), BASE_RECORD, subfolder=subfolder or None)
+        except Exception:  # noqa: BLE001 - no record (another tool saved it), offline: nothing to compare
+            return
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        qc = json.load(f).get("quantization_config") or {}
+    args = ", ".join(f"{k}={v!r}" for k, v in qc.items() if k in ("format", "scales") and v is not None)
+    warnings.warn(f"adapter {adapter_name!r} ({model_id}) was trained on an NVFP4 base (hfq_nvfp4, {BASE_RECORD}) "
+                  f"but this base holds no NVFP4 layers: its outputs are not the policy as trained. Load the base "
+                  f"with quantization_config=hfq.NVFP4Config({args}) (AutoPeftModelForCausalLM.from_pretrained "
+                  "passes it on too)", UserWarning, stacklevel=3)
 
 
 def check_peft() -> None:
