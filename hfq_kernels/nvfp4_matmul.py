@@ -8,7 +8,7 @@ summed by the reduce kernels here. Which kernel runs for a shape: nvfp4_configs;
 """
 from __future__ import annotations
 
-from hfq_kernels._triton import e2m1_raw, e2m1_to_f32, e4m3_to_f32, pdl_enter, tl, triton
+from hfq_kernels._triton import HAS_TRITON, e2m1_raw, e2m1_to_f32, e4m3_to_f32, pdl_enter, tl, triton
 
 # Inline PTX: 4 packed bytes ($4) + 4 per-byte scales ($5, $6: x2 pairs) -> values of the 4 low
 # nibbles ($0, $1) and of the 4 high nibbles ($2, $3), each multiplied by its scale.
@@ -47,11 +47,12 @@ fma.rn.TY $3, $3, $6, z;
 """
 # E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: bf16 = 0000 3F00 3F80 3FC0 4000 4040 4080 40C0,
 # fp16 = 0000 3800 3C00 3E00 4000 4200 4400 4600 (low bytes all zero).
-# constexpr: a jitted function may read no other globals (a plain str made every inline-PTX build fail)
-_ASM_BF16 = tl.constexpr(_ASM_TEMPLATE.replace("HA", "0x3F3F3F00").replace("HB", "0x40404040")
-                         .replace("LA", "0xC0800000").replace("LB", "0xC0804000").replace("TY", "bf16x2"))
-_ASM_FP16 = tl.constexpr(_ASM_TEMPLATE.replace("HA", "0x3E3C3800").replace("HB", "0x46444240")
-                         .replace("LA", "0x00000000").replace("LB", "0x00000000").replace("TY", "f16x2"))
+_ASM_BF16 = (_ASM_TEMPLATE.replace("HA", "0x3F3F3F00").replace("HB", "0x40404040")
+             .replace("LA", "0xC0800000").replace("LB", "0xC0804000").replace("TY", "bf16x2"))
+_ASM_FP16 = (_ASM_TEMPLATE.replace("HA", "0x3E3C3800").replace("HB", "0x46444240")
+             .replace("LA", "0x00000000").replace("LB", "0x00000000").replace("TY", "f16x2"))
+if HAS_TRITON:  # a jitted function may read no other globals (a plain str made every inline-PTX build fail)
+    _ASM_BF16, _ASM_FP16 = tl.constexpr(_ASM_BF16), tl.constexpr(_ASM_FP16)
 
 @triton.jit
 def _dequant_tile(p, s, R: tl.constexpr, C: tl.constexpr, DT: tl.constexpr, USE_ASM: tl.constexpr):
