@@ -275,7 +275,8 @@ def model_card(model, repo_id: str, *, trainer=None, training_args=None, metrics
 
     base_model: the Hub id it derives from (default: the adapter's base_model_name_or_path or the config's
     _name_or_path); written to the metadata only when it is a Hub id; for an adapter on a GPTQ-calibrated base
-    (calibrate_), required: the repo of the saved calibrated base. tokenizer: the repo will hold the tokenizer."""
+    (calibrate_), the repo of the saved calibrated base (without it the card names no base, with a warning).
+    tokenizer: the repo will hold the tokenizer."""
     from huggingface_hub import ModelCard, ModelCardData
     from huggingface_hub.utils import validate_repo_id
 

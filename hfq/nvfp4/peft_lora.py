@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
+import os
 import warnings
 
 import torch
@@ -280,12 +282,10 @@ def _nvfp4_config(model) -> dict | None:
 
 
 def _record_base(model, save_directory, selected_adapters=None, is_main_process: bool = True) -> None:
+    """Write BASE_RECORD beside each saved adapter's adapter_config.json when the base holds NVFP4 layers."""
     qc = _nvfp4_config(model) if is_main_process else None
     if qc is None:
         return
-    import json
-    import os
-
     for name in selected_adapters or list(model.peft_config):
         folder = save_directory if name == "default" else os.path.join(save_directory, name)
         if os.path.isfile(os.path.join(folder, "adapter_config.json")):
@@ -294,10 +294,8 @@ def _record_base(model, save_directory, selected_adapters=None, is_main_process:
 
 
 def _check_base(model, model_id, adapter_name: str = "default", subfolder: str | None = None) -> None:
-    """Warn when the adapter at model_id (a local folder) was trained on an NVFP4 base and this base has none."""
-    import json
-    import os
-
+    """Warn when the adapter at model_id (a folder, or a Hub repo where reachable) was trained on an NVFP4 base and
+    this base has none."""
     if _nvfp4_config(model) is not None:
         return
     path = os.path.join(str(model_id), subfolder or "", BASE_RECORD)
