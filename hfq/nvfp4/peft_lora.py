@@ -241,26 +241,20 @@ def _count_nvfp4_weights(get_nb):
     return get_nb_trainable_parameters
 
 
-def _codes_left_out_of_state_dict(fn):
+def _codes_left_out_of_state_dict(fn, after):
     """PeftModel.save_pretrained / load_adapter (Trainer's and TRL's checkpoints and resumes of a LoRA run too, and
     PeftModel.from_pretrained) with the NVFP4 codes left out of the model's state_dict(), which PEFT reads whole to
     save or to match adapter keys: adapters hold none of them (NVFP4 layers are refused in modules_to_save), and a g4
-    base would otherwise be converted back and copied to host memory, whole, each time. A save on an NVFP4 base also
-    records the base's quantization (BASE_RECORD beside adapter_config.json), which a load onto a base without
-    NVFP4 layers then names in a warning."""
-
+    base would otherwise be converted back and copied to host memory, whole, each time. Then `after(model, args)`
+    with fn's arguments by name: a save records the base's quantization (BASE_RECORD beside adapter_config.json),
+    a load onto a base without NVFP4 layers names it in a warning."""
     sig = inspect.signature(fn)
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         with codes_left_out():
             out = fn(self, *args, **kwargs)
-        a = sig.bind(self, *args, **kwargs).arguments
-        extra = a.get("kwargs") or {}
-        if fn.__name__ == "save_pretrained":
-            _record_base(self, a["save_directory"], a.get("selected_adapters"), a.get("is_main_process", True))
-        else:
-            _check_base(self, a["model_id"], a.get("adapter_name", "default"), extra.get("subfolder"))
+        after(self, sig.bind(self, *args, **kwargs).arguments)
         return out
 
     wrapper.hfq_wrapped = True
@@ -281,23 +275,26 @@ def _nvfp4_config(model) -> dict | None:
                                                  "modules_to_not_convert")} or {"quant_method": "hfq_nvfp4"}
 
 
-def _record_base(model, save_directory, selected_adapters=None, is_main_process: bool = True) -> None:
-    """Write BASE_RECORD beside each saved adapter's adapter_config.json when the base holds NVFP4 layers."""
-    qc = _nvfp4_config(model) if is_main_process else None
+def _record_base(model, a: dict) -> None:
+    """After save_pretrained: BASE_RECORD beside each saved adapter's adapter_config.json when the base holds NVFP4
+    layers."""
+    qc = _nvfp4_config(model) if a.get("is_main_process", True) else None
     if qc is None:
         return
-    for name in selected_adapters or list(model.peft_config):
-        folder = save_directory if name == "default" else os.path.join(save_directory, name)
+    for name in a.get("selected_adapters") or list(model.peft_config):
+        folder = a["save_directory"] if name == "default" else os.path.join(a["save_directory"], name)
         if os.path.isfile(os.path.join(folder, "adapter_config.json")):
             with open(os.path.join(folder, BASE_RECORD), "w") as f:
                 json.dump({"quantization_config": qc}, f, indent=1)
 
 
-def _check_base(model, model_id, adapter_name: str = "default", subfolder: str | None = None) -> None:
-    """Warn when the adapter at model_id (a folder, or a Hub repo where reachable) was trained on an NVFP4 base and
-    this base has none."""
+def _check_base(model, a: dict) -> None:
+    """After load_adapter: warn when the adapter at model_id (a folder, or a Hub repo where reachable) was trained on
+    an NVFP4 base and this base has none."""
     if _nvfp4_config(model) is not None:
         return
+    model_id, adapter_name = a["model_id"], a.get("adapter_name", "default")
+    subfolder = (a.get("kwargs") or {}).get("subfolder")
     path = os.path.join(str(model_id), subfolder or "", BASE_RECORD)
     if not os.path.isdir(str(model_id)):  # a Hub repo: the record was uploaded with the adapter, if hfq saved it
         try:
@@ -348,9 +345,9 @@ def register_peft_dispatch() -> bool:
     for owner in (PeftModel, PeftMixedModel):
         if hasattr(owner, "get_nb_trainable_parameters"):
             owner.get_nb_trainable_parameters = _count_nvfp4_weights(owner.get_nb_trainable_parameters)
-    for name in ("save_pretrained", "load_adapter"):
+    for name, after in (("save_pretrained", _record_base), ("load_adapter", _check_base)):
         if not hasattr(getattr(PeftModel, name), "hfq_wrapped"):
-            setattr(PeftModel, name, _codes_left_out_of_state_dict(getattr(PeftModel, name)))
+            setattr(PeftModel, name, _codes_left_out_of_state_dict(getattr(PeftModel, name), after))
     LoraModel._hfq_nvfp4_dispatch = True
     return True
 
