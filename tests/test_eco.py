@@ -356,6 +356,29 @@ def test_trainer_kwargs_take_the_runs_seed():
     assert any(not torch.equal(a, b) for a, b in zip(steps[1], steps[2]))
 
 
+def test_trainer_kwargs_are_read_from_the_args_when_trainer_builds_the_optimizer(tmp_path):
+    """optimizer_cls_and_kwargs(args) copied lr / betas / eps / seed when it was called: each trial of
+    Trainer.hyperparameter_search (which sets the trial's values on trainer.args and rebuilds the optimizer) trained
+    with the first values, silently. They are read when Trainer builds the optimizer; overrides still win."""
+    from transformers import Trainer, TrainingArguments
+
+    from hfq.eco import optimizer_cls_and_kwargs
+
+    args = TrainingArguments(str(tmp_path), learning_rate=1e-2, report_to="none", use_cpu=True)
+    pair = optimizer_cls_and_kwargs(args, rounding="sr")
+    for lr, beta1, seed in ((1e-4, 0.5, 7), (3e-3, 0.8, 9)):  # two trials: what _hp_search_setup sets on args
+        args.learning_rate, args.adam_beta1, args.seed = lr, beta1, seed
+        tr = Trainer(model=_net(), args=args, optimizer_cls_and_kwargs=pair)
+        opt = tr.create_optimizer()
+        g = opt.param_groups[0]
+        assert (g["lr"], g["betas"], opt._seed, opt.rounding) == (lr, (beta1, 0.999), seed, "sr")
+    kw = pair[1]
+    assert "params" not in kw and dict(kw) == {**kw} and kw["lr"] == 3e-3
+    kw["lr"] = 5e-4  # set by hand: wins over the args
+    args.learning_rate = 1.0
+    assert kw["lr"] == 5e-4 and dict(kw)["eps"] == args.adam_epsilon
+
+
 def test_fused_requests_the_step_cannot_honour_are_said_and_a_nan_update_names_its_parameter():
     from hfq.qft import QLion
 

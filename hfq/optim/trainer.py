@@ -10,6 +10,8 @@ add `args.learning_rate` or the Adam betas to those kwargs; `optimizer_cls_and_k
 """
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+
 import torch
 
 from .eco import ECOAdamW, ECOSGD
@@ -42,21 +44,60 @@ def optimizer_cls_and_kwargs(args, name: str = "eco_adamw", **overrides) -> tupl
     """`(ECOAdamW | ECOSGD, kwargs)` for `Trainer(optimizer_cls_and_kwargs=...)`, filled from TrainingArguments.
 
     lr = args.learning_rate, seed = args.seed (stochastic rounding's draws); ECOAdamW also betas = (args.adam_beta1,
-    args.adam_beta2), eps = args.adam_epsilon.
+    args.adam_beta2), eps = args.adam_epsilon: read from `args` when Trainer builds the optimizer (ArgsKwargs), so
+    each trial of Trainer.hyperparameter_search gets its own.
     Weight decay comes from Trainer's parameter groups (args.weight_decay; 0 for biases and norms). ECO options
     may be given in `args.optim_args` ("rounding=sr,state_dtype=bfloat16,rule=memory_free,state_bits=8,seed=0")
     and/or as keyword overrides (which win). `args.optim` is not read: it cannot hold an ECO name (see above)."""
     if name not in NAMES:
         raise ValueError(f"name: unknown {name!r}; allowed {tuple(NAMES)}")
-    kwargs = {"lr": args.learning_rate, "seed": args.seed}  # SR draws follow the run's seed, as its other streams
-    if name == "eco_adamw":
-        kwargs.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-    kwargs.update(_parse_optim_args(getattr(args, "optim_args", None)))
-    if name == "eco_adamw" and "momentum" in kwargs:
+    live = dict(_LIVE) if name == "eco_adamw" else {k: _LIVE[k] for k in ("lr", "seed")}
+    fixed = _parse_optim_args(getattr(args, "optim_args", None))
+    if name == "eco_adamw" and "momentum" in fixed:
         raise ValueError("optim_args: momentum is an eco_sgd option")
     if "weight_decay" in overrides:
         raise ValueError("weight_decay: Trainer gives every parameter group its own weight decay "
                          "(TrainingArguments.weight_decay, 0 for biases and norms), which would override this one; "
                          "set TrainingArguments(weight_decay=...) instead")
-    kwargs.update(overrides)
-    return NAMES[name], kwargs
+    fixed.update(overrides)
+    return NAMES[name], ArgsKwargs(args, live, fixed)
+
+
+# the keyword arguments taken from TrainingArguments; SR draws follow the run's seed, as its other streams
+_LIVE = {"lr": lambda a: a.learning_rate, "seed": lambda a: a.seed,
+         "betas": lambda a: (a.adam_beta1, a.adam_beta2), "eps": lambda a: a.adam_epsilon}
+
+
+class ArgsKwargs(MutableMapping):
+    """ECO's keyword arguments with those from TrainingArguments (`live`: name -> reader) read when Trainer
+    unpacks them to build the optimizer, not when they were made: a hyperparameter search (each trial's values are
+    set on the same args) and any later edit of the args reach the optimizer. `fixed` (optim_args, overrides, and
+    anything set here) win over `live`."""
+
+    def __init__(self, args, live: dict, fixed: dict):
+        self._args, self._live, self._fixed = args, dict(live), dict(fixed)
+
+    def __getitem__(self, key):
+        if key in self._fixed:
+            return self._fixed[key]
+        if key in self._live:
+            return self._live[key](self._args)
+        raise KeyError(key)
+
+    def __setitem__(self, key, value):
+        self._fixed[key] = value
+
+    def __delitem__(self, key):
+        if key not in self:
+            raise KeyError(key)
+        self._fixed.pop(key, None)
+        self._live.pop(key, None)
+
+    def __iter__(self):
+        return iter(dict.fromkeys([*self._live, *self._fixed]))
+
+    def __len__(self):
+        return len(dict.fromkeys([*self._live, *self._fixed]))
+
+    def __repr__(self):
+        return repr(dict(self))
