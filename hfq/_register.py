@@ -42,10 +42,13 @@ def register_all() -> None:
         auto.AutoHfQuantizer.merge_quantization_configs = classmethod(refusing_other_methods_of_one_name(merge))
     from transformers import PreTrainedModel
 
-    from hfq._base.surgery import footprint_with_stored_bytes, refusing_quantized_head_resize, save_with_state_dict
+    from hfq._base.surgery import (footprint_with_stored_bytes, refusing_quantized_head_resize, save_with_state_dict,
+                                   warning_from_config)
 
     if not hasattr(PreTrainedModel.save_pretrained, "hfq_wrapped"):  # hfq checkpoints honour state_dict=
         PreTrainedModel.save_pretrained = save_with_state_dict(PreTrainedModel.save_pretrained)
+    if not hasattr(PreTrainedModel._from_config.__func__, "hfq_wrapped"):  # a dense model under an hfq config
+        PreTrainedModel._from_config = classmethod(warning_from_config(PreTrainedModel._from_config.__func__))
     if not hasattr(PreTrainedModel.get_memory_footprint, "hfq_wrapped"):  # QParams count what they store
         PreTrainedModel.get_memory_footprint = footprint_with_stored_bytes(PreTrainedModel.get_memory_footprint)
     resize = PreTrainedModel.resize_token_embeddings
@@ -70,6 +73,13 @@ def register_all() -> None:
 
     if not hasattr(Accelerator.prepare, "hfq_wrapped"):  # QFT/ECO models under DeepSpeed: refused before its engine
         Accelerator.prepare = refusing_deepspeed(Accelerator.prepare)
+    from accelerate.utils import fsdp_utils
+
+    from hfq.qparam.fsdp import loading_whole_state_dicts
+
+    own = getattr(fsdp_utils, "_set_model_state_dict", None)  # Trainer's FSDP2 FULL_STATE_DICT resume of QParams
+    if own is not None and not hasattr(own, "hfq_wrapped"):
+        fsdp_utils._set_model_state_dict = loading_whole_state_dicts(own)
     importlib.import_module("hfq._base.peft_guard").install()  # adapters on QuEST/QFT/ECO layers: refused clearly
     importlib.import_module("hfq.nvfp4.peft_lora").register_peft_dispatch()  # LoRA on NVFP4Linear, process-wide
     _DONE = True

@@ -109,6 +109,36 @@ def test_adapter_loaded_onto_a_dense_base_says_it_was_trained_on_nvfp4(tiny, tmp
     assert not (tmp_path / "dense_adapter" / "hfq_base.json").exists()  # nothing recorded for a dense base
 
 
+def test_transformers_adapter_route_records_and_checks_the_nvfp4_base(tiny, tmp_path):
+    """transformers' own PEFT integration (model.add_adapter -> save_pretrained, model.load_adapter) wrote no
+    hfq_base.json and never read one: an adapter trained on NVFP4 loaded onto the dense base with logits 0.1 off
+    and no word."""
+    import json
+    import warnings
+
+    m = _base(tiny)
+    m.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+    for mod in m.modules():
+        if hasattr(mod, "lora_B"):
+            torch.nn.init.normal_(mod.lora_B["default"].weight, std=0.5)
+    m.save_pretrained(tmp_path / "a")
+    rec = json.loads((tmp_path / "a" / "hfq_base.json").read_text())["quantization_config"]
+    assert rec["quant_method"] == "hfq_nvfp4"
+    x = _ids()
+    for path in (tmp_path / "a", tmp_path / "p"):
+        if path.name == "p":  # PEFT's save read by transformers' load
+            peft.get_peft_model(_base(tiny), LoraConfig(r=4, target_modules=TARGETS)).save_pretrained(path)
+        with pytest.warns(UserWarning, match=r"trained on an NVFP4 base .* quantization_config=hfq.NVFP4Config\("):
+            AutoModelForCausalLM.from_pretrained(tiny).load_adapter(str(path))
+    with pytest.warns(UserWarning, match=r"trained on an NVFP4 base"):
+        peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), str(tmp_path / "a"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*trained on an NVFP4 base.*")
+        back = _base(tiny)
+        back.load_adapter(str(tmp_path / "a"))
+    assert torch.equal(back(x).logits, m(x).logits)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_merge_and_unload_keeps_model_dtype(tiny, dtype):
     pm = peft.get_peft_model(_base(tiny, dtype), LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))

@@ -85,10 +85,10 @@ def test_nccl_fsdp2_save_pretrained_loads_on_one_gpu(gpu_runs, method):
     assert float((logits - two["logits"]).abs().max()) < 2e-2
 
 
-def _trainer(out, method, n, resume=None):
-    """Trainer under accelerate's fsdp2.yaml on n GPUs; checkpoints as FSDP2 sharded state dicts (DCP)."""
+def _trainer(out, method, n, resume=None, state_dict_type="SHARDED_STATE_DICT"):
+    """Trainer under accelerate's fsdp2.yaml on n GPUs; checkpoints as FSDP2 sharded state dicts (DCP) by default."""
     _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "fsdp2.yaml"),
-          "--num_processes", str(n), "--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--main_process_port",
+          "--num_processes", str(n), "--fsdp_state_dict_type", state_dict_type, "--main_process_port",
           str(_free_port()), TRAINER, str(out), method] + ([str(resume)] if resume else []),
          env=_env(CUDA_VISIBLE_DEVICES=",".join(map(str, range(n))), **GPU))
 
@@ -109,6 +109,26 @@ def test_trainer_fsdp2_sharded_checkpoint_resumes_on_another_world_size(tmp_path
     _close_losses(two["losses"], one["losses"], 1e-2)
     _close_losses(resumed["losses"][-2:], one["losses"][2:], 1e-2)
     assert float((resumed["logits"] - one["logits"]).abs().max()) < QP_LOGIT_TOL
+
+
+@pytest.mark.parametrize("method", QPARAM_FSDP2)
+def test_trainer_fsdp2_full_state_dict_saves_and_resumes_on_two_gpus(tmp_path, method):
+    """fsdp2.yaml as shipped (FULL_STATE_DICT) with ECO / QFT: save_model() writes a folder that loads in one process
+    with the trained model's logits, and the step-2 checkpoint resumes on 2 GPUs to the uninterrupted run's end."""
+    from transformers import AutoModelForCausalLM
+
+    import hfq  # noqa: F401
+
+    _trainer(tmp_path, method, 2, state_dict_type="FULL_STATE_DICT")
+    _trainer(tmp_path, method, 2, resume=tmp_path / f"{method}_w2" / "checkpoint-2", state_dict_type="FULL_STATE_DICT")
+    run = torch.load(tmp_path / f"{method}_w2.pt", weights_only=False)
+    resumed = torch.load(tmp_path / f"{method}_w2_resumed.pt", weights_only=False)
+    assert run["device"] == "cuda" and run["fsdp"] and len(run["losses"]) == 4
+    _close_losses(resumed["losses"][-2:], run["losses"][2:], 1e-2)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / f"{method}_w2_final").cuda()
+    probe = torch.randint(4, 90, (8, 16), generator=torch.Generator().manual_seed(199)).cuda()  # the worker's batch(99)
+    with torch.no_grad():
+        assert float((back(input_ids=probe).logits.float().cpu() - run["logits"]).abs().max()) < QP_LOGIT_TOL
 
 
 @pytest.mark.parametrize("method", ["nvfp4", "qft", "quest"])

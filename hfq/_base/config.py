@@ -151,18 +151,19 @@ def refusing_other_methods_of_one_name(merge):
         if quantization_config_from_args is not None:
             saved = (quantization_config.get("quant_method") if isinstance(quantization_config, dict)
                      else getattr(quantization_config, "quant_method", None))
-            asked = getattr(quantization_config_from_args, "quant_method", None)
+            passed = quantization_config_from_args
+            asked = passed.get("quant_method") if isinstance(passed, dict) else getattr(passed, "quant_method", None)
             saved, asked = (str(getattr(m, "value", m)) for m in (saved, asked))
             if saved != asked and "hfq_" in saved + asked:
-                kind = type(quantization_config_from_args)
+                kind = type(passed)
                 name = kind.__name__
                 import transformers
 
                 import hfq
 
                 theirs, ours = getattr(transformers, name, None), getattr(hfq, name, None)
-                clash = (f"; transformers and hfq both have a class named {name}"
-                         if theirs is not None and ours is not None and theirs is not ours else "")
+                clash = (f"; transformers and hfq both have a class named {name}, and this is transformers'"
+                         if kind is theirs and ours is not None and theirs is not ours else "")
                 raise ValueError(
                     f"The model is quantized with quant_method {saved!r} but the quantization_config passed to "
                     f"from_pretrained is {kind.__module__}.{name} (quant_method {asked!r}){clash}. Load the "

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import json
 import re
 import warnings
 from typing import Callable
@@ -71,6 +72,44 @@ def _warn_unmatched_skips(method: str, model: nn.Module, entries) -> None:
                           UserWarning, stacklevel=3)
 
 
+UNQUANTIZED_FIX = ("from_config builds a dense model whatever its config says: quantize it with "
+                   "hfq.quest.quantize_model / hfq.qft.quantize_model_, or load a checkpoint with from_pretrained")
+
+
+def hfq_method_named(config) -> str | None:
+    """The hfq quant_method a model config's quantization_config names (an HfqConfig or a dict), else None."""
+    qc = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return method if isinstance(method, str) and method.startswith("hfq_") else None
+
+
+def warning_from_config(from_config):
+    """Wrap `PreTrainedModel._from_config` (what AutoModel*.from_config calls): a config naming an hfq method (e.g.
+    AutoConfig.from_pretrained of an hfq checkpoint) still gives a dense model; a UserWarning says so, since
+    training it would silently be plain training."""
+
+    depth = [0]  # a task model's __init__ builds its backbone with from_config too: the outermost call speaks
+
+    @functools.wraps(from_config)
+    def wrapper(cls, config, *args, **kwargs):
+        depth[0] += 1
+        try:
+            model = from_config(cls, config, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+        method = hfq_method_named(getattr(model, "config", None))
+        building = any(p.device.type == "meta" for p in model.parameters())  # inside from_pretrained
+        if (method is not None and not depth[0] and not building
+                and not isinstance(getattr(model, "hf_quantizer", None), HfqQuantizer)):
+            warnings.warn(f"{cls.__name__}.from_config: the config names quantization method {method}, but the model "
+                          f"is dense ({UNQUANTIZED_FIX}); save_pretrained refuses it until it is quantized or the "
+                          "config's quantization_config is deleted", UserWarning, stacklevel=3)
+        return model
+
+    wrapper.hfq_wrapped = from_config
+    return wrapper
+
+
 def save_with_state_dict(save_pretrained):
     """Wrap `PreTrainedModel.save_pretrained`: transformers takes a quantized model's tensors from its quantizer and
     drops a `state_dict=` given (EMA or edited weights would be replaced by the live ones, silently); an hfq
@@ -82,15 +121,22 @@ def save_with_state_dict(save_pretrained):
     def wrapper(self, *args, **kwargs):
         q = getattr(self, "hf_quantizer", None)
         if not isinstance(q, HfqQuantizer):
+            method = hfq_method_named(getattr(self, "config", None))
+            if method is not None:
+                raise ValueError(
+                    f"save_pretrained: this model's config names quantization method {method}, but the model was not "
+                    f"quantized by it ({UNQUANTIZED_FIX}); its dense weights would be saved under that config. For a "
+                    "dense checkpoint, `del model.config.quantization_config` first")
             return save_pretrained(self, *args, **kwargs)
-        sd = sig.bind_partial(self, *args, **kwargs).arguments.get("state_dict")
-        if sd is None:
-            return save_pretrained(self, *args, **kwargs)
-        q.passed_state_dict = sd
+        a = sig.bind_partial(self, *args, **kwargs).arguments
+        q.passed_state_dict = a.get("state_dict")
         try:
-            return save_pretrained(self, *args, **kwargs)
+            out = save_pretrained(self, *args, **kwargs)
         finally:
             q.passed_state_dict = None
+        if getattr(self, "_hf_peft_config_loaded", False) and a.get("is_main_process", True):
+            q.after_adapter_save(self, str(a["save_directory"]))  # transformers saved the adapter only
+        return out
 
     wrapper.hfq_wrapped = save_pretrained
     return wrapper
@@ -158,10 +204,9 @@ def checked_state_dict(model: nn.Module, passed: dict) -> dict:
     return dict(passed)
 
 
-def whole_state_checked(model: nn.Module, passed: dict) -> dict:
+def whole_state_checked(keys: set, passed: dict) -> dict:
     """The gathered state dict (hfq.qparam.fsdp.whole_state_dict) of an FSDP2-sharded model for its save: the keys
-    of model.state_dict(), every value a whole tensor."""
-    keys = set(model.state_dict())
+    of model.state_dict() (`keys`), every value a whole tensor."""
     odd = sorted(k for k, v in passed.items() if not isinstance(v, torch.Tensor))
     if set(passed) != keys or odd:
         raise ValueError("save_pretrained(state_dict=...) of an FSDP2-sharded model takes the dict of "
@@ -479,6 +524,63 @@ def unguard_weight(w: torch.Tensor, out_features: int, in_features: int) -> torc
     return w
 
 
+NEW_HEAD = "not in the checkpoint (a new head, initialised by transformers): kept dense and trainable"
+SAVED_DENSE_HEAD = "saved dense in the checkpoint (a new head at the first load)"
+DENSE_HEADS_KEY = "hfq_dense_heads"  # safetensors metadata of an hfq save: the task heads it wrote dense (JSON list)
+
+
+def recorded_dense_heads(files) -> list[str] | None:
+    """The task heads an hfq save recorded as written dense (DENSE_HEADS_KEY); None for files that do not say."""
+    from safetensors import safe_open
+
+    for f in files or []:
+        if str(f).endswith(".safetensors"):
+            with safe_open(str(f), framework="pt") as h:
+                held = (h.metadata() or {}).get(DENSE_HEADS_KEY)
+            if held is not None:
+                return list(json.loads(held))
+    return None
+
+
+def task_head(model: nn.Module, name: str) -> bool:
+    """Whether module `name` lies outside the base model (`base_model_prefix`): a task head such as a classifier's
+    `score`, which a checkpoint of another head type does not have."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    return not prefix or not (name == prefix or name.startswith(prefix + "."))
+
+
+def unloaded_tensors(model: nn.Module, names: list[str]) -> dict[str, tuple[list[str], bool]]:
+    """name -> (the tensors of layer `name` that the load did not fill, whether that is all of them). transformers
+    marks every tensor it loads `_is_hf_initialized`; a key missing from the checkpoint (or named otherwise) is left
+    as `torch.empty` memory, since its weight init passes over hfq's layers. Offloaded (meta) tensors are not
+    judged."""
+    out = {}
+    for name in names:
+        mod = model.get_submodule(name)
+        held = [(k, t) for k, t in mod._parameters.items() if t is not None]
+        held += [(k, t) for k, t in mod._buffers.items() if t is not None and k not in mod._non_persistent_buffers_set]
+        miss = [k for k, t in held if t.device.type != "meta" and not getattr(t, "_is_hf_initialized", False)]
+        if miss:
+            out[name] = (miss, len(miss) == len(held))
+    return out
+
+
+def dense_head(model: nn.Module, mod: nn.Module) -> nn.Linear:
+    """A plain nn.Linear for hfq layer `mod` that the checkpoint held nothing for, on its device and in the dtype of
+    its float parameters (else the model's), initialised by the model's own `_init_weights` as transformers does for a
+    new head."""
+    ts = [t for t in (*mod._parameters.values(), *mod._buffers.values()) if t is not None]
+    dev = next((t.device for t in ts if t.device.type != "meta"), None)
+    params = [p for p in mod._parameters.values() if p is not None] or list(model.parameters())
+    dtype = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+    lin = nn.Linear(mod.in_features, mod.out_features, getattr(mod, "bias", None) is not None, device=dev,
+                    dtype=dtype)
+    init = getattr(model, "_init_weights", None)
+    if init is not None:
+        init(lin)
+    return lin
+
+
 class HfqQuantizer(HfQuantizer):
     """Base of hfq's HfQuantizers: their flags, and the checkpoint guard (`save_pretrained` writes it, a
     pre-quantized load expects it).
@@ -541,6 +643,68 @@ class HfqQuantizer(HfQuantizer):
         ignore_guard_on_state_dict_load(model, self.layer_types)
         return report
 
+    def after_adapter_save(self, model: nn.Module, save_directory: str) -> None:
+        """Called after transformers' own save_pretrained wrote an adapter (model.add_adapter) of this base."""
+
+    def keep_new_heads_dense(self, model: nn.Module, names: list[str]) -> None:
+        """Task heads the checkpoint has no tensors for (a classifier's `score` on a causal LM's checkpoint) stay
+        dense and trainable as transformers leaves them: an hfq layer made for one is replaced by an nn.Linear the
+        model's own init fills. They are reported as skipped, with a warning (an error under strict=True)."""
+        cfg = self.quantization_config
+        method = cfg.quant_method
+        if cfg.strict:
+            raise ValueError(f"{method}: {names[:10]} are {NEW_HEAD.split(':')[0]}; strict=True refuses to leave "
+                             "them dense (add them to modules_to_not_convert to keep them so)")
+        warnings.warn(f"{method}: {names[:10]} are {NEW_HEAD} (add them to modules_to_not_convert to say so and "
+                      "silence this)", UserWarning, stacklevel=4)
+        for name in names:
+            mod = model.get_submodule(name)
+            if type(mod) is not nn.Linear:
+                set_submodule(model, name, dense_head(model, mod))
+        report = getattr(model, "hfq_quantization_report", None)
+        if report is not None:
+            report["quantized"] = [n for n in report["quantized"] if n not in names]
+            report["skipped"].update({n: NEW_HEAD for n in names})
+        if isinstance(getattr(self, "converted", None), list):
+            self.converted = [n for n in self.converted if n not in names]
+
+    def heads_kept_dense(self, model: nn.Module, skip: list[str] | None, checkpoint_files, index: dict,
+                         index_tells: bool = True) -> dict[str, str]:
+        """Pre-quantized load: the task heads (nn.Linear outside `base_model_prefix` that `skip` would convert) to
+        leave dense, name -> reason: those the save recorded as written dense (a new head at the first load), or,
+        for a checkpoint that does not record them, those the checkpoint holds none of this method's tensors for
+        (`index_tells`: where the method's tensors differ from a dense layer's; with a `weight`: saved dense,
+        without: a new head)."""
+        heads = [n for n, m in model.named_modules()
+                 if type(m) is nn.Linear and task_head(model, n) and should_convert(n, skip)]
+        recorded = recorded_dense_heads(checkpoint_files)
+        if recorded is not None:
+            kept = {n: SAVED_DENSE_HEAD for n in heads if n in recorded}
+        elif not index or not index_tells:
+            kept = {}
+        else:
+            kept = {n: SAVED_DENSE_HEAD if f"{n}.weight" in index else NEW_HEAD for n in heads
+                    if not any(f"{n}.{t}" in index for t in self.signature)}
+        self._new_heads = [n for n, why in kept.items() if why == NEW_HEAD]  # announced by refuse_unloaded
+        return kept
+
+    def refuse_unloaded(self, model: nn.Module, names: list[str]) -> None:
+        """After the loader ran: layers `names` of this method must have had every tensor filled from the
+        checkpoint. A task head with none of its tensors there is a new head (`keep_new_heads_dense`); any other gap
+        is a ValueError naming the tensors (the loader would leave them as uninitialised memory)."""
+        missing = unloaded_tensors(model, names)
+        heads = [n for n, (_, whole) in missing.items() if whole and task_head(model, n)]
+        heads += [n for n in self.__dict__.pop("_new_heads", ()) if n not in heads]
+        rest = [f"{n}.{k}" for n, (ks, _) in missing.items() if n not in heads for k in ks]
+        if rest:
+            method = self.quantization_config.quant_method
+            raise ValueError(
+                f"{method}: the checkpoint has no {', '.join(rest[:8])}{' ...' if len(rest) > 8 else ''} "
+                f"({len(rest)} tensor(s) of {len(missing) - len(heads)} quantized layer(s)), which the load would "
+                "leave as uninitialised memory: the checkpoint is truncated or belongs to another architecture")
+        if heads:
+            self.keep_new_heads_dense(model, heads)
+
     def check_checkpoint_method(self, index: dict) -> None:
         """A pre-quantized checkpoint whose tensors are another hfq method's than the one its config names is a
         ValueError saying which method it holds and which was asked for."""
@@ -579,8 +743,12 @@ class HfqQuantizer(HfQuantizer):
                     "hfq.qparam.fsdp.save_pretrained_whole(model, save_directory) on every rank instead (with "
                     "Trainer: on trainer.model after training; trainer.save_model() writes nothing under "
                     "fsdp_state_dict_type SHARDED_STATE_DICT), or save FSDP2's sharded checkpoints")
-            return whole_state_checked(model, passed)
+            return whole_state_checked(self.state_keys(model), passed)
         return model.state_dict() if passed is None else checked_state_dict(model, passed)
+
+    def state_keys(self, model: nn.Module) -> set:
+        """The keys of model.state_dict(), on whichever ranks call it (save_pretrained runs on the main one only)."""
+        return set(model.state_dict())
 
     def check_layers_kept(self, model: nn.Module) -> None:
         """Raise ValueError before a save whose quantization_config would not describe the layers: a layer this
@@ -626,7 +794,9 @@ class HfqQuantizer(HfQuantizer):
         self.check_layers_kept(model)
         state = dict(self.checkpoint_state(model))
         guard_state_dict(state, converted_names(model, self.layer_types))
-        return state, {"hfq": GUARD_DOC}
+        skipped = getattr(model, "hfq_quantization_report", {}).get("skipped", {})
+        heads = [n for n, why in skipped.items() if why in (NEW_HEAD, SAVED_DENSE_HEAD)]
+        return state, {"hfq": GUARD_DOC, DENSE_HEADS_KEY: json.dumps(heads)}
 
     def expect_guard(self, model: nn.Module) -> None:
         """Call after the surgery of a pre-quantized load."""

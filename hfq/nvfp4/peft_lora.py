@@ -265,8 +265,8 @@ BASE_RECORD = "hfq_base.json"  # an adapter's base quantization, written beside 
 
 
 def _nvfp4_config(model) -> dict | None:
-    """The quantization_config of a PEFT model's base when it holds NVFP4 layers, else None."""
-    base = model.get_base_model()
+    """The quantization_config of a (PEFT) model's base when it holds NVFP4 layers, else None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not any(isinstance(m, NVFP4Linear) for m in base.modules()):
         return None
     qc = getattr(getattr(base, "config", None), "quantization_config", None)
@@ -275,26 +275,32 @@ def _nvfp4_config(model) -> dict | None:
                                                  "modules_to_not_convert")} or {"quant_method": "hfq_nvfp4"}
 
 
-def _record_base(model, a: dict) -> None:
-    """After save_pretrained: BASE_RECORD beside each saved adapter's adapter_config.json when the base holds NVFP4
-    layers."""
-    qc = _nvfp4_config(model) if a.get("is_main_process", True) else None
-    if qc is None:
-        return
-    for name in a.get("selected_adapters") or list(model.peft_config):
-        folder = a["save_directory"] if name == "default" else os.path.join(a["save_directory"], name)
+def record_base(model, folders) -> None:
+    """BASE_RECORD beside the adapter_config.json of each of `folders` when the model's base holds NVFP4 layers."""
+    qc = _nvfp4_config(model)
+    for folder in folders if qc is not None else ():
         if os.path.isfile(os.path.join(folder, "adapter_config.json")):
             with open(os.path.join(folder, BASE_RECORD), "w") as f:
                 json.dump({"quantization_config": qc}, f, indent=1)
 
 
+def _record_base(model, a: dict) -> None:
+    """After PeftModel.save_pretrained: record_base for each saved adapter's folder."""
+    if a.get("is_main_process", True):
+        record_base(model, [a["save_directory"] if name == "default" else os.path.join(a["save_directory"], name)
+                            for name in a.get("selected_adapters") or list(model.peft_config)])
+
+
 def _check_base(model, a: dict) -> None:
-    """After load_adapter: warn when the adapter at model_id (a folder, or a Hub repo where reachable) was trained on
-    an NVFP4 base and this base has none."""
+    """After load_adapter (PEFT's, or transformers' own with peft_model_id): warn when the adapter at model_id (a
+    folder, or a Hub repo where reachable) was trained on an NVFP4 base and this base has none."""
     if _nvfp4_config(model) is not None:
         return
-    model_id, adapter_name = a["model_id"], a.get("adapter_name", "default")
-    subfolder = (a.get("kwargs") or {}).get("subfolder")
+    model_id = a["model_id"] if "model_id" in a else a.get("peft_model_id")
+    if model_id is None:  # transformers' load_adapter from a state dict: no folder to read
+        return
+    adapter_name = a.get("adapter_name") or "default"
+    subfolder = ((a.get("kwargs") or {}).get("subfolder") or (a.get("adapter_kwargs") or {}).get("subfolder"))
     path = os.path.join(str(model_id), subfolder or "", BASE_RECORD)
     if not os.path.isdir(str(model_id)):  # a Hub repo: the record was uploaded with the adapter, if hfq saved it
         try:
@@ -348,6 +354,10 @@ def register_peft_dispatch() -> bool:
     for name, after in (("save_pretrained", _record_base), ("load_adapter", _check_base)):
         if not hasattr(getattr(PeftModel, name), "hfq_wrapped"):
             setattr(PeftModel, name, _codes_left_out_of_state_dict(getattr(PeftModel, name), after))
+    from transformers.integrations.peft import PeftAdapterMixin  # model.add_adapter / model.load_adapter
+
+    if not hasattr(PeftAdapterMixin.load_adapter, "hfq_wrapped"):
+        PeftAdapterMixin.load_adapter = _codes_left_out_of_state_dict(PeftAdapterMixin.load_adapter, _check_base)
     LoraModel._hfq_nvfp4_dispatch = True
     return True
 

@@ -1,12 +1,14 @@
 """`NVFP4HfQuantizer`: transformers' hook for `hfq_nvfp4` (quantize while loading; reload pre-quantized)."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
 from .._base.lora import dense_linear
 from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, checkpoint_index, modules_to_skip, raise_load_errors,
-                             refuse_nonfinite, replace_linears)
+                             refuse_nonfinite, replace_linears, task_head)
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
 
@@ -83,11 +85,15 @@ class NVFP4HfQuantizer(HfqQuantizer):
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         cfg = self.quantization_config
         skip = modules_to_skip(model, cfg, cfg.ADD_DEFAULT_SKIPS)
-        self.converted = replace_linears(model, _make_layer(cfg, not self.pre_quantized, self.skipped), skip,
-                                         self.skipped)
+        heads = {}
         if self.pre_quantized and checkpoint_files:
             index = checkpoint_index(checkpoint_files)
             self.check_checkpoint_method(index)
+            heads = self.heads_kept_dense(model, skip, checkpoint_files, index)
+        keep = [f"^{re.escape(n)}$" for n in heads]
+        self.converted = replace_linears(model, _make_layer(cfg, not self.pre_quantized, self.skipped),
+                                         [*skip, *keep], self.skipped)
+        self.skipped.update(heads)
         self.conversion_report(model, self.converted, skip, self.skipped)
         if self.pre_quantized:
             self.expect_guard(model)
@@ -104,22 +110,27 @@ class NVFP4HfQuantizer(HfqQuantizer):
                     continue
                 key = f"{name}.{buf}"
                 want_dt = {torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32"}[ref.dtype]
-                if key not in index:
-                    problems.append(f"{key}: missing")
-                elif index[key] != (want_dt, tuple(ref.shape)):
+                if key in index and index[key] != (want_dt, tuple(ref.shape)):
                     problems.append(f"{key}: got {index[key][0]}{list(index[key][1])}, "
                                     f"expected {want_dt}{list(ref.shape)}")
         if problems:
             head = "; ".join(problems[:20]) + (f"; ... ({len(problems)} in all)" if len(problems) > 20 else "")
-            raise ValueError(f"hfq_nvfp4 checkpoint is missing or has corrupt quantized tensors: {head}")
+            raise ValueError(f"hfq_nvfp4 checkpoint has quantized tensors of other dtypes or shapes than this model's "
+                             f"layers: {head}")
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         raise_load_errors("NVFP4", self.errors)
-        leftover = [n for n in self.converted if "weight" in model.get_submodule(n)._parameters]
-        if leftover:
-            raise ValueError(f"NVFP4: no weight was found in the checkpoint for {leftover[:10]}")
-        if self.pre_quantized:
+        if self.pre_quantized:  # keys are judged after transformers' renames (Llava, key_mapping=)
+            self.refuse_unloaded(model, self.converted)
             self._check_loaded_scales(model)
+        else:
+            leftover = [n for n in self.converted if "weight" in model.get_submodule(n)._parameters]
+            heads = [n for n in leftover if task_head(model, n)]
+            if len(heads) < len(leftover):
+                raise ValueError(f"NVFP4: no weight was found in the checkpoint for "
+                                 f"{[n for n in leftover if n not in heads][:10]}")
+            if heads:  # a new head (a classifier's `score` on a causal LM's checkpoint)
+                self.keep_new_heads_dense(model, heads)
         model.hfq_quantization_report["rel_error"] = dict(self.rel_error)
         for name in self.converted:  # where the Gluon kernel runs: its layout only, no second copy
             mod = model.get_submodule(name)
@@ -144,6 +155,20 @@ class NVFP4HfQuantizer(HfqQuantizer):
             raise ValueError(f"hfq_nvfp4 checkpoint has scales that do not decode in {len(bad)} layer(s): "
                              f"{'; '.join(bad[:5])}: the file is corrupt (global scales are finite and > 0)")
 
+    def after_adapter_save(self, model, save_directory):
+        """An adapter saved through transformers' integration records its NVFP4 base as PeftModel's does."""
+        from .peft_lora import record_base
+
+        record_base(model, [save_directory])
+
+    def dequantize(self, model, dtype=None):
+        """model.dequantize(): without a dtype, the one the model's other layers have now (transformers would take
+        config.dtype, which model.to(dtype) leaves as it was loaded)."""
+        rest = {p.dtype for p in model.parameters() if p.is_floating_point()}
+        if dtype is None and len(rest) == 1:
+            dtype = rest.pop()
+        return super().dequantize(model, dtype=dtype)
+
     def _dequantize(self, model, dtype=None):
         if isinstance(dtype, str):  # save_pretrained writes config.dtype back as its name
             dtype = getattr(torch, dtype)
@@ -152,10 +177,14 @@ class NVFP4HfQuantizer(HfqQuantizer):
         if rest and dtype not in rest:
             raise ValueError(f"model.dequantize(dtype={dtype}): the model's other layers are "
                              f"{', '.join(sorted(str(d) for d in rest))}, and a model of mixed dtypes fails in its "
-                             "forward; call model.dequantize(), then model.to(dtype)")
+                             "forward; call model.dequantize() (it takes their dtype when they have one), then "
+                             "model.to(dtype)")
+        peft_base = any(hasattr(m, "base_layer") for m in model.modules())  # PEFT froze the base model
         for name, mod in list(model.named_modules()):
             if isinstance(mod, NVFP4Linear):
-                lin = dense_linear(mod.dequantize(dtype), mod.bias, dtype)
+                # trainable as a dense checkpoint's layers load, frozen as the rest of a PEFT base model
+                trainable = mod.bias.requires_grad if mod.bias is not None else not peft_base
+                lin = dense_linear(mod.dequantize(dtype), mod.bias, dtype).requires_grad_(trainable)
                 parent, _, child = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, lin)
         return model

@@ -16,8 +16,10 @@ from torch import nn
 
 from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, checkpoint_index,
                              mark_quantized, modules_to_skip, raise_load_errors, refuse_nonfinite, refuse_quantized,
-                             refuse_offloading, replace_linears, set_submodule, should_convert)
+                             refuse_offloading, replace_linears, set_submodule, should_convert, task_head)
 from ..qparam import QLinear, ddp_ignore_int8_grad_weights_, name_qparams_
+from ..qparam.fsdp import decode_lists
+from ..qparam.fsdp import state_keys as fsdp_state_keys
 from .config import QFTConfig
 from .linear import convert_linears_, finalize_, layer_maker
 
@@ -28,6 +30,7 @@ class QFTQuantize(QuantizeOnLoad):
     def quantize(self, model, name, module, value):
         make = layer_maker(self.hf_quantizer.quantization_config)
         layer = make(name, SimpleNamespace(weight=nn.Parameter(value), bias=module.bias))
+        layer.weight._is_hf_initialized = True  # loaded: a parent's _init_weights (T5, CLIP) must not write it
         set_submodule(model, name, layer)
         self.hf_quantizer.note_error(name, value, layer)
         return {}
@@ -72,14 +75,8 @@ class QFTHfQuantizer(HfqQuantizer):
             index = checkpoint_index(checkpoint_files) if checkpoint_files else {}
             if index:
                 self.check_checkpoint_method(index)
-            # task heads saved dense (kept so at the first load, see _keep_new_heads_dense) stay dense; task heads
-            # the checkpoint lacks (a classifier on a causal LM's checkpoint) too, initialised by transformers
-            heads = [n for n, m in model.named_modules() if index and type(m) is nn.Linear and _task_head(model, n)
-                     and should_convert(n, self._skip) and f"{n}.weight_codes" not in index]
-            self._new_heads = [n for n in heads if f"{n}.weight" not in index] if index else []
-            self._reasons = {n: "saved dense in the checkpoint (a new head at the first load)" for n in heads
-                             if n not in self._new_heads}
-            self._reasons.update({n: _NEW_HEAD for n in self._new_heads})
+            # task heads saved dense (kept so at the first load) stay dense; so do those an older checkpoint lacks
+            self._reasons = self.heads_kept_dense(model, self._skip, checkpoint_files, index)
             keep = [f"^{re.escape(n)}$" for n in self._reasons]
             self.converted = convert_linears_(model, cfg, placeholder=True, keep=keep)
             self.expect_guard(model)
@@ -92,20 +89,28 @@ class QFTHfQuantizer(HfqQuantizer):
     def get_quantize_ops(self):
         return QFTQuantize(self)
 
+    def state_keys(self, model):
+        return fsdp_state_keys(model)  # no gather: Trainer saves an FSDP2 model's gathered dict on one rank
+
+    def checkpoint_state(self, model):
+        passed = self.__dict__.get("passed_state_dict")
+        if passed is not None:  # an FSDP2 full state dict (accelerate's, Trainer's save) carries outlier lists as bytes
+            self.passed_state_dict = decode_lists(passed)
+        return super().checkpoint_state(model)
+
     def _process_model_after_weight_loading(self, model, **kwargs):
         raise_load_errors("QFT", self.errors)
         if self.pre_quantized:
+            self.refuse_unloaded(model, self.converted)
             finalize_(model)
             refuse_nonfinite("hfq_qft", model, self.layer_types)
-            if self._new_heads:
-                self._keep_new_heads_dense(model, self._new_heads)
         else:
             left = [n for n, m in model.named_modules() if type(m) is nn.Linear and should_convert(n, self._skip)]
-            lost = [n for n in left if not _task_head(model, n)]
+            lost = [n for n in left if not task_head(model, n)]
             if lost:  # a decoder linear without weight: a truncated or renamed checkpoint, not a new head
                 raise ValueError(f"QFT: no weight was found in the checkpoint for {lost[:10]}")
             if left:  # no weight in the checkpoint: a new head (a classifier's `score`), initialised by transformers
-                self._keep_new_heads_dense(model, left)
+                self.keep_new_heads_dense(model, left)
             self.converted = [n for n, m in model.named_modules() if isinstance(m, QLinear)]
             self._warn_lossy(model)
         ddp_ignore_int8_grad_weights_(model)
@@ -139,32 +144,8 @@ class QFTHfQuantizer(HfqQuantizer):
                       "int4_tensor's one scale per tensor suits weights trained in it from scratch",
                       UserWarning, stacklevel=3)
 
-    def _keep_new_heads_dense(self, model: nn.Module, names: list[str]) -> None:
-        """Linears the checkpoint has no weight for stay dense and trainable, as transformers leaves them (newly
-        initialised, listed in its load report): in the conversion report as skipped, with a warning (an error
-        under strict=True)."""
-        why = _NEW_HEAD
-        if self.quantization_config.strict:
-            raise ValueError(f"QFT/ECO (hfq_qft): {names[:10]} are {why.split(':')[0]}; strict=True refuses to "
-                             "leave them dense (add them to modules_to_not_convert to keep them so)")
-        warnings.warn(f"QFT/ECO (hfq_qft): {names[:10]} are {why} (add them to modules_to_not_convert to say "
-                      "so and silence this)", UserWarning, stacklevel=3)
-        report = getattr(model, "hfq_quantization_report", None)
-        if report is not None:
-            report["quantized"] = [n for n in report["quantized"] if n not in names]
-            report["skipped"].update({n: why for n in names})
-        self.converted = [n for n in self.converted if n not in names]
-
 
 LOSSY = 0.5  # relative quantization error of a layer above which a fresh load warns (QFTHfQuantizer._warn_lossy)
-_NEW_HEAD = "not in the checkpoint (a new head, initialised by transformers): kept dense and trainable"
-
-
-def _task_head(model: nn.Module, name: str) -> bool:
-    """Whether module `name` lies outside the base model (`base_model_prefix`): a task head such as a classifier's
-    `score`, which a checkpoint of another head type does not have."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    return not prefix or not (name == prefix or name.startswith(prefix + "."))
 
 
 def _refuse_tied_head(model: nn.Module, skip: list[str]) -> None:

@@ -347,16 +347,84 @@ def list_from_bytes(b: bytes, name: str, device) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).to(device)
 
 
+class Gathering:
+    """Whether QLinear's state_dict gathers an FSDP2-sharded weight (off inside `state_keys`)."""
+
+    on = True
+
+
+def state_keys(model) -> set:
+    """The keys of model.state_dict() of an FSDP2-sharded model, computed on one rank alone: a sharded QLinear
+    lists its stored tensors without gathering them (a gather is a collective of every rank)."""
+    Gathering.on = False
+    try:
+        return set(model.state_dict())
+    finally:
+        Gathering.on = True
+
+
+def decode_lists(state: dict) -> dict:
+    """A gathered state dict with the outlier lists' bytes (how a sharded weight's state dict carries them: see
+    LIST_DTYPES) turned back into tensors, as safetensors needs."""
+    out = dict(state)
+    for k, v in state.items():
+        if isinstance(v, bytes):
+            out[k] = list_from_bytes(v, k.rpartition(".")[2].removeprefix("weight_"), "cpu")
+    return out
+
+
+def loading_whole_state_dicts(set_model_state_dict):
+    """Wrap accelerate's `fsdp_utils._set_model_state_dict` (what `load_fsdp_model` ends with, so Trainer's resume
+    too): a full state dict (FSDP2 with fsdp_state_dict_type FULL_STATE_DICT, read on the main rank only) of a model
+    with sharded QParams is broadcast to every rank and loaded with `load_whole_state_dict_`. torch's
+    set_model_state_dict expects one key per parameter, which a QLinear's stored tensors are not, and its broadcast
+    has no float8 on gloo."""
+    import functools
+
+    @functools.wraps(set_model_state_dict)
+    def wrapper(model, state_dict, *args, sd_options=None, **kwargs):
+        import torch.distributed as dist
+
+        from .tensor import QParam
+
+        sharded_q = any(isinstance(p, DTensor) and isinstance(local(p), QParam) for p in model.parameters())
+        if not (sharded_q and sd_options is not None and sd_options.full_state_dict):  # (no adapters on QParams)
+            return set_model_state_dict(model, state_dict, *args, sd_options=sd_options, **kwargs)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            state_dict = _broadcast_state(state_dict if dist.get_rank() == 0 else None)
+        return load_whole_state_dict_(model, decode_lists(state_dict), strict=sd_options.strict)
+
+    wrapper.hfq_wrapped = set_model_state_dict
+    return wrapper
+
+
+def _broadcast_state(state: dict | None) -> dict:
+    """Rank 0's state dict on every rank: names, dtypes, shapes and non-tensor values as objects, each tensor's bytes
+    as uint8 (a float8 tensor pickles, but torch's unpickling of it in broadcast_object_list fails)."""
+    import torch.distributed as dist
+
+    meta = [None if state is None else [(k, (v.dtype, tuple(v.shape)) if torch.is_tensor(v) else v)
+                                        for k, v in state.items()]]
+    dist.broadcast_object_list(meta, src=0)
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = {}
+    for k, m in meta[0]:
+        if not (isinstance(m, tuple) and len(m) == 2 and isinstance(m[0], torch.dtype)):
+            out[k] = m if state is None else state[k]
+            continue
+        dtype, shape = m
+        t = state[k].detach().to(dev).contiguous() if state is not None else torch.empty(shape, dtype=dtype, device=dev)
+        if t.numel():
+            dist.broadcast(t.reshape(-1).view(torch.uint8), src=0)
+        out[k] = t
+    return out
+
+
 def whole_state_dict(model) -> dict:
     """The state dict of an FSDP2-sharded model with every tensor whole, on every rank (a collective: call it on
     all ranks): QLinear gathers its stored tensors, DTensors are gathered here. Loads in one process."""
-    out = {}
-    for k, v in model.state_dict().items():
-        if isinstance(v, bytes):
-            name = k.rpartition(".")[2].removeprefix("weight_")
-            v = list_from_bytes(v, name, "cpu")
-        out[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-    return out
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            for k, v in decode_lists(model.state_dict()).items()}
 
 
 def save_pretrained_whole(model, save_directory: str, **kwargs) -> None:

@@ -14,8 +14,8 @@ from hfq_kernels._triton import checkpointing as _checkpointing
 from hfq_kernels._triton import on_device_of
 from . import formats as _formats
 from .formats import check_format, check_qtensors, empty_qtensors
-from .fsdp import (LIST_DTYPES, forget_outliers_, gather_whole, list_from_bytes, list_to_bytes, local, local_rows,
-                   rows_of)
+from .fsdp import (LIST_DTYPES, Gathering, forget_outliers_, gather_whole, list_from_bytes, list_to_bytes, local,
+                   local_rows, rows_of)
 from .int8grad import accumulate_int8_grad_, accumulate_sharded_int8_grad_, mean_over_ranks_then
 from .tensor import QParam
 
@@ -169,7 +169,7 @@ class QLinear(nn.Module):
             w = self.weight
             sharded = local(w) is not w
             if sharded:  # FSDP2 shard: the whole weight's stored tensors, gathered on every rank
-                w = gather_whole(w)
+                w = gather_whole(w) if Gathering.on else local(w)
             for k, t in w.qtensors().items():
                 if sharded and k in LIST_DTYPES:  # variable length: bytes (hfq.qparam.fsdp.list_to_bytes)
                     destination[prefix + "weight_" + k] = list_to_bytes(t)

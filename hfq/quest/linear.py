@@ -285,22 +285,24 @@ class QuESTLinear(nn.Module):
                 f"grid={c.grid}, ht_block={self.spec.block}, estimator={c.estimator}, packed={self.packed}")
 
     # -- weights in the Hadamard domain
-    def quantized_weight_h(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w_h^ fp32 [out, in], unit fp32 [out]): dequantized from codes when packed, else projected."""
+    def quantized_weight_h(self, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_h^ fp32 [out, in], unit fp32 [out]): dequantized from codes when packed, else `weight` (default: the
+        master weight) projected."""
         if self.packed:
             codes = unpack_codes(self.weight_codes, self.config.weight_bits, self.in_features)
             level = gaussian.codes_to_levels(codes, self.config.weight_bits, self.config.grid)
             return level * self.weight_scale[:, None], self.weight_scale
-        check_weight(self.weight, "weight")
-        wq32, _, unit = quantize_weight_h(self.weight, self.spec)
+        weight = self.weight if weight is None else weight
+        check_weight(weight, "weight")
+        wq32, _, unit = quantize_weight_h(weight, self.spec)
         return wq32, unit
 
-    def export_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weight_codes uint8 packed, weight_scale fp32) of the current master weight."""
+    def export_codes(self, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight_codes uint8 packed, weight_scale fp32) of `weight` (default: the current master weight)."""
         if self.packed:
             return self.weight_codes, self.weight_scale
         with torch.no_grad():
-            wq32, unit = self.quantized_weight_h()
+            wq32, unit = self.quantized_weight_h(weight)
             level = wq32 / unit[:, None]  # exact up to an ulp; levels_to_codes rounds to the grid
             codes = gaussian.levels_to_codes(level, self.config.weight_bits, self.config.grid)
         return pack_codes(codes, self.config.weight_bits), unit.contiguous()

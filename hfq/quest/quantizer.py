@@ -1,6 +1,7 @@
 """QuESTHfQuantizer: swaps linear layers for QuESTLinear in from_pretrained; saves master weights or codes."""
 from __future__ import annotations
 
+import re
 import warnings
 
 import torch
@@ -8,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, mark_quantized,
+from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, converted_names, mark_quantized,
                              modules_to_skip, refuse_nonfinite, refuse_quantized, replace_linears,
                              refuse_offloading, unguard_weight)
 from .config import QuESTConfig
@@ -42,17 +43,24 @@ class QuESTHfQuantizer(HfqQuantizer):
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         cfg = self.quantization_config
-        if self.pre_quantized and checkpoint_files:
-            self.check_checkpoint_method(checkpoint_index(checkpoint_files))
         self.modules_to_not_convert = modules_to_skip(model, cfg, cfg.ADD_DEFAULT_SKIPS)
         packed = self.pre_quantized and cfg.save_format == "codes"
-        converted = replace_linears(model, layer_maker(cfg, packed=packed), self.modules_to_not_convert)
-        self.conversion_report(model, converted, self.modules_to_not_convert)
+        heads = {}
+        if self.pre_quantized and checkpoint_files:
+            index = checkpoint_index(checkpoint_files)
+            self.check_checkpoint_method(index)
+            # a master checkpoint stores a QuEST layer's `weight` as a dense one: only the save's record tells heads
+            heads = self.heads_kept_dense(model, self.modules_to_not_convert, checkpoint_files, index,
+                                          index_tells=packed)
+        keep = [f"^{re.escape(n)}$" for n in heads]
+        converted = replace_linears(model, layer_maker(cfg, packed=packed), [*self.modules_to_not_convert, *keep])
+        self.conversion_report(model, converted, self.modules_to_not_convert, heads)
         if self.pre_quantized:
             self.expect_guard(model)
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        self.refuse_unloaded(model, converted_names(model, self.layer_types))
         for name, mod in model.named_modules():  # the guarded master weight arrives as [1, out, in]
             if isinstance(mod, QuESTLinear) and not mod.packed and mod.weight.dim() == 3:
                 mod.weight = nn.Parameter(unguard_weight(mod.weight.data, mod.out_features, mod.in_features),
@@ -86,8 +94,7 @@ class QuESTHfQuantizer(HfqQuantizer):
         for name, mod in model.named_modules():
             if isinstance(mod, QuESTLinear) and not mod.packed:
                 prefix = f"{name}." if name else ""
-                state.pop(prefix + "weight", None)
-                codes, scale = mod.export_codes()
+                codes, scale = mod.export_codes(state.pop(prefix + "weight", None))  # a state_dict= given: its weight
                 state[prefix + "weight_codes"] = codes
                 state[prefix + "weight_scale"] = scale
         return state
