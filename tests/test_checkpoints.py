@@ -98,7 +98,7 @@ def _qft_built(model_dir):
 def test_checkpoint_tensors_load_strictly_without_unexpected_keys(llama_dir, tmp_path, build):
     """Trainer's resume reads model.safetensors with model.load_state_dict: the guard marker and the note are
     not unexpected keys there (a strict load passes and Trainer has nothing to warn about)."""
-    from hfq._base.surgery import NOTE_KEY
+    from hfq._base.checkpoint import NOTE_KEY
 
     make = {"quest-built": _quest_built, "qft-built": _qft_built}.get(build)
     m = make(llama_dir) if make else AutoModelForCausalLM.from_pretrained(

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from .._base.lora import dense_linear
-from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, checkpoint_index, modules_to_skip, raise_load_errors,
-                             refuse_nonfinite, replace_linears, task_head)
+from .._base.checkpoint import checkpoint_index, raise_load_errors, refuse_nonfinite, task_head
+from .._base.surgery import HfqQuantizer, QuantizeOnLoad, modules_to_skip, replace_linears
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
 

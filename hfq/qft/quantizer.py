@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, checkpoint_index,
-                             mark_quantized, modules_to_skip, raise_load_errors, refuse_nonfinite, refuse_quantized,
-                             refuse_offloading, replace_linears, set_submodule, should_convert, task_head)
+from .._base.checkpoint import checkpoint_index, raise_load_errors, refuse_nonfinite, task_head
+from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, mark_quantized, modules_to_skip,
+                             refuse_quantized, refuse_offloading, replace_linears, set_submodule, should_convert)
 from ..qparam import QLinear, ddp_ignore_int8_grad_weights_, name_qparams_
 from ..qparam.fsdp import decode_lists
 from ..qparam.fsdp import state_keys as fsdp_state_keys

@@ -23,7 +23,8 @@ from hfq_kernels._triton import on_device_of
 from hfq_kernels.reference import gaussian
 from hfq_kernels.reference.fp4 import check_finite
 
-from .._base.surgery import apply_keeping_buffer_dtypes, unguard_weight
+from .._base.checkpoint import unguard_weight
+from .._base.surgery import apply_keeping_buffer_dtypes
 from .config import QuESTConfig
 
 

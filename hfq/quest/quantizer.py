@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import re
-import warnings
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-from .._base.surgery import (HfqQuantizer, check_conversion, checkpoint_index, converted_names, mark_quantized,
-                             modules_to_skip, refuse_nonfinite, refuse_quantized, replace_linears,
-                             refuse_offloading, unguard_weight)
+from .._base.checkpoint import checkpoint_index, converted_names, refuse_nonfinite, unguard_weight
+from .._base.surgery import (HfqQuantizer, check_conversion, mark_quantized, modules_to_skip, refuse_quantized,
+                             replace_linears, refuse_offloading)
 from .config import QuESTConfig
 from .linear import QuESTLinear, check_weight, layer_maker, warn_low_precision_master
 
