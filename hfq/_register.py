@@ -80,6 +80,7 @@ def register_all() -> None:
     own = getattr(fsdp_utils, "_set_model_state_dict", None)  # Trainer's FSDP2 FULL_STATE_DICT resume of QParams
     if own is not None and not hasattr(own, "hfq_wrapped"):
         fsdp_utils._set_model_state_dict = loading_whole_state_dicts(own)
+    importlib.import_module("hfq._base.trl_guard").install()  # TRL's fused LM head on a quantized head: refused
     importlib.import_module("hfq._base.peft_guard").install()  # adapters on QuEST/QFT/ECO layers: refused clearly
     importlib.import_module("hfq.nvfp4.peft_lora").register_peft_dispatch()  # LoRA on NVFP4Linear, process-wide
     _DONE = True

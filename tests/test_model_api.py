@@ -1,6 +1,7 @@
 """transformers' model API on hfq models where a load or a call could go silently wrong: checkpoints missing a
 quantized layer's tensors, task heads a checkpoint does not hold, renamed checkpoint keys, models whose weight init
 writes child layers, model.dequantize()."""
+import os
 import warnings
 
 import pytest
@@ -200,3 +201,35 @@ def test_loading_an_hfq_task_model_says_nothing_about_from_config(tiny_dir, tmp_
     with pytest.warns(UserWarning, match="from_config") as w:
         AutoModelForTokenClassification.from_config(AutoConfig.from_pretrained(tmp_path))
     assert len([x for x in w if "from_config" in str(x.message)]) == 1
+
+
+def test_trl_fused_lm_head_refuses_a_quantized_output_head(tiny_dir, tmp_path):
+    """DPOTrainer / GRPOTrainer / KTOTrainer score log-probabilities through TRL's fused LM head, which multiplies by
+    lm_head.weight itself: with a QuEST head (modules_to_not_convert=[]) the trainer trained the full-precision
+    master as a dense head while the saved model runs it quantized (log-probs 0.05 apart, no word); with a QFT/ECO
+    head it crashed on dtypes. Refused at trainer construction, naming the head; the default (head kept out) trains."""
+    import subprocess
+    import sys
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    data = Dataset.from_dict({"prompt": ["ab", "cd"], "chosen": ["e", "f"], "rejected": ["g", "h"]})
+    args = DPOConfig(str(tmp_path), report_to="none", use_cpu=True, max_steps=1, per_device_train_batch_size=2)
+    for cfg, refused in ((hfq.QuESTConfig(modules_to_not_convert=[]), True),
+                         (hfq.QFTConfig(weight_format="fp8_e4m3_row", modules_to_not_convert=["embed_tokens"]), True),
+                         (hfq.QuESTConfig(), False)):
+        m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=cfg)
+        ref = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=cfg)
+        if refused:
+            with pytest.raises(ValueError, match=r"fused LM head .* `lm_head` is a hfq_(quest|qft) .*modules_to_not_"
+                                                 r"convert"):
+                DPOTrainer(m, ref_model=ref, args=args, train_dataset=data, processing_class=tok)
+        else:
+            DPOTrainer(m, ref_model=ref, args=args, train_dataset=data, processing_class=tok).train()
+    # TRL imported after hfq: the trainers bind the wrapped function when they import it
+    code = ("import hfq, trl.trainer.dpo_trainer as d, trl.trainer.grpo_trainer as g; "
+            "assert d.add_fused_lm_head.hfq_wrapped and g.add_fused_lm_head.hfq_wrapped")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
