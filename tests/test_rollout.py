@@ -128,6 +128,24 @@ def test_filters_match_transformers_warpers():
         torch.testing.assert_close(ours[kept], ref[kept])
 
 
+def test_top_p_cuts_a_tie_group_as_transformers_does():
+    """Equal logits straddling the nucleus boundary (common in bf16): the engine kept the whole tie group where
+    transformers' TopPLogitsWarper (and vLLM) cut through it, so about a quarter of top-p steps on a bf16 policy
+    sampled from a wider distribution than TRL's generate (audit 18e F4: [2, 1, 1, 0] at top_p 0.6, TV 0.21)."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(1)
+    cases = [(torch.tensor([[2.0, 1.0, 1.0, 0.0]]), 0, 0.6)]
+    cases += [((torch.randn(16, 517, generator=g) * 2).bfloat16().float(), k, p) for k in (0, 50) for p in (0.5, 0.9)]
+    for logits, k, p in cases:
+        ref = TopKLogitsWarper(k)(None, logits.clone()) if k else logits.clone()
+        ref = TopPLogitsWarper(p)(None, ref)
+        n = logits.shape[0]
+        ours = process_logits(logits, SamplerFlags(top_k=k > 0, top_p=True), torch.ones(n, 1),
+                              torch.full((n, 1), k), torch.full((n, 1), p), torch.zeros(n, 1))
+        assert torch.equal(torch.isinf(ours), torch.isinf(ref)), (k, p)
+
+
 def test_gumbel_sampling_follows_softmax():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
     probs = logits.softmax(-1)[0]

@@ -28,9 +28,9 @@ def make(tmp_path, config_cls=GRPOConfig, **cfg_kw):
     tok = char_tokenizer()
     model = tiny_model("qwen2", seed=0, vocab=len(tok))
     ds = Dataset.from_dict({"prompt": ["12+3=", "hello ", "abc", "7*8="] * 2})
-    args = config_cls(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                      max_completion_length=10, max_steps=1, report_to=[], logging_steps=1, save_strategy="no",
-                      use_cpu=True, bf16=False, seed=3, **cfg_kw)
+    cfg_kw = {"max_completion_length": 10, **cfg_kw}
+    args = config_cls(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_steps=1,
+                      report_to=[], logging_steps=1, save_strategy="no", use_cpu=True, bf16=False, seed=3, **cfg_kw)
     return Trainer(model=model, reward_funcs=reward_len, args=args, train_dataset=ds, processing_class=tok)
 
 
@@ -103,3 +103,45 @@ def test_declared_settings_reach_the_engine(tmp_path):
     with pytest.warns(UserWarning, match="use_hfq_rollout=False"):
         ids, _ = off._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
     assert off._hfq_engine is None and len(ids) == 2
+
+
+def test_eos_and_length_settings_trl_reads_otherwise_go_to_trl(tmp_path):
+    """Audit 18e: (1) generation_kwargs={"eos_token_id": X} with X outside TRL's eos_token_ids: the engine stopped and
+    cut at X only, where TRL's generate stops at X but cuts completions at its eos ids, so completions ran past the
+    tokenizer's EOS and ones TRL calls finished came back 'truncated' (all masked under mask_truncated_completions);
+    such a call now goes to TRL, warning. (2) max_completion_length=None crashed with a bare TypeError, (3) more than
+    16 EOS ids with the engine's ValueError: both go to TRL too."""
+    tok = char_tokenizer()
+    x = tok(".")["input_ids"][-1]
+    trainer = make(tmp_path, generation_kwargs={"eos_token_id": x})
+    assert x not in trainer.eos_token_ids
+    with pytest.warns(UserWarning, match=rf"eos_token_id \[{x}\] beyond the EOS ids TRL ends completions at"):
+        ids, _ = trainer._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
+    assert trainer._hfq_engine is None and len(ids) == 2
+    same = make(tmp_path, generation_kwargs={"eos_token_id": trainer.eos_token_ids[0]})  # TRL's own: the engine runs
+    same._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
+    assert same._hfq_engine is not None
+    many = make(tmp_path)
+    many.eos_token_ids = [*many.eos_token_ids, *range(40, 56)]  # 17 (TRL's: the tokenizer's, the model's)
+    with pytest.warns(UserWarning, match=r"17 EOS ids \(the engine stops on at most 16\)"):
+        many._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
+    unbounded = make(tmp_path, max_completion_length=None)
+    with pytest.warns(UserWarning, match=r"max_completion_length=None"):
+        ids, _ = unbounded._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
+    assert unbounded._hfq_engine is None and len(ids) == 2
+
+
+def test_cast_lm_head_to_fp32_with_tied_embeddings(tmp_path):
+    """GRPOConfig(cast_lm_head_to_fp32=True) on a bf16 model with tied embeddings (Qwen2.5-0.5B..3B, Llama-3.2): TRL
+    makes the shared weight fp32 and casts the embedding's output back to bf16; the engine took its KV cache dtype
+    from the embedding weight (fp32) and failed on the first rollout (index_copy_ dtype mismatch)."""
+    tok = char_tokenizer()
+    model = tiny_model("qwen2", seed=0, vocab=len(tok), dtype=torch.bfloat16, tie_word_embeddings=True)
+    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=6, max_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                      cast_lm_head_to_fp32=True, seed=3)
+    trainer = Trainer(model=model, reward_funcs=reward_len, args=args, processing_class=tok,
+                      train_dataset=Dataset.from_dict({"prompt": ["12+3=", "hello "] * 2}))
+    assert trainer.model.lm_head.weight.dtype == torch.float32
+    ids, _ = trainer._generate_single_turn([tok("ab")["input_ids"]] * 2, None, {}, num_generations=2)
+    assert trainer._hfq_engine is not None and trainer._hfq_engine.dtype == torch.bfloat16 and len(ids) == 2

@@ -157,8 +157,10 @@ class DecoderAdapter:
                              "sliding-window attention is not implemented by the rollout engine, use "
                              f"max_seq_len <= {min(windows)}")
         self.vocab_size = self.lm_head.out_features if hasattr(self.lm_head, "out_features") else cfg.vocab_size
-        self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
+        with torch.no_grad():  # what the layers compute in: the embedding's output after its hooks (TRL's
+            # cast_lm_head_to_fp32 makes a tied embedding's weight fp32 and casts its output back)
+            self.dtype = self.embed(torch.zeros(1, dtype=torch.long, device=self.device)).dtype
         can_fuse = _triton.available(self.device)
         if fused_kernels is True and not can_fuse:
             raise ValueError(f"fused_kernels=True: the Triton kernels cannot run on {self.device} (need CUDA and "

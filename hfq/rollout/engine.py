@@ -23,6 +23,7 @@ from hfq_kernels._triton import on_device_of, pdl_launches
 from .decoder import DecodeFusions, DecoderAdapter
 from .sampling import SamplerFlags, row_keys, sample
 
+MAX_EOS_IDS = 16  # the stop ids a decode step compares each token with (a fixed-size device tensor)
 GRAPH_MODES = ("auto", "cuda_graph", "eager")
 
 
@@ -165,7 +166,7 @@ class RolloutEngine:
         self.top_p = torch.ones((B, 1), dtype=torch.float32, device=dev)
         self.min_p = torch.zeros((B, 1), dtype=torch.float32, device=dev)
         self.keys = torch.zeros((B, 2), dtype=torch.long, device=dev)
-        self.eos = torch.full((16,), -1, dtype=torch.long, device=dev)
+        self.eos = torch.full((MAX_EOS_IDS,), -1, dtype=torch.long, device=dev)
         self.vocab_ids = torch.arange(a.vocab_size, dtype=torch.long, device=dev)
         self._graphs: dict = {}
         self._oom_warned = False

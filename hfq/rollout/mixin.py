@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from .engine import GRAPH_MODES, RolloutEngine
+from .engine import GRAPH_MODES, MAX_EOS_IDS, RolloutEngine
 
 _SUPPORTED_GEN_KWARGS = {"max_new_tokens", "do_sample", "pad_token_id", "bos_token_id", "eos_token_id", "temperature",
                          "top_p", "top_k", "min_p", "repetition_penalty", "cache_implementation"}
@@ -186,7 +186,12 @@ class RolloutMixin:
         from trl.models import unwrap_model_for_generation
 
         gen_kw = dict(self.generation_kwargs)
-        max_new = int(gen_kw.get("max_new_tokens") or self.max_completion_length)
+        max_new = gen_kw.get("max_new_tokens") or self.max_completion_length
+        if max_new is None:  # TRL's generate then stops at the generation config's max_length
+            self._hfq_fallback("max_completion_length=None (the engine needs a completion length)")
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        max_new = int(max_new)
         need_len = max(len(p) for p in prompt_ids) + max_new
         cap = self._rollout_setting("rollout_max_seq_len")
         if cap is not None and need_len > cap:
@@ -206,6 +211,13 @@ class RolloutMixin:
         ):
             gc = effective_generation_config(self, model)
             reason = unsupported_generation(gc)
+            eos = getattr(gc, "eos_token_id", None)
+            eos = gen_kw.get("eos_token_id", self.eos_token_ids) if eos is None else eos
+            beyond = sorted(set([eos] if isinstance(eos, int) else eos) - set(self.eos_token_ids))
+            if reason is None and beyond:  # TRL's generate stops there but cuts completions at its eos ids only
+                reason = f"eos_token_id {beyond} beyond the EOS ids TRL ends completions at ({self.eos_token_ids})"
+            if reason is None and len(self.eos_token_ids) > MAX_EOS_IDS:
+                reason = f"{len(self.eos_token_ids)} EOS ids (the engine stops on at most {MAX_EOS_IDS})"
             if reason is None:
                 try:
                     engine = self._hfq_get_engine(model, len(prompt_ids), need_len)
@@ -226,7 +238,7 @@ class RolloutMixin:
                 out = engine.generate(chunk, max_new_tokens=max_new, temperature=temperature,
                                       top_p=gen_kw.get("top_p", self.top_p), top_k=gen_kw.get("top_k", self.top_k),
                                       min_p=gen_kw.get("min_p", self.min_p),
-                                      eos_token_ids=gen_kw.get("eos_token_id", self.eos_token_ids),
+                                      eos_token_ids=self.eos_token_ids,  # TRL cuts at any of them
                                       seed=seed, return_logprobs=want_lp)
                 completions += out.completion_lists()
                 if want_lp:

@@ -34,22 +34,16 @@ def process_logits(logits: torch.Tensor, flags: SamplerFlags, temperature: torch
     # which is illegal inside CUDA-graph capture
     neg = float("-inf")
     x = logits / temperature
-    if flags.top_k or flags.top_p:
-        srt, _ = torch.sort(x, dim=-1, descending=True)
+    if flags.top_k:  # ties with the k-th value are kept, as transformers keeps them
         vocab = x.shape[-1]
-        if flags.top_k:
-            k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab) - 1
-            kth = srt.gather(1, k)
-            x = x.masked_fill(x < kth, neg)
-            srt = srt.masked_fill(srt < kth, neg)
-        if flags.top_p:
-            probs = srt.softmax(-1)
-            before = probs.cumsum(-1) - probs  # mass strictly ahead of each sorted entry
-            remove = before >= top_p
-            remove[:, 0] = False
-            # the smallest kept value is the threshold; ties at it are kept, as in transformers
-            kept_min = srt.masked_fill(remove, float("inf")).amin(-1, keepdim=True)
-            x = x.masked_fill(x < kept_min, neg)
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab) - 1
+        kth = torch.sort(x, dim=-1, descending=True)[0].gather(1, k)
+        x = x.masked_fill(x < kth, neg)
+    if flags.top_p:  # transformers' rule: ascending order, an entry goes while the mass up to it is <= 1 - top_p
+        asc, idx = torch.sort(x, dim=-1)  # (a tie group at the boundary is cut in the sort's order, as there)
+        remove = asc.softmax(-1).cumsum(-1) <= 1 - top_p
+        remove[:, -1] = False
+        x = x.masked_fill(torch.zeros_like(remove).scatter(1, idx, remove), neg)
     if flags.min_p:
         probs = x.softmax(-1)
         thresh = min_p * probs.amax(-1, keepdim=True)
