@@ -556,3 +556,47 @@ def test_merge_keeps_a_trainable_base_bias_the_one_that_trains(tiny, tmp_path, b
     assert not any("_nvfp4_base" in k for k in keys) and any(k.endswith("q_proj.base_layer.bias") for k in keys)
     pm.unmerge_adapter()
     assert q.base_layer is kept and q._nvfp4_base is None and pm.get_nb_trainable_parameters() == want
+
+
+def test_hub_adapter_base_record_is_read_at_the_revision_and_cache_loaded(tiny, tmp_path):
+    """The base record of a Hub adapter was fetched from `main` whatever revision the load asked for, and without
+    its cache_dir / token / local_files_only: a dense adapter at a branch got main's NVFP4 warning (and an
+    NVFP4-trained one at a branch lost it), and a local_files_only load still asked the Hub (audit 18f F1). A
+    local Hub cache stands in for the Hub: main holds an adapter with an NVFP4 record, branch dense-v1 one without."""
+    import json
+    import warnings
+
+    root = tmp_path / "hub" / "models--someorg--lora-adapter"
+    for sha, ref, nvfp4 in (("a" * 40, "main", True), ("b" * 40, "dense-v1", False)):
+        torch.manual_seed(0)
+        pm = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny),
+                                 LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+        pm.save_pretrained(root / "snapshots" / sha)
+        if nvfp4:
+            (root / "snapshots" / sha / "hfq_base.json").write_text(
+                json.dumps({"quantization_config": {"quant_method": "hfq_nvfp4", "format": "nvfp4"}}))
+        (root / "refs").mkdir(exist_ok=True)
+        (root / "refs" / ref).write_text(sha)
+    hub = {"cache_dir": str(tmp_path / "hub"), "local_files_only": True}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*trained on an NVFP4 base.*")
+        peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), "someorg/lora-adapter",
+                                       revision="dense-v1", **hub)
+    with pytest.warns(UserWarning, match=r"trained on an NVFP4 base"):
+        peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), "someorg/lora-adapter", **hub)
+    with pytest.warns(UserWarning, match=r"trained on an NVFP4 base"):  # transformers' route, its adapter_kwargs
+        AutoModelForCausalLM.from_pretrained(tiny).load_adapter("someorg/lora-adapter", adapter_kwargs=hub)
+
+
+def test_an_hfq_models_backbone_saves_as_before(tiny, tmp_path):
+    """A backbone (model.model) holds the quantized layers but not the hf_quantizer: its save_pretrained is not the
+    dense model under an hfq config that save_pretrained refuses (audit 18f F2), and reloads equal."""
+    from transformers import AutoModel
+
+    import hfq
+
+    m = AutoModelForCausalLM.from_pretrained(tiny, quantization_config=hfq.QuESTConfig())
+    m.model.save_pretrained(tmp_path)
+    x = _ids()
+    with torch.no_grad():
+        assert torch.equal(AutoModel.from_pretrained(tmp_path)(x).last_hidden_state, m.model(x).last_hidden_state)

@@ -86,6 +86,14 @@ def hfq_method_named(config) -> str | None:
     return method if isinstance(method, str) and method.startswith("hfq_") else None
 
 
+def holds_layers_of(model: nn.Module, method: str) -> bool:
+    """Whether `model` holds layers of hfq method `method` (its registered quantizer's layer_types)."""
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    types = getattr(AUTO_QUANTIZER_MAPPING.get(method), "layer_types", ())
+    return bool(types) and any(isinstance(m, types) for m in model.modules())
+
+
 def warning_from_config(from_config):
     """Wrap `PreTrainedModel._from_config` (what AutoModel*.from_config calls): a config naming an hfq method (e.g.
     AutoConfig.from_pretrained of an hfq checkpoint) still gives a dense model; a UserWarning says so, since
@@ -125,7 +133,7 @@ def save_with_state_dict(save_pretrained):
         q = getattr(self, "hf_quantizer", None)
         if not isinstance(q, HfqQuantizer):
             method = hfq_method_named(getattr(self, "config", None))
-            if method is not None:
+            if method is not None and not holds_layers_of(self, method):  # (a backbone of an hfq model holds them)
                 raise ValueError(
                     f"save_pretrained: this model's config names quantization method {method}, but the model was not "
                     f"quantized by it ({UNQUANTIZED_FIX}); its dense weights would be saved under that config. For a "

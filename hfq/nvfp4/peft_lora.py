@@ -300,13 +300,18 @@ def _check_base(model, a: dict) -> None:
     if model_id is None:  # transformers' load_adapter from a state dict: no folder to read
         return
     adapter_name = a.get("adapter_name") or "default"
-    subfolder = ((a.get("kwargs") or {}).get("subfolder") or (a.get("adapter_kwargs") or {}).get("subfolder"))
+    given = {**(a.get("kwargs") or {}), **(a.get("adapter_kwargs") or {})}  # PEFT's / transformers' hub arguments
+    if a.get("local_files_only"):
+        given["local_files_only"] = True
+    hub = {k: given[k] for k in ("revision", "token", "cache_dir", "local_files_only", "proxies")
+           if given.get(k) is not None}
+    subfolder = given.get("subfolder")
     path = os.path.join(str(model_id), subfolder or "", BASE_RECORD)
     if not os.path.isdir(str(model_id)):  # a Hub repo: the record was uploaded with the adapter, if hfq saved it
         try:
             from huggingface_hub import hf_hub_download
 
-            path = hf_hub_download(str(model_id), BASE_RECORD, subfolder=subfolder or None)
+            path = hf_hub_download(str(model_id), BASE_RECORD, subfolder=subfolder or None, **hub)
         except Exception:  # noqa: BLE001 - no record (another tool saved it), offline: nothing to compare
             return
     if not os.path.isfile(path):
