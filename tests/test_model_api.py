@@ -233,3 +233,80 @@ def test_trl_fused_lm_head_refuses_a_quantized_output_head(tiny_dir, tmp_path):
     code = ("import hfq, trl.trainer.dpo_trainer as d, trl.trainer.grpo_trainer as g; "
             "assert d.add_fused_lm_head.hfq_wrapped and g.add_fused_lm_head.hfq_wrapped")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+
+
+def test_overlapping_saves_keep_their_own_state_dicts(tiny_dir, tmp_path, monkeypatch):
+    """save_pretrained(state_dict=sd) handed sd to the model's quantizer through one attribute: a save of the live
+    model overlapping it (another thread) cleared it, and the snapshot checkpoint silently held the live weights
+    (audit 18f F6). The first save is held at its makedirs until the second has run."""
+    import threading
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.QuESTConfig())
+    snap = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    snap["model.norm.weight"] = torch.full_like(snap["model.norm.weight"], 0.25)
+    first, release, makedirs = threading.Event(), threading.Event(), os.makedirs
+
+    def held(*a, **k):
+        if threading.current_thread().name == "snapshot" and not first.is_set():
+            first.set()
+            release.wait(20)
+        return makedirs(*a, **k)
+
+    monkeypatch.setattr(os, "makedirs", held)
+    t = threading.Thread(target=lambda: m.save_pretrained(tmp_path / "snap", state_dict=snap), name="snapshot")
+    t.start()
+    assert first.wait(20)
+    m.save_pretrained(tmp_path / "live")
+    release.set()
+    t.join()
+    assert torch.equal(load_file(str(tmp_path / "snap" / "model.safetensors"))["model.norm.weight"],
+                       snap["model.norm.weight"])
+    assert torch.equal(load_file(str(tmp_path / "live" / "model.safetensors"))["model.norm.weight"],
+                       m.model.norm.weight.detach())
+
+
+def test_from_config_warns_while_another_thread_builds_a_model(tiny_dir, tmp_path):
+    """The from_config warning counted nested calls process-wide: while any other thread was inside from_config, a
+    dense model under an hfq config came with no warning (audit 18f F3)."""
+    import threading
+
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tiny_dir, quantization_config=hfq.NVFP4Config()).save_pretrained(tmp_path)
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow(Qwen2ForCausalLM):
+        def __init__(self, config):
+            super().__init__(config)
+            inside.set()
+            release.wait(20)
+
+    t = threading.Thread(target=lambda: Slow._from_config(AutoConfig.from_pretrained(tiny_dir)))
+    t.start()
+    try:
+        assert inside.wait(20)
+        with pytest.warns(UserWarning, match="from_config: the config names quantization method hfq_nvfp4"):
+            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path))
+    finally:
+        release.set()
+        t.join()
+
+
+def test_hfq_wraps_keep_the_names_and_signatures_they_wrap():
+    """PEFT's and transformers' functions that hfq wraps keep their names and docs (functools.wraps), and the TRL
+    import hook is installed once however often its module is reloaded (audit 18f F4)."""
+    import importlib
+    import sys
+
+    from peft.tuners import tuners_utils
+    from peft.tuners.lora.model import LoraModel
+    from transformers.quantizers.auto import AutoHfQuantizer
+
+    import hfq._base.trl_guard as guard
+
+    assert LoraModel._create_new_module.__name__ == "_create_new_module"
+    assert tuners_utils._maybe_include_all_linear_layers.__name__ == "_maybe_include_all_linear_layers"
+    assert AutoHfQuantizer.merge_quantization_configs.__name__ == "merge_quantization_configs"
+    importlib.reload(guard).install()
+    importlib.reload(guard).install()
+    assert sum(type(f).__name__ == "_AfterImport" for f in sys.meta_path) <= 1

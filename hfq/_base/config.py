@@ -7,6 +7,7 @@ as they are (`to_dict` is what config.json stores, `from_dict` rebuilds and re-v
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar
@@ -147,6 +148,7 @@ def refusing_other_methods_of_one_name(merge):
     transformers' own share a name, so a checkpoint of one method loaded with the other's config loaded with the
     checkpoint's method and a generic warning. Refused as other classes are."""
 
+    @functools.wraps(getattr(merge, "__func__", merge))
     def wrapper(cls, quantization_config, quantization_config_from_args, *args, **kwargs):
         if quantization_config_from_args is not None:
             saved = (quantization_config.get("quant_method") if isinstance(quantization_config, dict)

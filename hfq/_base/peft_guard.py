@@ -6,6 +6,8 @@ be covered here; LoRA on NVFP4 layers is `hfq.nvfp4.peft_lora`'s.
 """
 from __future__ import annotations
 
+import functools
+
 _INSTALLED = False
 
 
@@ -22,6 +24,7 @@ def _refusal(what: str, module) -> ValueError:
 
 
 def _all_linear_refused(include_all_linear):
+    @functools.wraps(include_all_linear)
     def _maybe_include_all_linear_layers(peft_config, model):
         tm = getattr(peft_config, "target_modules", None)
         if isinstance(tm, str) and tm.lower() == "all-linear":
@@ -34,6 +37,7 @@ def _all_linear_refused(include_all_linear):
 
 
 def _lora_target_refused(create_new_module):
+    @functools.wraps(create_new_module)
     def _create_new_module(lora_config, adapter_name, target, **kwargs):
         from peft.tuners.tuners_utils import BaseTunerLayer
 

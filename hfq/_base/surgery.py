@@ -11,10 +11,12 @@ transformers 5.23 adds that the match must end at a module boundary) or when the
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
 import json
+import threading
 import warnings
 from typing import Callable
 
@@ -99,18 +101,20 @@ def warning_from_config(from_config):
     AutoConfig.from_pretrained of an hfq checkpoint) still gives a dense model; a UserWarning says so, since
     training it would silently be plain training."""
 
-    depth = [0]  # a task model's __init__ builds its backbone with from_config too: the outermost call speaks
+    depth = threading.local()  # a task model's __init__ builds its backbone with from_config too: the outermost
+    # call (of this thread) speaks
 
     @functools.wraps(from_config)
     def wrapper(cls, config, *args, **kwargs):
-        depth[0] += 1
+        outer = not getattr(depth, "n", 0)
+        depth.n = getattr(depth, "n", 0) + 1
         try:
             model = from_config(cls, config, *args, **kwargs)
         finally:
-            depth[0] -= 1
+            depth.n -= 1
         method = hfq_method_named(getattr(model, "config", None))
         building = any(p.device.type == "meta" for p in model.parameters())  # inside from_pretrained
-        if (method is not None and not depth[0] and not building
+        if (method is not None and outer and not building
                 and not isinstance(getattr(model, "hf_quantizer", None), HfqQuantizer)):
             warnings.warn(f"{cls.__name__}.from_config: the config names quantization method {method}, but the model "
                           f"is dense ({UNQUANTIZED_FIX}); save_pretrained refuses it until it is quantized or the "
@@ -119,6 +123,9 @@ def warning_from_config(from_config):
 
     wrapper.hfq_wrapped = from_config
     return wrapper
+
+
+PASSED_STATE_DICT = contextvars.ContextVar("hfq_passed_state_dict", default=None)  # save_pretrained's state_dict=
 
 
 def save_with_state_dict(save_pretrained):
@@ -140,11 +147,11 @@ def save_with_state_dict(save_pretrained):
                     "dense checkpoint, `del model.config.quantization_config` first")
             return save_pretrained(self, *args, **kwargs)
         a = sig.bind_partial(self, *args, **kwargs).arguments
-        q.passed_state_dict = a.get("state_dict")
+        token = PASSED_STATE_DICT.set(a.get("state_dict"))  # per thread / task: saves may overlap
         try:
             out = save_pretrained(self, *args, **kwargs)
         finally:
-            q.passed_state_dict = None
+            PASSED_STATE_DICT.reset(token)
         if getattr(self, "_hf_peft_config_loaded", False) and a.get("is_main_process", True):
             q.after_adapter_save(self, str(a["save_directory"]))  # transformers saved the adapter only
         return out
@@ -525,7 +532,7 @@ class HfqQuantizer(HfQuantizer):
     def checkpoint_state(self, model: nn.Module) -> dict:
         from torch.distributed.tensor import DTensor
 
-        passed = self.__dict__.get("passed_state_dict")
+        passed = PASSED_STATE_DICT.get()
         if any(isinstance(p, DTensor) for p in model.parameters()):
             if passed is None or any(isinstance(v, DTensor) for v in passed.values()):
                 raise ValueError(

@@ -74,8 +74,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Wrap add_fused_lm_head now where TRL is loaded, else when it is; idempotent."""
+    """Wrap add_fused_lm_head now where TRL is loaded, else when it is; idempotent (a reload of this module too)."""
     if _MODULE in sys.modules:
         _wrap(sys.modules[_MODULE])
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+    elif not any(type(f).__name__ == _AfterImport.__name__ and type(f).__module__ == __name__ for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImport())

@@ -170,6 +170,7 @@ def _lora_for_nvfp4(create_new_module):
     """Wrap `LoraModel._create_new_module`: NVFP4Linear targets get NVFP4LoraLinear unless the config maps
     that type to a LoRA layer of its own (`LoraConfig._register_custom_module`)."""
 
+    @functools.wraps(create_new_module)
     def _create_new_module(lora_config, adapter_name, target, **kwargs):
         base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
         custom = lora_config._custom_modules or {}
@@ -186,6 +187,7 @@ def _all_linear_with_nvfp4(include_all_linear):
     not already inside a PEFT layer."""
     from peft.utils import PeftType
 
+    @functools.wraps(include_all_linear)
     def _maybe_include_all_linear_layers(peft_config, model):
         tm = getattr(peft_config, "target_modules", None)
         all_linear = isinstance(tm, str) and tm.lower() == "all-linear"
@@ -213,6 +215,7 @@ def _refuse_nvfp4_modules_to_save(update):
     is or holds an NVFP4Linear is refused, since its copy would train nothing of those layers (their weights are
     frozen codes, not parameters)."""
 
+    @functools.wraps(update)
     def update_checked(self, adapter_name, *args, **kwargs):
         held = [n for n, m in self.original_module.named_modules() if isinstance(m, NVFP4Linear)]
         if held:
@@ -231,12 +234,12 @@ def _count_nvfp4_weights(get_nb):
     """get_nb_trainable_parameters plus the frozen NVFP4 weights' logical elements (out x in each); a merged layer's
     dense copy is an ordinary parameter."""
 
+    @functools.wraps(get_nb)
     def get_nb_trainable_parameters(self) -> tuple[int, int]:
         trainable, total = get_nb(self)
         total += sum(m.in_features * m.out_features for m in self.modules() if isinstance(m, NVFP4Linear))
         return trainable, total
 
-    get_nb_trainable_parameters.__doc__ = get_nb.__doc__
     get_nb_trainable_parameters.hfq_wrapped = True
     return get_nb_trainable_parameters
 

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from .._base.checkpoint import checkpoint_index, raise_load_errors, refuse_nonfinite, task_head
-from .._base.surgery import (HfqQuantizer, QuantizeOnLoad, check_conversion, mark_quantized, modules_to_skip,
-                             refuse_quantized, refuse_offloading, replace_linears, set_submodule, should_convert)
+from .._base.surgery import (PASSED_STATE_DICT, HfqQuantizer, QuantizeOnLoad, check_conversion, mark_quantized,
+                             modules_to_skip, refuse_quantized, refuse_offloading, replace_linears, set_submodule,
+                             should_convert)
 from ..qparam import QLinear, ddp_ignore_int8_grad_weights_, name_qparams_
 from ..qparam.fsdp import decode_lists
 from ..qparam.fsdp import state_keys as fsdp_state_keys
@@ -93,10 +94,14 @@ class QFTHfQuantizer(HfqQuantizer):
         return fsdp_state_keys(model)  # no gather: Trainer saves an FSDP2 model's gathered dict on one rank
 
     def checkpoint_state(self, model):
-        passed = self.__dict__.get("passed_state_dict")
-        if passed is not None:  # an FSDP2 full state dict (accelerate's, Trainer's save) carries outlier lists as bytes
-            self.passed_state_dict = decode_lists(passed)
-        return super().checkpoint_state(model)
+        passed = PASSED_STATE_DICT.get()
+        if passed is None:
+            return super().checkpoint_state(model)
+        token = PASSED_STATE_DICT.set(decode_lists(passed))  # an FSDP2 full state dict carries outlier lists as bytes
+        try:
+            return super().checkpoint_state(model)
+        finally:
+            PASSED_STATE_DICT.reset(token)
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         raise_load_errors("QFT", self.errors)
