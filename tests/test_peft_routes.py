@@ -117,6 +117,10 @@ def test_transformers_adapter_route_records_and_checks_the_nvfp4_base(tiny, tmp_
     import warnings
 
     m = _base(tiny)
+    if _transformers_needs_newer_peft():  # transformers >= 5.24's add_adapter asks PEFT >= 0.22 (not released yet)
+        with pytest.raises(ValueError, match="PEFT"):
+            m.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
+        return
     m.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS))
     for mod in m.modules():
         if hasattr(mod, "lora_B"):
@@ -584,8 +588,9 @@ def test_hub_adapter_base_record_is_read_at_the_revision_and_cache_loaded(tiny, 
                                        revision="dense-v1", **hub)
     with pytest.warns(UserWarning, match=r"trained on an NVFP4 base"):
         peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), "someorg/lora-adapter", **hub)
-    with pytest.warns(UserWarning, match=r"trained on an NVFP4 base"):  # transformers' route, its adapter_kwargs
-        AutoModelForCausalLM.from_pretrained(tiny).load_adapter("someorg/lora-adapter", adapter_kwargs=hub)
+    if not _transformers_needs_newer_peft():  # transformers >= 5.24 asks PEFT >= 0.22 (not released yet)
+        with pytest.warns(UserWarning, match=r"trained on an NVFP4 base"):  # transformers' route, adapter_kwargs
+            AutoModelForCausalLM.from_pretrained(tiny).load_adapter("someorg/lora-adapter", adapter_kwargs=hub)
 
 
 def test_an_hfq_models_backbone_saves_as_before(tiny, tmp_path):
