@@ -310,3 +310,22 @@ def test_hfq_wraps_keep_the_names_and_signatures_they_wrap():
     importlib.reload(guard).install()
     importlib.reload(guard).install()
     assert sum(type(f).__name__ == "_AfterImport" for f in sys.meta_path) <= 1
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "quest", "qft"])
+def test_a_layer_new_inside_the_base_model_names_the_fix(method, tmp_path):
+    """A BERT classifier from a masked-LM checkpoint: its pooler (inside the base model) is not in the checkpoint.
+    hfq refuses to quantize a layer it has no weight for (a truncated checkpoint looks the same); the error names
+    modules_to_not_convert with the layer, and with it the pooler loads dense and initialised as transformers does."""
+    from transformers import AutoModelForSequenceClassification, BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               intermediate_size=128)).save_pretrained(tmp_path)
+    cfg = CONFIGS[method]
+    with pytest.raises(ValueError, match=r"pooler.*modules_to_not_convert=\[\.\.\., 'bert\.pooler\.dense'\]"):
+        AutoModelForSequenceClassification.from_pretrained(tmp_path, num_labels=3, quantization_config=cfg())
+    m = AutoModelForSequenceClassification.from_pretrained(
+        tmp_path, num_labels=3, quantization_config=type(cfg())(modules_to_not_convert=["bert.pooler.dense"]))
+    assert type(m.bert.pooler.dense) is torch.nn.Linear and 0.01 < float(m.bert.pooler.dense.weight.detach().std()) < 0.03
+    assert type(m.bert.encoder.layer[0].attention.self.query) is not torch.nn.Linear

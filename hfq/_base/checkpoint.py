@@ -174,6 +174,15 @@ def unguard_weight(w: torch.Tensor, out_features: int, in_features: int) -> torc
     return w
 
 
+
+
+def new_layers_fix(names: list[str]) -> str:
+    """What to do about layers a checkpoint lacks that are new in the model being loaded."""
+    return ("if they are new in this architecture (e.g. a pooler a masked-LM checkpoint lacks), keep them out of "
+            f"quantization, modules_to_not_convert=[..., {', '.join(repr(n) for n in names[:4])}], and transformers "
+            "initialises them")
+
+
 NEW_HEAD = "not in the checkpoint (a new head, initialised by transformers): kept dense and trainable"
 SAVED_DENSE_HEAD = "saved dense in the checkpoint (a new head at the first load)"
 DENSE_HEADS_KEY = "hfq_dense_heads"  # safetensors metadata of an hfq save: the task heads it wrote dense (JSON list)

@@ -30,7 +30,8 @@ from hfq_kernels._triton import switch_to_device_of
 
 from .checkpoint import (DENSE_HEADS_KEY, GUARD_DOC, NEW_HEAD, SAVED_DENSE_HEAD, checked_state_dict, converted_names,
                          dense_head, guard_key, guard_state_dict, ignore_guard_on_load, ignore_guard_on_state_dict_load,
-                         recorded_dense_heads, task_head, unloaded_tensors, whole_state_checked)
+                         new_layers_fix, recorded_dense_heads, task_head, unloaded_tensors,
+                         whole_state_checked)
 
 
 def should_convert(name: str, skip: list[str] | None) -> bool:
@@ -499,7 +500,8 @@ class HfqQuantizer(HfQuantizer):
             raise ValueError(
                 f"{method}: the checkpoint has no {', '.join(rest[:8])}{' ...' if len(rest) > 8 else ''} "
                 f"({len(rest)} tensor(s) of {len(missing) - len(heads)} quantized layer(s)), which the load would "
-                "leave as uninitialised memory: the checkpoint is truncated or belongs to another architecture")
+                f"leave as uninitialised memory: the checkpoint is truncated or belongs to another architecture; "
+                f"{new_layers_fix([n for n in missing if n not in heads])}")
         if heads:
             self.keep_new_heads_dense(model, heads)
 
