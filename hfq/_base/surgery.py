@@ -467,6 +467,16 @@ class HfqQuantizer(HfQuantizer):
         if isinstance(getattr(self, "converted", None), list):
             self.converted = [n for n in self.converted if n not in names]
 
+    def refuse_weightless(self, model: nn.Module, names: list[str], label: str) -> None:
+        """After a fresh load: layers `names` got no weight from the checkpoint. Task heads are new heads
+        (`keep_new_heads_dense`); any other is a ValueError (a truncated or renamed checkpoint, or a layer new in this
+        architecture)."""
+        lost = [n for n in names if not task_head(model, n)]
+        if lost:
+            raise ValueError(f"{label}: no weight was found in the checkpoint for {lost[:10]}; {new_layers_fix(lost)}")
+        if names:  # a classifier's `score` on a causal LM's checkpoint
+            self.keep_new_heads_dense(model, names)
+
     def heads_kept_dense(self, model: nn.Module, skip: list[str] | None, checkpoint_files, index: dict,
                          index_tells: bool = True) -> dict[str, str]:
         """Pre-quantized load: the task heads (nn.Linear outside `base_model_prefix` that `skip` would convert) to

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .._base.lora import dense_linear
-from .._base.checkpoint import checkpoint_index, new_layers_fix, raise_load_errors, refuse_nonfinite, task_head
+from .._base.checkpoint import checkpoint_index, raise_load_errors, refuse_nonfinite
 from .._base.surgery import HfqQuantizer, QuantizeOnLoad, modules_to_skip, replace_linears
 from .config import NVFP4Config
 from .linear import NVFP4Linear, mark_ddp_ignore
@@ -124,13 +124,8 @@ class NVFP4HfQuantizer(HfqQuantizer):
             self.refuse_unloaded(model, self.converted)
             self._check_loaded_scales(model)
         else:
-            leftover = [n for n in self.converted if "weight" in model.get_submodule(n)._parameters]
-            heads = [n for n in leftover if task_head(model, n)]
-            if len(heads) < len(leftover):
-                lost = [n for n in leftover if n not in heads]
-                raise ValueError(f"NVFP4: no weight was found in the checkpoint for {lost[:10]}; {new_layers_fix(lost)}")
-            if heads:  # a new head (a classifier's `score` on a causal LM's checkpoint)
-                self.keep_new_heads_dense(model, heads)
+            self.refuse_weightless(model, [n for n in self.converted if "weight" in model.get_submodule(n)._parameters],
+                                   "NVFP4")
         model.hfq_quantization_report["rel_error"] = dict(self.rel_error)
         for name in self.converted:  # where the Gluon kernel runs: its layout only, no second copy
             mod = model.get_submodule(name)

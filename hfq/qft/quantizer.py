@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from .._base.checkpoint import checkpoint_index, new_layers_fix, raise_load_errors, refuse_nonfinite, task_head
+from .._base.checkpoint import checkpoint_index, raise_load_errors, refuse_nonfinite
 from .._base.surgery import (PASSED_STATE_DICT, HfqQuantizer, QuantizeOnLoad, check_conversion, mark_quantized,
                              modules_to_skip, refuse_quantized, refuse_offloading, replace_linears, set_submodule,
                              should_convert)
@@ -110,12 +110,9 @@ class QFTHfQuantizer(HfqQuantizer):
             finalize_(model)
             refuse_nonfinite("hfq_qft", model, self.layer_types)
         else:
-            left = [n for n, m in model.named_modules() if type(m) is nn.Linear and should_convert(n, self._skip)]
-            lost = [n for n in left if not task_head(model, n)]
-            if lost:  # a decoder linear without weight: a truncated or renamed checkpoint, not a new head
-                raise ValueError(f"QFT: no weight was found in the checkpoint for {lost[:10]}; {new_layers_fix(lost)}")
-            if left:  # no weight in the checkpoint: a new head (a classifier's `score`), initialised by transformers
-                self.keep_new_heads_dense(model, left)
+            self.refuse_weightless(  # the linears the loader gave no weight to quantize stayed nn.Linear
+                model, [n for n, m in model.named_modules() if type(m) is nn.Linear and should_convert(n, self._skip)],
+                "QFT")
             self.converted = [n for n, m in model.named_modules() if isinstance(m, QLinear)]
             self._warn_lossy(model)
         ddp_ignore_int8_grad_weights_(model)
