@@ -174,8 +174,6 @@ def unguard_weight(w: torch.Tensor, out_features: int, in_features: int) -> torc
     return w
 
 
-
-
 def new_layers_fix(names: list[str]) -> str:
     """What to do about layers a checkpoint lacks that are new in the model being loaded."""
     return ("if they are new in this architecture (e.g. a pooler a masked-LM checkpoint lacks), keep them out of "
